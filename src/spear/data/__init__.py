@@ -1,0 +1,1 @@
+"""Calibration sequences (self-sampled or from a text file) and evaluation datasets."""

