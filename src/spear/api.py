@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from spear.artifact import ArtifactInfo, is_artifact, load_artifact, save_artifact
+from spear.errors import SpearError
 from spear.data.calibration import CalibConfig, calibration_ids
 from spear.models.loading import LoadedModel, load_float_model, resolve_model_path
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
+
+if TYPE_CHECKING:
+    from spear.compensate.pipeline import CompensateConfig, CompensateReport
 
 
 def load(spec: str, device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
@@ -56,3 +62,28 @@ def _method_options(settings: QuantSettings) -> dict:
     if settings.method == "awq":
         return {"grid": settings.awq_grid}
     return {}
+
+
+def compensate_artifact(
+    artifact_dir: str | Path,
+    cfg: "CompensateConfig",
+    calib: CalibConfig = CalibConfig(),
+    device: torch.device | None = None,
+) -> "CompensateReport":
+    """Add ECs to a quantized artifact, in place (atomically); the float model is its base model."""
+    from spear.artifact import read_artifact_config
+    from spear.compensate.pipeline import compensate
+
+    config = read_artifact_config(artifact_dir)
+    if config["quant"].get("method") == "awq":
+        raise SpearError("compensating AWQ artifacts is not supported yet (AWQ rescales the float weights)")
+    student = load_artifact(artifact_dir, device)
+    teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
+    ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
+    report = compensate(student.model, teacher.model, ids, cfg)
+    info = ArtifactInfo(config["base_model"], config["quant"], asdict(calib), plan=json.loads(report.plan.to_json()),
+                        extra={"compensation": report.summary()})
+    save_artifact(student.model, student.tokenizer, artifact_dir, info)
+    report.sensitivity.save_heatmap(Path(artifact_dir) / "sensitivity.png")
+    (Path(artifact_dir) / "sensitivity.json").write_text(report.sensitivity.to_json())
+    return report

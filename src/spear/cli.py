@@ -37,6 +37,39 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
 
 
+def _budget(text: str) -> float:
+    """'1%' or '0.01' → 0.01."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must look like 1% or 0.01, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"budget must be between 0% and 100%, got {text!r}")
+    return value
+
+
+def _add_compensate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=_budget, default=0.01, help="EC memory as a share of the W4 model (default 1%%)")
+    p.add_argument("--kind", default="adaptive", choices=["adaptive", "lorc", "lqer", "qera"],
+                   help="adaptive: SPEAR's gated, KL-calibrated EC (default); lorc/lqer/qera: static closed form")
+    p.add_argument("--rank", type=int, default=None, help="fixed EC rank for every chosen module (multiple of 8)")
+    p.add_argument("--placement", default="auto", choices=["auto", "concentrate", "spread", "uniform"],
+                   help="auto: the entropy of the damage distribution decides (default)")
+    p.add_argument("--steps", type=int, default=200, help="KL calibration steps (adaptive)")
+
+
+def _compensate_config(args):
+    from dataclasses import replace
+
+    from spear.compensate.pipeline import CompensateConfig
+
+    cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed)
+    if args.steps < 1:
+        raise SpearError(f"--steps must be at least 1, got {args.steps}")
+    return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank),
+                   calibrate=replace(cfg.calibrate, steps=args.steps))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spear", description="4-bit LLMs with input-adaptive error compensators")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -53,10 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out-json", default=None, help="also write the result to this JSON file")
     _add_eval_args(e)
 
-    r = sub.add_parser("run", help="the main job: quantize, evaluate and report on one model")
+    c = sub.add_parser("compensate", help="add error compensators to a quantized artifact (in place)")
+    c.add_argument("artifact", help="artifact directory written by `spear quantize`")
+    _add_compensate_args(c)
+    c.add_argument("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
+    c.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    c.add_argument("--calib-file", default=None, help="a text file to calibrate on instead of self-sampled sequences")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--device", default=None)
+
+    r = sub.add_parser("run", help="the main job: quantize, plan, calibrate, evaluate and report on one model")
     r.add_argument("model", nargs="?", default="smollm2")
     r.add_argument("--quick", action="store_true", help="short evaluation and calibration (a few minutes on a CPU)")
     r.add_argument("--out", default=None, help="run directory (default runs/<model>-<setting>)")
+    r.add_argument("--no-compensate", action="store_true", help="quantize and evaluate only")
+    _add_compensate_args(r)
     _add_quant_args(r)
     _add_eval_args(r)
     return parser
@@ -68,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers_quiet()
     try:
-        return {"quantize": cmd_quantize, "eval": cmd_eval, "run": cmd_run}[args.command](args)
+        commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run}
+        return commands[args.command](args)
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
         return 2
@@ -129,13 +174,27 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_compensate(args) -> int:
+    from spear import api
+    from spear.data.calibration import CalibConfig
+
+    calib = CalibConfig(num_sequences=args.calib_samples, seq_len=args.calib_len, seed=args.seed, text_file=args.calib_file)
+    report = api.compensate_artifact(args.artifact, _compensate_config(args), calib, device=_device(args))
+    s = report.summary()
+    print(f"{s['kind']} ECs on {s['modules']} modules ({s['mode']}, entropy {s['entropy']:.3f}), ranks {s['ranks']}, "
+          f"{s['ec_bytes'] / 1e6:.2f} MB = {s['ec_memory_pct']:.2f}% of the W4 model; wrote {args.artifact}",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_run(args) -> int:
     from spear.run import RunConfig, run
 
     _check_eval_args(args)
     settings, calib = _settings(args)
     config = RunConfig.build(args.model, settings, calib, quick=args.quick, out=args.out,
-                             seqlen=args.seqlen, max_windows=args.max_windows, batch_size=args.batch_size)
+                             seqlen=args.seqlen, max_windows=args.max_windows, batch_size=args.batch_size,
+                             compensate=None if args.no_compensate else _compensate_config(args))
     report = run(config, device=_device(args))
     if args.json:
         print(json.dumps(report))

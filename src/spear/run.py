@@ -1,6 +1,8 @@
-"""The main job (`spear run`): quantize a model, evaluate float vs quantized, report.
+"""The main job (`spear run`): quantize → plan → calibrate → evaluate → report.
 
-Writes the artifact and `report.json` under the run directory and prints a table.
+Float model, its W4 version, and W4 + SPEAR's adaptive ECs, each evaluated with the
+same protocol. Writes under the run directory: the compensated artifact, the damage
+table and heat map, and `report.json`; prints a table.
 """
 
 from __future__ import annotations
@@ -9,21 +11,27 @@ import copy
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from spear.api import model_key
 from spear.artifact import ArtifactInfo, save_artifact
+from spear.compensate.calibrate import CalibrateConfig
+from spear.compensate.cka import SensitivityConfig
+from spear.compensate.pipeline import CompensateConfig, compensate
 from spear.data.calibration import CalibConfig, calibration_ids
 from spear.eval import perplexity
 from spear.models.loading import load_float_model
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
+from spear.errors import SpearError
 from spear.util import versions
 
 QUICK_CALIB = CalibConfig(num_sequences=16, seq_len=128)
 QUICK_WINDOWS = 2
+QUICK_CALIBRATE = CalibrateConfig(steps=40, batch_size=4, eval_every=10, patience=3)
+QUICK_SENSITIVITY = SensitivityConfig(num_sequences=2, seq_len=128)
 
 
 @dataclass
@@ -37,18 +45,22 @@ class RunConfig:
     max_windows: int | None = None
     batch_size: int = 1
     quick: bool = False
+    compensate: CompensateConfig | None = CompensateConfig()  # None: quantize and evaluate only
 
     @classmethod
     def build(cls, model: str, settings: QuantSettings, calib: CalibConfig, quick: bool = False,
-              out: str | None = None, seqlen: int = 2048, max_windows: int | None = None, batch_size: int = 1) -> "RunConfig":
+              out: str | None = None, seqlen: int = 2048, max_windows: int | None = None, batch_size: int = 1,
+              compensate: CompensateConfig | None = CompensateConfig()) -> "RunConfig":
         if quick:
             calib = CalibConfig(QUICK_CALIB.num_sequences, QUICK_CALIB.seq_len, calib.seed, calib.text_file)
             max_windows = max_windows or QUICK_WINDOWS
+            if compensate is not None:
+                compensate = replace(compensate, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE)
         q = settings.quant
         name = f"{Path(model).stem}-{settings.method}-w{q.bits}{'g' + str(q.group_size) if q.group_size > 0 else 'pc'}"
         name += "-asym" if not q.sym else ""
         return cls(model, settings, calib, Path(out or Path("runs") / name), seqlen=seqlen,
-                   max_windows=max_windows, batch_size=batch_size, quick=quick)
+                   max_windows=max_windows, batch_size=batch_size, quick=quick, compensate=compensate)
 
 
 @dataclass
@@ -58,15 +70,26 @@ class RunReport:
     device: str
     fp: dict = field(default_factory=dict)  # dataset -> ppl
     quantized: dict = field(default_factory=dict)
+    compensated: dict = field(default_factory=dict)
+    ec: dict = field(default_factory=dict)  # the compensation summary (plan, bytes, calibration)
     windows: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        fp, w4, spear = (self.fp.get("wikitext2"), self.quantized.get("wikitext2"), self.compensated.get("wikitext2"))
         return asdict(self) | {
-            "fp_ppl": self.fp.get("wikitext2"),
-            "w4_ppl": self.quantized.get("wikitext2"),
+            "fp_ppl": fp,
+            "w4_ppl": w4,
+            "spear_ppl": spear,
+            "gap_closed": None if spear is None else gap_closed(fp, w4, spear),
+            "ec_memory_pct": self.ec.get("ec_memory_pct"),
             "versions": versions(),
         }
+
+
+def gap_closed(fp: float, w4: float, compensated: float) -> float:
+    """Share of the FP↔W4 perplexity gap closed: (W4 − W4+EC) / (W4 − FP)."""
+    return (w4 - compensated) / (w4 - fp) if w4 != fp else 0.0
 
 
 def run(config: RunConfig, device: torch.device | None = None) -> dict:
@@ -78,26 +101,32 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
     report.seconds["load"] = time.perf_counter() - t0
 
     _evaluate(lm, config, report.fp, report)
-    float_model = copy.deepcopy(lm.model) if _needs_float_copy() else None
+    if config.compensate is not None and config.settings.method == "awq":
+        raise SpearError("compensating AWQ models is not supported yet (AWQ rescales the float weights); use rtn or gptq")
+    float_model = copy.deepcopy(lm.model) if config.compensate is not None else None
     t = time.perf_counter()
-    ids = None
-    if config.settings.method != "rtn":
-        ids = calibration_ids(lm.model, lm.tokenizer, config.calib, model_key(config.model))
+    ids = calibration_ids(lm.model, lm.tokenizer, config.calib, model_key(config.model))
     quantize_model(lm.model, config.settings, ids)
     report.seconds["quantize"] = time.perf_counter() - t
     _evaluate(lm, config, report.quantized, report)
-    del float_model
 
-    info = ArtifactInfo(config.model, report.setting, None if ids is None else asdict(config.calib))
+    plan = None
+    if config.compensate is not None:
+        result = compensate(lm.model, float_model, ids, config.compensate)
+        del float_model
+        plan = json.loads(result.plan.to_json())
+        report.ec = result.summary()
+        config.out.mkdir(parents=True, exist_ok=True)
+        (config.out / "sensitivity.json").write_text(result.sensitivity.to_json())
+        result.sensitivity.save_heatmap(config.out / "sensitivity.png")
+        _evaluate(lm, config, report.compensated, report)
+
+    info = ArtifactInfo(config.model, report.setting, asdict(config.calib), plan=plan)
     save_artifact(lm.model, lm.tokenizer, config.out / "artifact", info)
     result = report.to_dict()
     (config.out / "report.json").write_text(json.dumps(result, indent=2))
     _print_table(report, config)
     return result
-
-
-def _needs_float_copy() -> bool:
-    return False
 
 
 def _evaluate(lm, config: RunConfig, into: dict, report: RunReport) -> None:
@@ -110,8 +139,13 @@ def _evaluate(lm, config: RunConfig, into: dict, report: RunReport) -> None:
 def _print_table(report: RunReport, config: RunConfig) -> None:
     s = report.setting
     label = f"W{s['bits']} {s['method'].upper()} {'per-channel' if s['group_size'] == -1 else 'g' + str(s['group_size'])} {s['grid']}"
-    lines = [f"{'model':<28} {'dataset':<10} {'windows':>7} {'FP':>9} {label:>28}"]
+    spear = f"+SPEAR {report.ec['ec_memory_pct']:.2f}% mem" if report.ec else ""
+    lines = [f"{'model':<20} {'dataset':<10} {'windows':>7} {'FP':>9} {label:>28} {spear:>20} {'gap closed':>11}"]
     for ds in config.datasets:
-        lines.append(f"{config.model:<28} {ds:<10} {report.windows[ds]:>7} {report.fp[ds]:>9.3f} {report.quantized[ds]:>28.3f}")
+        row = f"{Path(config.model).name:<20} {ds:<10} {report.windows[ds]:>7} {report.fp[ds]:>9.3f} {report.quantized[ds]:>28.3f}"
+        if report.compensated:
+            closed = gap_closed(report.fp[ds], report.quantized[ds], report.compensated[ds])
+            row += f" {report.compensated[ds]:>20.3f} {100 * closed:>10.1f}%"
+        lines.append(row)
     lines.append(f"run directory: {config.out}")
     print("\n".join(lines), file=sys.stderr)

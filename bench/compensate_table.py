@@ -1,0 +1,119 @@
+"""Compensation table (issue 3): W4 vs static baselines vs SPEAR, with ablations, on one setting.
+
+    python bench/compensate_table.py --model smollm2 --method rtn --bits 4 --group-size -1 \
+        --json bench/results/compensate_rtn_w4pc.json
+
+Rows: FP, W4, +LoRC / +LQER / +QERA at each budget, +SPEAR at 1%, and the ablations
+(gate off: static EC trained with KL; uniform placement; fixed concentrate; fixed spread).
+The float model, its quantized version, the calibration ids and the sensitivity table are
+computed once; each row deep-copies the quantized model. JSON is written after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import write_json  # noqa: E402
+
+from spear.api import model_key  # noqa: E402
+from spear.compensate.calibrate import CalibrateConfig  # noqa: E402
+from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
+from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
+from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402
+from spear.eval import perplexity  # noqa: E402
+from spear.models import load_float_model  # noqa: E402
+from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
+from spear.quant.record import QuantConfig  # noqa: E402
+from spear.run import gap_closed  # noqa: E402
+
+
+def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, CompensateConfig]]:
+    base = CompensateConfig()
+    rows = []
+    for budget in budgets:
+        for kind in ("lorc", "lqer", "qera"):
+            rows.append((f"+{kind.upper()} {100 * budget:g}%", replace(base, kind=kind, budget=budget)))
+    spear = replace(base, budget=spear_budget)
+    rows.append((f"+SPEAR {100 * spear_budget:g}%", spear))
+    rows.append(("ablation: gate off (static EC, KL-trained)", replace(spear, kind="qera", train_static=True)))
+    for mode in ("uniform", "concentrate", "spread"):
+        rows.append((f"ablation: placement {mode}", replace(spear, planner=replace(spear.planner, mode=mode))))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"])
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=-1)
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])
+    p.add_argument("--spear-budget", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=200, help="KL calibration steps")
+    p.add_argument("--calib-samples", type=int, default=128)
+    p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--only", nargs="*", default=None, help="run only rows whose label contains one of these")
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+
+    lm = load_float_model(args.model)
+    calib = CalibConfig(args.calib_samples, args.calib_len)
+    ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(args.model))
+    settings = QuantSettings(args.method, QuantConfig(args.bits, args.group_size))
+    datasets = ("wikitext2", "ptb")
+    rows: list[dict] = []
+
+    def evaluate(model) -> dict:
+        return {ds: perplexity(model, lm.tokenizer, ds, 2048, args.max_windows, args.batch_size, progress=False).ppl
+                for ds in datasets}
+
+    def save() -> None:
+        write_json(args.json, {"model": args.model, "setting": {"method": args.method, **settings.quant.to_dict()},
+                               "calibration": {"num_sequences": calib.num_sequences, "seq_len": calib.seq_len,
+                                               "source": "self-sampled"},
+                               "max_windows": args.max_windows, "steps": args.steps, "rows": rows})
+
+    fp = evaluate(lm.model)
+    rows.append({"row": "FP", **fp})
+    quantized = copy.deepcopy(lm.model)
+    quantize_model(quantized, settings, ids)
+    w4 = evaluate(quantized)
+    rows.append({"row": f"W{args.bits}", **w4})
+    print(f"{'FP':<44} wiki {fp['wikitext2']:8.3f}  ptb {fp['ptb']:8.3f}", flush=True)
+    print(f"{'W' + str(args.bits):<44} wiki {w4['wikitext2']:8.3f}  ptb {w4['ptb']:8.3f}", flush=True)
+    sensitivity = module_sensitivity(lm.model, {n: m.weight_hat for n, m in quantized_layers(quantized).items()},
+                                     ids, SensitivityConfig())
+    for label, cfg in rows_to_run(args.budgets, args.spear_budget):
+        if args.only and not any(key in label for key in args.only):
+            continue
+        cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, progress=False))
+        student = copy.deepcopy(quantized)
+        t = time.perf_counter()
+        report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity)
+        ppl = evaluate(student)
+        row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode,
+               "modules": len(report.plan.entries), "ranks": sorted({e.rank for e in report.plan.entries}),
+               "gap_closed": {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in datasets},
+               "seconds": time.perf_counter() - t}
+        rows.append(row)
+        save()
+        print(f"{label:<44} wiki {ppl['wikitext2']:8.3f}  ptb {ppl['ptb']:8.3f}  mem {row['ec_memory_pct']:.2f}%  "
+              f"gap closed {100 * row['gap_closed']['wikitext2']:5.1f}% / {100 * row['gap_closed']['ptb']:5.1f}%", flush=True)
+        del student
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""Data-free KL calibration of the error compensators.
+
+Train only the EC parameters (every `SpearLinear.ec`) of the quantized student so that
+its next-token distribution matches the float teacher's on the calibration sequences:
+
+    L = 1/T Σ_t KL(p_t ‖ q_t) = 1/T Σ_t Σ_v p_t(v) (log p_t(v) − log q_t(v))
+
+over all T tokens of a batch and the full vocabulary (p: teacher, q: student). Adam,
+cosine or constant LR, gradient clipping; a held-out share of the sequences is scored
+every `eval_every` steps, the best EC state is kept, and training stops after `patience`
+evaluations without improvement.
+
+Memory: logits are never materialised for a whole batch. The student's last hidden
+states [T, H] are computed once, then the head, the log-softmax and the KL run over
+chunks of `chunk_tokens` tokens, each chunk's backward into the hidden states done at
+once; one backward through the body follows.
+
+Teacher targets (`teacher_mode`):
+  "online" (default): the float teacher runs beside the student on every batch. Exact,
+                      costs one no-grad forward per step and the teacher's memory.
+  "topk":             the teacher's top-k log-probs and the log of its remaining mass,
+                      computed once (k·8 + 4 bytes per token). The loss is then the KL
+                      between the two distributions coarsened to {top-k tokens, rest}:
+                      a lower bound of the full KL, exact when k = vocab − 1.
+
+Dtype: the frozen student and the ECs run in float32 during calibration (an fp16/bf16
+student is upcast, trained, and every tensor is cast back to its own dtype at the end,
+which is exact for the frozen part). Cheap up to ~1B parameters and keeps Adam stable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from spear.compensate.ec import ErrorCompensator
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+
+TEACHER_MODES = ("online", "topk")
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    steps: int = 200  # optimizer steps (an epoch is ceil(train sequences / batch_size) steps)
+    batch_size: int = 8  # sequences per step
+    lr: float = 1e-2  # gate MLP and alpha
+    lr_ab: float = 1e-3  # A and B (SmolLM2 W4, 50 steps: 10x lower LRs leave 3x more KL)
+    train_AB: bool = True  # False: only the gate and alpha move
+    train_gate: bool = True  # False: the gate stays at its init (gamma ≡ 1 from the zero-init)
+    schedule: str = "cosine"
+    max_grad_norm: float = 1.0
+    holdout: float = 0.125  # share of the sequences held out for early stopping (0: none)
+    eval_every: int = 10
+    patience: int = 5  # evaluations without improvement before stopping
+    seed: int = 0
+    teacher_mode: str = "online"
+    topk: int = 128
+    chunk_tokens: int = 1024  # tokens per logits chunk
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.teacher_mode not in TEACHER_MODES:
+            raise SpearError(f"unknown teacher mode {self.teacher_mode!r}; choose one of {', '.join(TEACHER_MODES)}")
+        if self.schedule not in SCHEDULES:
+            raise SpearError(f"unknown LR schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if not 0 <= self.holdout < 1:
+            raise SpearError(f"holdout must be in [0, 1), got {self.holdout}")
+        if min(self.steps, self.batch_size, self.eval_every, self.patience, self.topk, self.chunk_tokens) < 1:
+            raise SpearError("steps, batch_size, eval_every, patience, topk and chunk_tokens must be positive")
+
+
+@dataclass
+class CalibrationResult:
+    initial_train_kl: float
+    final_train_kl: float
+    initial_heldout_kl: float | None  # None without a held-out set
+    final_heldout_kl: float | None
+    steps: int  # optimizer steps run
+    best_step: int  # step whose EC state was kept (0: the initial state)
+    seconds: float
+    history: list[dict] = field(default_factory=list)  # one entry per evaluation
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- EC parameters ------------------------------------------------------------------
+
+
+def ec_modules(model: nn.Module) -> dict[str, ErrorCompensator]:
+    """Every EC attached to a SpearLinear of `model`, by the EC's module name."""
+    return {f"{name}.ec": m.ec for name, m in model.named_modules() if isinstance(m, SpearLinear) and m.ec is not None}
+
+
+def ec_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for ec in ec_modules(model).values() for p in ec.parameters()]
+
+
+def ec_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every EC tensor, keyed like model.state_dict()."""
+    return {f"{name}.{k}": v.detach().clone() for name, ec in ec_modules(model).items() for k, v in ec.state_dict().items()}
+
+
+@torch.no_grad()
+def load_ec_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` (from ec_state_dict) into the model's ECs, in place; the keys must match exactly."""
+    own = {f"{name}.{k}": v for name, ec in ec_modules(model).items() for k, v in ec.state_dict().items()}
+    if own.keys() != state.keys():
+        missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        raise SpearError(f"EC state does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for k, v in own.items():
+        v.copy_(state[k])
+
+
+# --- teacher targets ----------------------------------------------------------------
+
+
+def _hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (after the final norm), flattened to [B·L, H]; logits = head(hidden)."""
+    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1)
+
+
+def _chunks(n: int, size: int) -> Iterator[slice]:
+    return (slice(i, min(i + size, n)) for i in range(0, n, size))
+
+
+class OnlineTeacher:
+    """The float teacher, run on each batch: exact full-vocabulary targets."""
+
+    def __init__(self, teacher: nn.Module):
+        self.model = teacher
+
+    @torch.no_grad()
+    def prepare(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        return _hidden(self.model, ids.to(device))  # [T, H]
+
+    def kl(self, s_logits: torch.Tensor, prepared: torch.Tensor, sl: slice) -> torch.Tensor:
+        """Σ over the chunk's tokens of KL(p ‖ q), float32."""
+        with torch.no_grad():
+            t_logp = self.model.get_output_embeddings()(prepared[sl]).float().log_softmax(-1).to(s_logits.device)
+        s_logp = s_logits.float().log_softmax(-1)
+        return (t_logp.exp() * (t_logp - s_logp)).sum()
+
+
+@dataclass
+class TeacherTopK:
+    """The teacher's top-k next-token log-probs per position, and the log of the mass outside them."""
+
+    idx: torch.Tensor  # [N, L, k] int32
+    logp: torch.Tensor  # [N, L, k] float32
+    log_tail: torch.Tensor  # [N, L] float32, log(1 − Σ_topk p)
+
+    def prepare(self, rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        device = ids.device
+        return (
+            self.idx[rows].flatten(0, 1).to(device, torch.int64),
+            self.logp[rows].flatten(0, 1).to(device),
+            self.log_tail[rows].flatten(0, 1).to(device),
+        )
+
+    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, ...], sl: slice) -> torch.Tensor:
+        """Σ over the chunk's tokens of KL between {top-k, rest}-coarsened p and q."""
+        idx, t_logp, t_log_tail = (x[sl] for x in prepared)
+        s_logits = s_logits.float()
+        lse = s_logits.logsumexp(-1)
+        s_logp = s_logits.gather(-1, idx) - lse[:, None]
+        s_log_tail = s_logits.scatter(-1, idx, -math.inf).logsumexp(-1) - lse
+        t_log_tail = t_log_tail.clamp(min=-100.0)  # a zero tail contributes 0 · finite, not 0 · inf
+        head = (t_logp.exp() * (t_logp - s_logp)).sum()
+        return head + (t_log_tail.exp() * (t_log_tail - s_log_tail)).sum()
+
+
+@torch.no_grad()
+def teacher_topk(
+    teacher: nn.Module, ids: torch.Tensor, k: int = 128, batch_size: int = 8, chunk_tokens: int = 1024
+) -> TeacherTopK:
+    """Cache the teacher's targets for `ids` [N, L] on CPU (see TeacherTopK)."""
+    device = next(teacher.parameters()).device
+    head = teacher.get_output_embeddings()
+    if not 0 < k < head.out_features:
+        raise SpearError(f"top-k must be between 1 and vocab − 1 = {head.out_features - 1}, got {k}")
+    idx, logp, log_tail = [], [], []
+    for start in range(0, len(ids), batch_size):
+        batch = ids[start : start + batch_size]
+        h = _hidden(teacher, batch.to(device))
+        for sl in _chunks(len(h), chunk_tokens):
+            lp = head(h[sl]).float().log_softmax(-1)
+            top = lp.topk(k, dim=-1)
+            idx.append(top.indices.int().cpu())
+            logp.append(top.values.cpu())
+            log_tail.append(lp.scatter(-1, top.indices, -math.inf).logsumexp(-1).cpu())
+    n, length = ids.shape
+    return TeacherTopK(
+        torch.cat(idx).view(n, length, k), torch.cat(logp).view(n, length, k), torch.cat(log_tail).view(n, length)
+    )
+
+
+# --- the loss -----------------------------------------------------------------------
+
+
+def _batch_kl(student: nn.Module, target, rows: torch.Tensor, ids: torch.Tensor, chunk_tokens: int, backward: bool) -> float:
+    """Mean per-token KL of one batch; with `backward`, accumulate its gradient into the ECs."""
+    h = _hidden(student, ids)  # [T, H]
+    h_leaf = h.detach().requires_grad_(backward)
+    head = student.get_output_embeddings()
+    prepared = target.prepare(rows, ids)
+    total = torch.zeros((), device=h.device)
+    for sl in _chunks(len(h), chunk_tokens):
+        kl = target.kl(head(h_leaf[sl]), prepared, sl) / len(h)
+        if backward:
+            kl.backward()
+        total += kl.detach()
+    if backward:
+        h.backward(h_leaf.grad)
+    return total.item()
+
+
+@torch.no_grad()
+def _mean_kl(student: nn.Module, target, ids: torch.Tensor, rows: torch.Tensor, batch_size: int, chunk_tokens: int) -> float:
+    device = next(student.parameters()).device
+    total = 0.0
+    for start in range(0, len(rows), batch_size):
+        r = rows[start : start + batch_size]
+        total += _batch_kl(student, target, r, ids[r].to(device), chunk_tokens, backward=False) * len(r)
+    return total / len(rows)
+
+
+def mean_kl(
+    student: nn.Module, teacher: nn.Module | TeacherTopK, ids: torch.Tensor, batch_size: int = 8, chunk_tokens: int = 1024
+) -> float:
+    """Mean per-token KL(teacher ‖ student) over `ids` [N, L]; `teacher` is the float model or a top-k cache."""
+    target = teacher if isinstance(teacher, TeacherTopK) else OnlineTeacher(teacher)
+    return _mean_kl(student, target, ids, torch.arange(len(ids)), batch_size, chunk_tokens)
+
+
+# --- training -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _float32(model: nn.Module) -> Iterator[None]:
+    """Run `model` with every fp16/bf16 parameter and buffer in float32; cast each back on exit (exact)."""
+    low = (torch.float16, torch.bfloat16)
+    params = {id(p): (p, p.dtype) for p in model.parameters() if p.dtype in low}.values()
+    buffers = [
+        (m, name, b.dtype) for m in model.modules() for name, b in m._buffers.items() if b is not None and b.dtype in low
+    ]
+    for p, _ in params:
+        p.data = p.data.float()
+    for m, name, _ in buffers:
+        m._buffers[name] = m._buffers[name].float()
+    try:
+        yield
+    finally:
+        for p, dtype in params:
+            p.grad = None
+            p.data = p.data.to(dtype)
+        for m, name, dtype in buffers:
+            m._buffers[name] = m._buffers[name].to(dtype)
+
+
+def _param_groups(student: nn.Module, cfg: CalibrateConfig) -> list[dict]:
+    """Freeze everything, then unfreeze the EC parameters that cfg trains; Adam groups by LR."""
+    for p in student.parameters():
+        p.requires_grad_(False)
+    ab, rest = [], []
+    for ec in ec_modules(student).values():
+        if cfg.train_AB:
+            ab += [ec.A, ec.B]
+        rest.append(ec.alpha)
+        if cfg.train_gate and ec.gate is not None:
+            rest += list(ec.gate.parameters())
+    for p in ab + rest:
+        p.requires_grad_(True)
+    return [g for g in ({"params": ab, "lr": cfg.lr_ab}, {"params": rest, "lr": cfg.lr}) if g["params"]]
+
+
+def _batches(rows: torch.Tensor, batch_size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+    """Endless batches of row indices: a fresh seeded shuffle each epoch, batches may span epochs."""
+    pending = torch.empty(0, dtype=torch.int64)
+    while True:
+        while len(pending) < batch_size:
+            pending = torch.cat([pending, rows[torch.randperm(len(rows), generator=gen)]])
+        yield pending[:batch_size]
+        pending = pending[batch_size:]
+
+
+def calibrate_ecs(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    calib_ids: torch.Tensor,
+    cfg: CalibrateConfig = CalibrateConfig(),
+    teacher_logits: TeacherTopK | None = None,
+) -> CalibrationResult:
+    """Train the student's ECs, in place, to minimise KL(teacher ‖ student) on `calib_ids` [N, L].
+
+    `teacher` is the float model; it may be None when `teacher_logits` (a top-k cache from
+    `teacher_topk` on the same ids) is given. Every non-EC parameter of the student is left
+    frozen (requires_grad False). On return the ECs hold the best state seen on the held-out
+    sequences (or the last state when there are none).
+    """
+    if not ec_modules(student):
+        raise SpearError("the student has no error compensators; attach ECs before calibrating")
+    if teacher_logits is None and teacher is None:
+        raise SpearError("calibration needs the float teacher or its cached logits")
+    if teacher_logits is not None and teacher_logits.logp.shape[:2] != calib_ids.shape:
+        cached = tuple(teacher_logits.logp.shape[:2])
+        raise SpearError(f"the cached teacher logits cover {cached} tokens but the ids are {tuple(calib_ids.shape)}")
+    n = len(calib_ids)
+    n_held = int(n * cfg.holdout)
+    if n - n_held < 1:
+        raise SpearError(f"{n} calibration sequences leave none for training with holdout {cfg.holdout}")
+
+    start_time = time.perf_counter()
+    if teacher_logits is None and cfg.teacher_mode == "topk":
+        teacher_logits = teacher_topk(teacher, calib_ids, cfg.topk, cfg.batch_size, cfg.chunk_tokens)
+    target = teacher_logits if teacher_logits is not None else OnlineTeacher(teacher)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    perm = torch.randperm(n, generator=gen)
+    held, train = perm[:n_held], perm[n_held:]
+    batch_size = min(cfg.batch_size, len(train))
+
+    with _float32(student):
+        groups = _param_groups(student, cfg)
+        device = groups[0]["params"][0].device
+        ids = calib_ids.to(device)
+
+        def score(rows: torch.Tensor) -> float:
+            return _mean_kl(student, target, ids, rows, batch_size, cfg.chunk_tokens)
+
+        opt = torch.optim.Adam(groups)
+        if cfg.schedule == "cosine":
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        trainable = [p for g in groups for p in g["params"]]
+
+        initial_train = score(train)
+        best_kl = initial_held = score(held) if n_held else None
+        best_step, best_state, bad = 0, ec_state_dict(student), 0
+        history: list[dict] = []
+        running: list[float] = []
+        batches = _batches(train, batch_size, gen)
+        bar = tqdm(range(1, cfg.steps + 1), desc="calibrating ECs (KL)", unit="step", disable=not cfg.progress)
+        step = 0
+        for step in bar:
+            rows = next(batches)
+            opt.zero_grad(set_to_none=True)
+            loss = _batch_kl(student, target, rows, ids[rows], cfg.chunk_tokens, backward=True)
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            running.append(loss)
+            bar.set_postfix(kl=f"{loss:.4f}", **({} if best_kl is None else {"heldout": f"{best_kl:.4f}"}))
+            if step % cfg.eval_every and step != cfg.steps:
+                continue
+            entry = {"step": step, "train_kl": sum(running) / len(running), "seconds": time.perf_counter() - start_time}
+            running = []
+            if n_held:
+                entry["heldout_kl"] = kl = score(held)
+                if kl < best_kl:
+                    best_kl, best_step, best_state, bad = kl, step, ec_state_dict(student), 0
+                else:
+                    bad += 1
+            history.append(entry)
+            if n_held and bad >= cfg.patience:
+                break
+        bar.close()
+        if n_held:
+            load_ec_state_dict(student, best_state)
+        else:
+            best_step = step
+        final_train = score(train)
+        opt.zero_grad(set_to_none=True)
+
+    return CalibrationResult(
+        initial_train_kl=initial_train,
+        final_train_kl=final_train,
+        initial_heldout_kl=initial_held,
+        final_heldout_kl=best_kl,
+        steps=step,
+        best_step=best_step,
+        seconds=time.perf_counter() - start_time,
+        history=history,
+    )

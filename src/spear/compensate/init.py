@@ -1,0 +1,103 @@
+"""Closed-form low-rank initialisations of the quantization error E = W − Ŵ (out×in).
+
+Each method minimises a weighted Frobenius error over rank-r products BA:
+
+    min_{rank(BA) ≤ r} ‖(E − BA) M‖_F
+    LoRC       M = I                       plain truncated SVD of E
+    LQER       M = diag(s),  s = E|x|      normalised s / sqrt(min s · max s)   (LQER, Zhang et al. 2024)
+    QERA/EoRA  M = R_xx^{1/2}, R_xx = E[x xᵀ]: ‖(E − BA) R^{1/2}‖_F² = E_x ‖(E − BA) x‖²   (QERA, eq. 9)
+
+With E M = U Σ Vᵀ, Eckart–Young gives BA = U_r Σ_r V_rᵀ M⁻¹ = U_r U_rᵀ E (since Vᵀ = Σ⁻¹ Uᵀ E M).
+The second form needs no inverse of M, so near-singular R_xx is harmless. The split is
+balanced in the weighted space: B = U_r Σ_r^{1/2}, A = Σ_r^{-1/2} U_rᵀ E, so A M = Σ_r^{1/2} V_rᵀ
+and the rank-space activations A x have second moment Σ_r under QERA.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from spear.compensate.ec import ErrorCompensator
+from spear.compensate.stats import InputStats
+from spear.errors import SpearError
+
+if TYPE_CHECKING:  # spear.layer imports spear.compensate
+    from spear.layer import SpearLinear
+
+KINDS = ("lorc", "lqer", "qera")
+LQER_SCALE_MIN = 1e-4  # clamp of E|x| before normalising, as in the LQER reference code
+
+
+def lorc_init(E: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD of E."""
+    return _weighted_lowrank(E, None, rank)
+
+
+def lqer_init(E: torch.Tensor, rank: int, mean_abs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SVD of E diag(s), s = E|x| normalised to s / sqrt(min s · max s); A = Σ^{1/2} V_rᵀ diag(s)⁻¹."""
+    s = mean_abs.double().clamp(min=LQER_SCALE_MIN)
+    s = s / torch.sqrt(s.min() * s.max())
+    return _weighted_lowrank(E, torch.diag(s), rank)
+
+
+def qera_init(E: torch.Tensor, rank: int, r_xx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SVD of E R_xx^{1/2}: the minimiser of E_x ‖(E − BA) x‖² over rank r."""
+    return _weighted_lowrank(E, sqrtm_psd(r_xx), rank)
+
+
+def sqrtm_psd(R: torch.Tensor) -> torch.Tensor:
+    """Symmetric square root of a PSD matrix via eigh; negative (round-off) eigenvalues clamp to 0."""
+    R = R.double()
+    lam, Q = torch.linalg.eigh((R + R.t()) / 2)
+    return (Q * lam.clamp(min=0).sqrt()) @ Q.t()
+
+
+def _weighted_lowrank(E: torch.Tensor, M: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [r×in], B [out×r]) float32 with BA = U_r U_rᵀ E, E M = U Σ Vᵀ (module docstring)."""
+    out_f, in_f = E.shape
+    if not 1 <= rank <= min(out_f, in_f):
+        raise SpearError(f"EC rank {rank} is impossible for a {out_f}×{in_f} layer; use 1..{min(out_f, in_f)}")
+    E = E.double()
+    EM = E if M is None else E @ M.to(E.device)
+    U, S, _ = torch.linalg.svd(EM, full_matrices=False)
+    U, S = U[:, :rank], S[:rank]
+    keep = S > S[0] * 1e-10  # directions with no error left get zero A row and B column
+    inv_sqrt = torch.where(keep, S.clamp(min=1e-300).rsqrt(), torch.zeros_like(S))
+    B = U * torch.where(keep, S.sqrt(), torch.zeros_like(S))  # U_r Σ_r^{1/2}
+    A = inv_sqrt[:, None] * (U.t() @ E)  # Σ_r^{-1/2} U_rᵀ E
+    return A.float(), B.float()
+
+
+def init_ec(
+    kind: str, W: torch.Tensor, W_hat: torch.Tensor, rank: int, stats: InputStats | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [r×in], B [out×r]) float32 with BA ≈ W − Ŵ; `lqer` and `qera` need the layer's input stats."""
+    E = W.detach().double() - W_hat.detach().double()
+    if kind == "lorc":
+        return lorc_init(E, rank)
+    if kind not in KINDS:
+        raise SpearError(f"unknown EC init {kind!r}; choose one of {', '.join(KINDS)}")
+    if stats is None:
+        raise SpearError(f"EC init {kind!r} needs input statistics of the layer (collect_input_stats)")
+    if kind == "lqer":
+        return lqer_init(E, rank, stats.mean_abs.to(E.device))
+    return qera_init(E, rank, stats.r_xx.to(E.device))
+
+
+def attach_ec(layer: SpearLinear, A: torch.Tensor, B: torch.Tensor, gate_hidden: int = 0) -> ErrorCompensator:
+    """Give `layer` an EC with these factors (gate, if any, starts at gamma ≡ 1); returns the EC."""
+    rank = A.shape[0]
+    if A.shape != (rank, layer.in_features) or B.shape != (layer.out_features, rank):
+        raise SpearError(
+            f"EC factors A {tuple(A.shape)}, B {tuple(B.shape)} do not fit a "
+            f"{layer.out_features}×{layer.in_features} layer (need r×in and out×r)"
+        )
+    w = layer.weight_hat
+    ec = ErrorCompensator(layer.in_features, layer.out_features, rank, gate_hidden).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        ec.A.copy_(A)
+        ec.B.copy_(B)
+    layer.ec = ec
+    return ec

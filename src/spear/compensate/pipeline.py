@@ -1,0 +1,127 @@
+"""Add error compensators to a quantized model: sensitivity → plan → closed-form init → KL calibration.
+
+    damage_m  = 1 − CKA(final hidden states of the float model, same with only m quantized)
+    plan      = planner(damages, shapes, budget = fraction × bytes of the W4 model)
+    A_m, B_m  = closed form of W_m − Ŵ_m (LoRC / LQER / QERA-exact); the adaptive EC starts from QERA
+    calibrate = min KL(float ‖ W4 + EC) on self-sampled sequences (adaptive: gate, alpha, A, B)
+
+`kind` picks the EC: "adaptive" (SPEAR: gated, KL-trained) or a static baseline ("lorc",
+"lqer", "qera": gate off, closed form only). `train_static` is the "gate off" ablation:
+a static EC trained with the same KL loss.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch import nn
+
+from spear.compensate.calibrate import CalibrateConfig, CalibrationResult, calibrate_ecs
+from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sensitivity
+from spear.compensate.init import attach_ec, init_ec
+from spear.compensate.planner import CostModel, BytesCost, Plan, PlannerConfig, plan_ecs, quantized_model_bytes
+from spear.compensate.stats import collect_input_stats
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+
+KINDS = ("adaptive", "lorc", "lqer", "qera")
+
+
+@dataclass(frozen=True)
+class CompensateConfig:
+    kind: str = "adaptive"
+    budget: float = 0.01  # EC bytes as a fraction of the W4 model's bytes
+    planner: PlannerConfig = PlannerConfig()
+    sensitivity: SensitivityConfig = SensitivityConfig()
+    calibrate: CalibrateConfig = CalibrateConfig()
+    train_static: bool = False  # ablation: train a gate-less EC with the KL loss
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise SpearError(f"unknown EC kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if not 0 < self.budget < 1:
+            raise SpearError(f"budget must be a fraction in (0, 1), e.g. 0.01 for 1%, got {self.budget}")
+
+    @property
+    def gated(self) -> bool:
+        return self.kind == "adaptive"
+
+    @property
+    def trained(self) -> bool:
+        return self.kind == "adaptive" or self.train_static
+
+
+@dataclass
+class CompensateReport:
+    kind: str
+    plan: Plan
+    sensitivity: SensitivityTable
+    calibration: CalibrationResult | None
+    w4_bytes: int
+    ec_bytes: int
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def ec_memory_pct(self) -> float:
+        return 100.0 * self.ec_bytes / self.w4_bytes
+
+    def summary(self) -> dict:
+        return {
+            "kind": self.kind, "mode": self.plan.mode, "entropy": self.plan.entropy, "modules": len(self.plan.entries),
+            "ranks": sorted({e.rank for e in self.plan.entries}), "w4_bytes": self.w4_bytes, "ec_bytes": self.ec_bytes,
+            "ec_memory_pct": self.ec_memory_pct, "seconds": self.seconds,
+            "calibration": None if self.calibration is None else self.calibration.to_dict() | {"history": None},
+        }
+
+
+def quantized_layers(model: nn.Module) -> dict[str, SpearLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, SpearLinear)}
+
+
+def compensate(
+    student: nn.Module,
+    teacher: nn.Module,
+    calib_ids: torch.Tensor,
+    cfg: CompensateConfig = CompensateConfig(),
+    cost_model: CostModel = BytesCost(),
+    sensitivity: SensitivityTable | None = None,
+) -> CompensateReport:
+    """Attach ECs to `student` (quantized, in place) and, for trained kinds, calibrate them against
+    the float `teacher`. A sensitivity table computed earlier (same model and quantization) can be reused."""
+    layers = quantized_layers(student)
+    if not layers:
+        raise SpearError("the model has no quantized layers: quantize it first")
+    teacher_linears = dict(teacher.named_modules())
+    w4_bytes = quantized_model_bytes(student, {n: m.qweight for n, m in layers.items()})
+    seconds = {}
+
+    t = time.perf_counter()
+    if sensitivity is None:
+        sensitivity = module_sensitivity(teacher, {n: m.weight_hat for n, m in layers.items()}, calib_ids, cfg.sensitivity)
+    seconds["sensitivity"] = time.perf_counter() - t
+
+    planner = replace(cfg.planner, gate_hidden=cfg.planner.gate_hidden if cfg.gated else 0)
+    shapes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
+    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cost_model, cfg.seed, planner)
+
+    t = time.perf_counter()
+    init_kind = "qera" if cfg.kind == "adaptive" else cfg.kind
+    names = [e.name for e in plan.entries]
+    stats = collect_input_stats(teacher, calib_ids, names) if init_kind != "lorc" else {}
+    for entry in plan.entries:
+        layer = layers[entry.name]
+        W = teacher_linears[entry.name].weight
+        A, B = init_ec(init_kind, W.to(layer.weight_hat.device), layer.weight_hat, entry.rank, stats.get(entry.name))
+        attach_ec(layer, A, B, entry.gate_hidden)
+    seconds["init"] = time.perf_counter() - t
+
+    calibration = None
+    if cfg.trained and plan.entries:
+        calib_cfg = replace(cfg.calibrate, train_gate=cfg.gated, seed=cfg.seed)
+        calibration = calibrate_ecs(student, teacher, calib_ids, calib_cfg)
+        seconds["calibrate"] = calibration.seconds
+    ec_bytes = sum(layers[n].ec.nbytes() for n in names)
+    return CompensateReport(cfg.kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds)

@@ -1,0 +1,83 @@
+"""Per-module input statistics of the float model, for the closed-form EC inits.
+
+For each linear layer with inputs x (one row per token):
+    R_xx = E[x xᵀ]        (in×in, float64)   QERA / EoRA whitening
+    s    = E[|x|]          (in, float64)      LQER channel scales
+Modules that read the same tensor (q, k, v; gate, up) share one InputStats object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from spear.models.layerwise import quantizable_linears
+
+
+@dataclass
+class InputStats:
+    sum_xx: torch.Tensor  # [in, in] float64, Σ x xᵀ
+    sum_abs: torch.Tensor  # [in] float64, Σ |x|
+    tokens: int = 0
+
+    @classmethod
+    def zeros(cls, in_features: int, device: torch.device | str = "cpu") -> "InputStats":
+        return cls(
+            torch.zeros(in_features, in_features, dtype=torch.float64, device=device),
+            torch.zeros(in_features, dtype=torch.float64, device=device),
+        )
+
+    def update(self, x: torch.Tensor) -> None:
+        """Accumulate inputs x [..., in]."""
+        x = x.detach().reshape(-1, x.shape[-1]).double()  # [T, in]
+        self.sum_xx.addmm_(x.t(), x)
+        self.sum_abs.add_(x.abs().sum(0))
+        self.tokens += x.shape[0]
+
+    @property
+    def r_xx(self) -> torch.Tensor:
+        """R_xx = E[x xᵀ], [in, in] float64."""
+        return self.sum_xx / max(self.tokens, 1)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        """E|x| per input channel, [in] float64."""
+        return self.sum_abs / max(self.tokens, 1)
+
+
+@torch.no_grad()
+def collect_input_stats(
+    model: nn.Module, calib_ids: torch.Tensor, names: list[str] | None = None, batch_size: int = 8
+) -> dict[str, InputStats]:
+    """Run the float model on calib_ids [N, L] and return the input statistics of each named linear
+    (default: every quantizable linear). Modules fed the same tensor share one InputStats."""
+    linears = quantizable_linears(model)
+    names = list(linears) if names is None else names
+    stats: dict[str, InputStats] = {}
+    seen: list[tuple[torch.Tensor, InputStats]] = []  # this batch's inputs, held so ids stay unique
+
+    def hook(name: str):
+        def fn(_module, args):
+            x = args[0]
+            for t, st in seen:
+                if t is x:  # a module reading an already-counted tensor shares its stats
+                    stats.setdefault(name, st)
+                    return
+            st = stats.setdefault(name, InputStats.zeros(x.shape[-1], x.device))
+            st.update(x)
+            seen.append((x, st))
+
+        return fn
+
+    handles = [linears[n].register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        for ids in tqdm(calib_ids.split(batch_size), desc="input statistics", unit="batch"):
+            model.base_model(input_ids=ids.to(model.device), use_cache=False)
+            seen.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    return stats

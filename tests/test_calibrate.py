@@ -1,0 +1,179 @@
+"""KL calibration of the ECs on the tiny Llama quantized with RTN at 3 bits."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny_llama
+from spear.compensate.calibrate import (
+    CalibrateConfig,
+    calibrate_ecs,
+    ec_modules,
+    ec_parameters,
+    ec_state_dict,
+    load_ec_state_dict,
+    mean_kl,
+    teacher_topk,
+)
+from spear.compensate.ec import ErrorCompensator
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+from spear.quant.pipeline import QuantSettings, quantize_model
+from spear.quant.record import QuantConfig
+
+FAST = CalibrateConfig(steps=30, batch_size=4, lr=1e-2, lr_ab=1e-3, holdout=0.25, eval_every=5, patience=100, progress=False)
+
+
+def quantized_pair(rank: int = 8, gate_hidden: int = 4):
+    """(teacher, student): the float tiny Llama and a 3-bit RTN copy with SVD-initialised ECs (LoRC)."""
+    teacher = make_tiny_llama()
+    student = copy.deepcopy(teacher)
+    floats = {name: m.weight.detach().clone() for name, m in student.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantize_model(student, QuantSettings(method="rtn", quant=QuantConfig(bits=3)))
+    torch.manual_seed(1)
+    for name, m in student.named_modules():
+        if isinstance(m, SpearLinear):
+            u, s, vh = torch.linalg.svd(floats[name] - m.weight_hat, full_matrices=False)
+            m.ec = ErrorCompensator(m.in_features, m.out_features, rank=rank, gate_hidden=gate_hidden)
+            with torch.no_grad():
+                m.ec.A.copy_(s[:rank, None].sqrt() * vh[:rank])
+                m.ec.B.copy_(u[:, :rank] * s[:rank].sqrt())
+    return teacher, student
+
+
+def calib_ids(n: int = 16, length: int = 32) -> torch.Tensor:
+    return torch.randint(0, 256, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+def naive_kl(student, teacher, ids) -> float:
+    with torch.no_grad():
+        t, s = teacher(ids).logits.log_softmax(-1), student(ids).logits.log_softmax(-1)
+    return F.kl_div(s, t, log_target=True, reduction="sum").item() / ids.numel()
+
+
+def frozen_tensors(model) -> dict[str, torch.Tensor]:
+    ec_names = set(ec_state_dict(model))
+    return {k: v.clone() for k, v in model.state_dict(keep_vars=False).items() if k not in ec_names} | {
+        f"{name}.weight_hat": m.weight_hat.clone() for name, m in model.named_modules() if isinstance(m, SpearLinear)
+    }
+
+
+def test_mean_kl_is_the_full_vocabulary_kl_in_chunks():
+    teacher, student = quantized_pair()
+    ids = calib_ids(4, 16)
+    want = naive_kl(student, teacher, ids)
+    assert want > 0
+    assert mean_kl(student, teacher, ids, batch_size=3, chunk_tokens=7) == pytest.approx(want, rel=1e-4)
+    # top-k with k = vocab − 1: the rest bucket is one token, so the coarsened KL is the full KL
+    cache = teacher_topk(teacher, ids, k=255, batch_size=3, chunk_tokens=7)
+    assert mean_kl(student, cache, ids, chunk_tokens=5) == pytest.approx(want, rel=1e-4)
+    # fewer tokens: a lower bound
+    assert mean_kl(student, teacher_topk(teacher, ids, k=8), ids) < want
+
+
+def test_calibration_lowers_heldout_kl_and_changes_only_the_ecs():
+    teacher, student = quantized_pair()
+    before = frozen_tensors(student)
+    ec_before = ec_state_dict(student)
+    result = calibrate_ecs(student, teacher, calib_ids(), FAST)
+    assert result.steps == 30 and len(result.history) == 6
+    assert result.final_heldout_kl < 0.9 * result.initial_heldout_kl
+    assert result.final_train_kl < result.initial_train_kl
+    after = frozen_tensors(student)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(not torch.equal(ec_before[k], v) for k, v in ec_state_dict(student).items())
+    trainable = {id(p) for p in student.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in ec_parameters(student)}
+    assert result.to_dict()["history"][0]["step"] == 5
+
+
+def test_calibration_is_deterministic_for_a_seed():
+    runs = []
+    for _ in range(2):
+        teacher, student = quantized_pair()
+        result = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, steps=10))
+        runs.append((result, ec_state_dict(student)))
+    (r1, s1), (r2, s2) = runs
+    assert r1.final_heldout_kl == r2.final_heldout_kl and r1.best_step == r2.best_step
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_gate_switched_off_stays_identity():
+    teacher, student = quantized_pair()
+    gates = {k: v for k, v in ec_state_dict(student).items() if ".gate." in k}
+    result = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, train_gate=False))
+    assert result.final_heldout_kl < result.initial_heldout_kl
+    after = ec_state_dict(student)
+    assert all(torch.equal(v, after[k]) for k, v in gates.items())
+    ec = next(iter(ec_modules(student).values()))
+    u = torch.randn(5, ec.rank)
+    assert torch.equal(1 + torch.tanh(ec.gate(u)), torch.ones_like(u))  # gamma ≡ 1
+
+    teacher, student = quantized_pair(gate_hidden=0)  # no gate at all: the static EC, calibrated
+    result = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, steps=15))
+    assert result.final_heldout_kl < result.initial_heldout_kl
+    assert all(ec.gate is None for ec in ec_modules(student).values())
+
+
+def test_only_gate_and_alpha_move_without_train_ab():
+    teacher, student = quantized_pair()
+    ab = {k: v for k, v in ec_state_dict(student).items() if k.endswith((".A", ".B"))}
+    calibrate_ecs(student, teacher, calib_ids(), replace(FAST, train_AB=False, steps=5))
+    after = ec_state_dict(student)
+    assert all(torch.equal(v, after[k]) for k, v in ab.items())
+    assert all(after[k].item() != 1.0 for k in after if k.endswith("alpha"))
+
+
+def test_early_stopping_restores_the_best_state():
+    teacher, student = quantized_pair()
+    initial = ec_state_dict(student)
+    cfg = replace(FAST, lr=1.0, lr_ab=0.3, eval_every=2, patience=2)  # diverges
+    result = calibrate_ecs(student, teacher, calib_ids(), cfg)
+    assert result.steps < cfg.steps and result.best_step == 0
+    assert result.final_heldout_kl == result.initial_heldout_kl
+    assert all(torch.equal(initial[k], v) for k, v in ec_state_dict(student).items())
+
+
+def test_cached_topk_teacher_and_no_teacher_model():
+    teacher, student = quantized_pair()
+    ids = calib_ids()
+    cache = teacher_topk(teacher, ids, k=32)
+    result = calibrate_ecs(student, None, ids, FAST, teacher_logits=cache)
+    assert result.final_heldout_kl < result.initial_heldout_kl
+    assert mean_kl(student, teacher, ids) < mean_kl(quantized_pair()[1], teacher, ids)
+
+
+def test_low_precision_student_is_trained_in_float32_and_restored():
+    teacher, student = quantized_pair()
+    student.to(torch.bfloat16)
+    before = frozen_tensors(student)
+    dtypes = {k: v.dtype for k, v in student.state_dict().items()}
+    result = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, steps=10))
+    assert result.final_train_kl < result.initial_train_kl
+    assert {k: v.dtype for k, v in student.state_dict().items()} == dtypes
+    after = frozen_tensors(student)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_ec_state_roundtrip_and_errors():
+    teacher, student = quantized_pair()
+    state = ec_state_dict(student)
+    with torch.no_grad():
+        for p in ec_parameters(student):
+            p.zero_()
+    load_ec_state_dict(student, state)
+    assert all(torch.equal(state[k], v) for k, v in ec_state_dict(student).items())
+    with pytest.raises(SpearError, match="does not fit"):
+        load_ec_state_dict(student, {k: v for k, v in list(state.items())[1:]})
+    with pytest.raises(SpearError, match="no error compensators"):
+        calibrate_ecs(copy.deepcopy(teacher), teacher, calib_ids(), FAST)
+    with pytest.raises(SpearError, match="teacher"):
+        calibrate_ecs(student, None, calib_ids(), FAST)
+    with pytest.raises(SpearError, match="teacher mode"):
+        CalibrateConfig(teacher_mode="offline")
