@@ -1,0 +1,87 @@
+"""The whole compensation chain on a tiny model: plan within budget, KL falls, artifacts round-trip exactly."""
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from spear.artifact import ArtifactInfo, load_artifact, save_artifact
+from spear.cli import main
+from spear.compensate.calibrate import CalibrateConfig
+from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers
+from spear.errors import SpearError
+from spear.quant.pipeline import QuantSettings, quantize_model
+from spear.quant.record import QuantConfig
+
+FAST = CalibrateConfig(steps=15, batch_size=4, eval_every=5, patience=10, progress=False)
+
+
+@pytest.fixture(scope="module")
+def float_and_quantized():
+    teacher = make_tiny_llama(hidden=64, layers=2)
+    student = copy.deepcopy(teacher)
+    quantize_model(student, QuantSettings("rtn", QuantConfig(bits=3)))
+    ids = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
+    return teacher, student, ids
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "lorc", "lqer", "qera"])
+def test_compensate_respects_budget_and_attaches_ecs(kind, float_and_quantized):
+    teacher, quantized, ids = float_and_quantized
+    student = copy.deepcopy(quantized)
+    report = compensate(student, teacher, ids, CompensateConfig(kind=kind, budget=0.3, calibrate=FAST))
+    with_ec = {n for n, m in quantized_layers(student).items() if m.ec is not None}
+    assert with_ec == {e.name for e in report.plan.entries} and with_ec
+    assert report.ec_bytes <= 0.3 * report.w4_bytes
+    gated = {m.ec.gate is not None for n, m in quantized_layers(student).items() if n in with_ec}
+    assert gated == {kind == "adaptive"}
+    if kind == "adaptive":
+        assert report.calibration.final_heldout_kl < report.calibration.initial_heldout_kl
+    else:
+        assert report.calibration is None
+
+
+def test_compensated_artifact_roundtrips_exactly(float_and_quantized, tiny_model_dir, tmp_path):
+    from spear.models import load_float_model
+
+    teacher, quantized, ids = float_and_quantized
+    student = copy.deepcopy(quantized)
+    report = compensate(student, teacher, ids, CompensateConfig(budget=0.3, calibrate=FAST))
+    tokenizer = load_float_model(str(tiny_model_dir), torch.device("cpu"), torch.float32).tokenizer
+    plan = json.loads(report.plan.to_json())
+    save_artifact(student, tokenizer, tmp_path / "art", ArtifactInfo("tiny", {"method": "rtn"}, plan=plan))
+    back = load_artifact(tmp_path / "art", torch.device("cpu"), torch.float32).model
+    with torch.no_grad():
+        assert torch.equal(back(ids[:2]).logits, student(ids[:2]).logits)
+    config = json.loads((tmp_path / "art" / "config.json").read_text())
+    assert config["plan"]["mode"] == report.plan.mode and len(config["ec_modules"]) == len(report.plan.entries)
+
+
+def test_bad_budget_and_kind():
+    with pytest.raises(SpearError, match="budget"):
+        CompensateConfig(budget=1.5)
+    with pytest.raises(SpearError, match="unknown EC kind"):
+        CompensateConfig(kind="magic")
+
+
+def test_cli_compensate_then_eval(tiny_model_dir, tmp_path, capsys):
+    art = tmp_path / "art"
+    assert main(["quantize", str(tiny_model_dir), "--bits", "3", "--out", str(art), "--device", "cpu"]) == 0
+    rc = main(["compensate", str(art), "--budget", "30%", "--steps", "5", "--calib-samples", "8", "--calib-len", "32",
+               "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    config = json.loads((art / "config.json").read_text())
+    assert config["ec_modules"] and config["compensation"]["ec_memory_pct"] <= 30
+    assert (art / "sensitivity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["eval", str(art), "--json", "--seqlen", "64", "--max-windows", "1", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["ppl"] > 0
+
+
+def test_cli_budget_parse_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compensate", "x", "--budget", "lots"])
+    assert e.value.code == 2 and "budget" in capsys.readouterr().err
