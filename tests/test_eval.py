@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from spear.errors import SpearError
-from spear.eval.perplexity import dataset_path, perplexity, tokenize_file
+from spear.eval.perplexity import cut_windows, dataset_path, perplexity, tokenize_file
 from spear.models import load_float_model
 
 
@@ -24,12 +24,18 @@ def test_perplexity_matches_direct_computation(tiny_model_dir):
     assert 100 < result.ppl < 1000
 
 
-def test_windows_are_nonoverlapping_and_tail_dropped(tiny_model_dir):
+def test_windows_are_nonoverlapping_and_tail_dropped():
+    ids = torch.arange(10)
+    assert cut_windows(ids, 3).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert cut_windows(ids, 3, max_windows=2).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert cut_windows(ids, 11).shape == (0, 11)
+
+
+def test_too_short_dataset_is_a_clear_error(tiny_model_dir):
     lm = load_float_model(str(tiny_model_dir), torch.device("cpu"), torch.float32)
     n_tokens = len(tokenize_file(lm.tokenizer, dataset_path("ptb")))
-    seqlen = n_tokens // 2 + 1  # exactly one full window fits
-    result = perplexity(lm.model, lm.tokenizer, "ptb", seqlen=seqlen, max_windows=5, progress=False)
-    assert result.windows == 1
+    with pytest.raises(SpearError, match="fewer than one window"):
+        perplexity(lm.model, lm.tokenizer, "ptb", seqlen=n_tokens + 1, progress=False)
 
 
 def test_unknown_dataset(tiny_model_dir):

@@ -64,6 +64,14 @@ def tokenize_file(tokenizer, path: Path) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", verbose=False).input_ids[0]
 
 
+def cut_windows(ids: torch.Tensor, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows [windows, seqlen] from the start of ids [N]; the tail is dropped."""
+    windows = len(ids) // seqlen
+    if max_windows is not None:
+        windows = min(windows, max_windows)
+    return ids[: windows * seqlen].view(windows, seqlen)
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module,
@@ -77,13 +85,11 @@ def perplexity(
     if seqlen < 2:
         raise SpearError(f"--seqlen must be at least 2, got {seqlen}")
     ids = tokenize_file(tokenizer, dataset_path(dataset))
-    windows = len(ids) // seqlen
-    if max_windows is not None:
-        windows = min(windows, max_windows)
+    data = cut_windows(ids, seqlen, max_windows)
+    windows = len(data)
     if windows == 0:
         raise SpearError(f"{dataset} has {len(ids)} tokens, fewer than one window of {seqlen}")
     device = next(model.parameters()).device
-    data = ids[: windows * seqlen].view(windows, seqlen)
     start = time.perf_counter()
     nll_sum = 0.0
     for i in tqdm(range(0, windows, batch_size), desc=f"perplexity {dataset}", unit="batch", disable=not progress):
