@@ -34,8 +34,9 @@ def settings_grid(bits_list: list[int]) -> list[QuantSettings]:
             grid.append(QuantSettings("rtn", QuantConfig(bits, g, sym=True, sym_grid="absmax")))
             grid.append(QuantSettings("rtn", QuantConfig(bits, g, sym=True, sym_grid="gptq")))
             grid.append(QuantSettings("rtn", QuantConfig(bits, g, sym=False)))
-            grid.append(QuantSettings("gptq", QuantConfig(bits, g, sym=True, sym_grid="absmax")))
-            grid.append(QuantSettings("gptq", QuantConfig(bits, g, sym=False)))
+            for act_order in (False, True):
+                grid.append(QuantSettings("gptq", QuantConfig(bits, g, sym=True, sym_grid="absmax"), gptq_act_order=act_order))
+                grid.append(QuantSettings("gptq", QuantConfig(bits, g, sym=False), gptq_act_order=act_order))
             grid.append(QuantSettings("awq", QuantConfig(bits, g, sym=True, sym_grid="absmax")))
             grid.append(QuantSettings("awq", QuantConfig(bits, g, sym=False)))
     return grid
@@ -43,7 +44,8 @@ def settings_grid(bits_list: list[int]) -> list[QuantSettings]:
 
 def label(s: QuantSettings) -> str:
     q = s.quant
-    return f"W{q.bits} {s.method.upper()} {'pc' if q.group_size == -1 else 'g' + str(q.group_size)} {q.grid}"
+    act_order = " act-order" if s.method == "gptq" and s.gptq_act_order else ""
+    return f"W{q.bits} {s.method.upper()}{act_order} {'pc' if q.group_size == -1 else 'g' + str(q.group_size)} {q.grid}"
 
 
 def main() -> None:
@@ -65,7 +67,9 @@ def main() -> None:
     rows = []
 
     def evaluate(model, name, settings, seconds):
-        row = {"setting": name, "quant": None if settings is None else {"method": settings.method, **settings.quant.to_dict()},
+        quant = None if settings is None else {"method": settings.method, "act_order": settings.gptq_act_order,
+                                               **settings.quant.to_dict()}
+        row = {"setting": name, "quant": quant,
                "quantize_seconds": seconds}
         for ds in datasets:
             r = perplexity(model, lm.tokenizer, ds, 2048, args.max_windows, args.batch_size, progress=False)

@@ -115,3 +115,14 @@ def test_gptq_model_beats_rtn(group_size):
         gptq_logits, rtn_logits = gptq_model(test).logits, rtn_model(test).logits
     assert torch.isfinite(gptq_logits).all()
     assert logits_kl(ref, gptq_logits) < logits_kl(ref, rtn_logits)
+
+
+def test_act_order_is_the_default_and_can_be_turned_off():
+    import argparse
+
+    from spear.cli import _add_quant_args
+
+    p = argparse.ArgumentParser()
+    _add_quant_args(p)
+    assert QuantSettings().gptq_act_order and p.parse_args([]).act_order
+    assert not p.parse_args(["--no-act-order"]).act_order

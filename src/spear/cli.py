@@ -22,7 +22,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--asym", action="store_true", help="asymmetric (min-max) grid instead of symmetric")
     p.add_argument("--sym-grid", default="absmax", choices=["absmax", "gptq"],
                    help="symmetric grid: absmax s=max|w|/(2^(b-1)-1) (default) or gptq s=2max|w|/(2^b-1)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: quantize columns in order of decreasing Hessian diagonal (default on; --no-act-order for the plain sweep)")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
     p.add_argument("--calib-file", default=None, help="a text file to calibrate on instead of self-sampled sequences")

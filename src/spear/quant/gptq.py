@@ -15,6 +15,11 @@ group's first column (blocks are aligned to groups so those weights are final). 
 act-order, columns are swept by descending diag(H); groups then stay the contiguous
 original-order groups the record stores, with grids fitted up front on the original
 weights (the reference's `static_groups`).
+
+Act-order is QuantSettings' default. SmolLM2-135M W4 per-channel, 64x256 self-sampled
+calibration, first 4 windows (WikiText-2 / PTB ppl): RTN 56.2 / 102.3, GPTQ 48.5 / 91.8,
+GPTQ + act-order 42.8 / 77.0. Position 0 (the BOS attention sink, with massive activations:
+up to 99.9% of tr H of layer 11's down_proj) must stay in H: dropping it gave 65.6 / 115.2.
 """
 
 from __future__ import annotations
