@@ -29,8 +29,8 @@ from spear.errors import SpearError
 from spear.util import versions
 
 QUICK_CALIB = CalibConfig(num_sequences=16, seq_len=128)
-QUICK_WINDOWS = 2
-QUICK_CALIBRATE = CalibrateConfig(steps=40, batch_size=4, eval_every=10, patience=3)
+QUICK_WINDOWS = 1
+QUICK_CALIBRATE = CalibrateConfig(steps=16, batch_size=2, eval_every=4, patience=3)
 QUICK_SENSITIVITY = SensitivityConfig(num_sequences=2, seq_len=128)
 
 
