@@ -24,7 +24,6 @@ import torch  # noqa: E402
 from common import write_json  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
-from spear.compensate.calibrate import CalibrateConfig  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402

@@ -16,7 +16,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
 from common import write_json  # noqa: E402
 
 from spear.api import model_key  # noqa: E402

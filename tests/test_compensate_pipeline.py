@@ -2,7 +2,6 @@
 
 import copy
 import json
-from dataclasses import replace
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ a static EC trained with the same KL loss.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn

@@ -8,7 +8,7 @@ statistics, change the layer, and run it again to produce the next layer's input
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -93,3 +93,17 @@ def run_layer(layer: nn.Module, inputs: LayerInputs) -> LayerInputs:
         y = layer(h, **kw)
         out.append(y[0] if isinstance(y, tuple) else y)
     return LayerInputs(out, inputs.kwargs)
+
+
+@torch.no_grad()
+def observe_inputs(
+    layer: nn.Module, inputs: LayerInputs, observers: list[tuple[nn.Module, Callable[[torch.Tensor], None]]]
+) -> None:
+    """Run `layer` on every batch; each (module, callback) pair sees the module's input tensor."""
+    hooks = [m.register_forward_pre_hook(lambda _m, args, fn=fn: fn(args[0])) for m, fn in observers]
+    try:
+        for h, kw in inputs:
+            layer(h, **kw)
+    finally:
+        for hook in hooks:
+            hook.remove()

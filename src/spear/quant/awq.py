@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    LayerInputs, capture_first_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer,
+    LayerInputs, capture_first_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears,
+    run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
@@ -161,16 +162,7 @@ def awq_scale_layer(layer: nn.Module, inputs: LayerInputs, cfg: QuantConfig, n_g
     """Search and fold the AWQ scales of one decoder layer, then clip its weights; nothing is quantized."""
     groups = scale_groups(layer)
     feats: list[list[torch.Tensor]] = [[] for _ in groups]  # per group: its input, per batch
-    hooks = [
-        group.linears[0].register_forward_pre_hook(lambda _m, args, f=f: f.append(args[0]))
-        for group, f in zip(groups, feats)
-    ]
-    try:
-        for h, kw in inputs:
-            layer(h, **kw)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    observe_inputs(layer, inputs, [(group.linears[0], f.append) for group, f in zip(groups, feats)])
 
     for group, xs in zip(groups, feats):
         s = search_scale(group, xs, inputs.kwargs, cfg, n_grid)

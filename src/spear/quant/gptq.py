@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    capture_first_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer,
+    capture_first_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.quant.record import QuantConfig, QuantizedWeight, fit_grid, quantize_to_codes
@@ -145,16 +145,7 @@ def gptq_quantize_model(
     for layer in tqdm(decoder_layers(model), desc="GPTQ", unit="layer"):
         linears = layer_linears(layer)
         hessians = {name: Hessian(m.in_features, m.weight.device) for name, m in linears.items()}
-        hooks = [
-            m.register_forward_hook(lambda _m, args, _out, h=hessians[name]: h.add_batch(args[0]))
-            for name, m in linears.items()
-        ]
-        try:
-            for h, kw in inputs:
-                layer(h, **kw)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        observe_inputs(layer, inputs, [(m, hessians[name].add_batch) for name, m in linears.items()])
         for name, m in linears.items():
             full = full_names[id(m)]
             try:
