@@ -268,6 +268,18 @@ def _float32(model: nn.Module) -> Iterator[None]:
             m._buffers[name] = m._buffers[name].to(dtype)
 
 
+@contextlib.contextmanager
+def _tf32_matmuls() -> Iterator[None]:
+    """Let float32 matmuls use TF32 tensor cores on CUDA while training (8x faster on Hopper; the KL
+    gradients need no more than TF32's 10-bit mantissa); restore the caller's setting on exit."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def _param_groups(student: nn.Module, cfg: CalibrateConfig) -> list[dict]:
     """Freeze everything, then unfreeze the EC parameters that cfg trains; Adam groups by LR."""
     for p in student.parameters():
@@ -329,7 +341,7 @@ def calibrate_ecs(
     held, train = perm[:n_held], perm[n_held:]
     batch_size = min(cfg.batch_size, len(train))
 
-    with _float32(student):
+    with _float32(student), _tf32_matmuls():
         groups = _param_groups(student, cfg)
         device = groups[0]["params"][0].device
         ids = calib_ids.to(device)
