@@ -1,0 +1,1 @@
+"""The serving runtime: a compact Llama-family model, a paged KV cache and the engine."""

@@ -1,0 +1,46 @@
+"""What a request asks of the engine and what the engine hands back each step.
+
+These two types are the contract between the engine (spear.runtime.engine) and its
+callers (the HTTP server, the benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spear.errors import SpearError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # per-request generator; None: the engine's
+    stop: tuple[str, ...] = ()  # stop strings; the text returned ends before the first match
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise SpearError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise SpearError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SpearError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SpearError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)  # tokens sampled this step (0 or 1 in practice)
+    new_text: str = ""  # their text, held back while it could still be the start of a stop string
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
