@@ -1,0 +1,263 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from spear.errors import SpearError
+from spear.runtime.requests import RequestOutput
+from spear.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
+from spear.server.metrics import RequestTimer, ServerMetrics
+from spear.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    ResponseBuilder,
+    _SamplingRequest,
+    error_body,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class _EventStream(StreamingResponse):
+    """Closes its event generator however the response ends, so a vanished client's request is aborted now."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class OpenAIServing:
+    """Turns validated requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int, metrics: ServerMetrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            return self.tokenizer(req.prompt).input_ids
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        return list(req.prompt)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except ValueError as e:  # no chat template, or one that rejects these messages
+            raise RequestError(f"cannot apply the model's chat template: {e}; use /v1/completions", "messages") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    async def serve(self, req: _SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
+        params = self._sampling_params(req, prompt_ids)
+        builder = ResponseBuilder(chat, self.model_name)
+        timer = RequestTimer(self.metrics)
+        try:
+            stream = self.engine.generate(prompt_ids, params, request_id=builder.id)
+        except QueueFullError:
+            self.metrics.rejected.inc()
+            raise
+        try:
+            if req.stream:
+                first = await _unless_disconnected(request, anext(stream))
+                events = self._events(stream, first, builder, timer, req.include_usage)
+                return _EventStream(events, media_type="text/event-stream")
+            text, last = await _unless_disconnected(request, self._collect(stream, timer))
+        except _ClientGone:
+            await stream.aclose()
+            return Response(status_code=499)
+        return JSONResponse(builder.response(text, last))
+
+    def _sampling_params(self, req: _SamplingRequest, prompt_ids: list[int]):
+        if req.model is not None and req.model != self.model_name:
+            raise RequestError(f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                               "model", status=404, code="model_not_found")
+        n, limit = len(prompt_ids), self.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if n >= limit:
+            raise RequestError(f"the prompt is {n} tokens but the model's context is {limit} tokens; shorten it",
+                               "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                               code="context_length_exceeded")
+        max_tokens = req.requested_max_tokens or limit - n
+        if n + max_tokens > limit:
+            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the model's context "
+                               f"of {limit} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
+        return req.sampling_params(max_tokens)
+
+    async def _collect(self, stream: RequestStream, timer: RequestTimer) -> tuple[str, RequestOutput]:
+        parts = []
+        async with aclosing(stream):
+            async for out in stream:
+                timer.tokens_arrived(len(out.new_token_ids))
+                parts.append(out.new_text)
+        self._finished(out)
+        return "".join(parts), out
+
+    async def _events(self, stream: RequestStream, out: RequestOutput, builder: ResponseBuilder,
+                      timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events; starlette cancels this on disconnect, and closing the stream aborts the request."""
+        async with aclosing(stream):
+            if builder.chat:
+                yield _sse(builder.chunk(None, role=True))
+            try:
+                while True:
+                    timer.tokens_arrived(len(out.new_token_ids))
+                    if out.new_text:
+                        yield _sse(builder.chunk(out.new_text))
+                    if out.finished:
+                        break
+                    out = await anext(stream)
+            except SpearError as e:  # the engine failed mid-stream: say so in-band, the status is already sent
+                yield _sse(error_body(str(e), type="server_error"))
+                return
+        self._finished(out)
+        yield _sse(builder.chunk(None, out.finish_reason))
+        if include_usage:
+            yield _sse(builder.usage_chunk(out))
+        yield "data: [DONE]\n\n"
+
+    def _finished(self, last: RequestOutput) -> None:
+        self.metrics.prompt_tokens.inc(last.prompt_tokens)
+        self.metrics.generation_tokens.inc(last.completion_tokens)
+        self.metrics.finished.labels(last.finish_reason or "unknown").inc()
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """Await `work`, but give up (raise _ClientGone) as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise _ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int) -> FastAPI:
+    """The app; its lifespan starts and stops the engine thread."""
+    metrics = ServerMetrics(engine)
+    serving = OpenAIServing(engine, tokenizer, model_name, max_model_len, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="SPEAR", lifespan=lifespan)
+    _install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await serving.serve(req, serving.completion_prompt(req), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.serve(req, serving.chat_prompt(req), request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "spear",
+                "max_model_len": max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = engine.is_running()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _param_path(locs: list[tuple]) -> list[str]:
+    """The field the first error is about: a union's alternatives all fail under one field, so take their common prefix."""
+    paths = [[str(part) for part in loc if part != "body"] for loc in locs]
+    return os.path.commonprefix([p for p in paths if p[:1] == paths[0][:1]])
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error is an OpenAI-style JSON body; 400 (not FastAPI's 422) for invalid requests; no tracebacks."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0]
+        loc = _param_path([e.get("loc", ()) for e in errors])
+        if first.get("type") == "json_invalid":
+            message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+        else:
+            param = ".".join(loc) or None
+            message = f"{param}: {first['msg']}" if param else first["msg"]
+        return JSONResponse(error_body(message, param), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), type="requests", code="rate_limit_exceeded"), status_code=429)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), type="server_error"), status_code=503)
+
+    @app.exception_handler(SpearError)
+    async def spear_error(request: Request, exc: SpearError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
