@@ -1,0 +1,216 @@
+"""The serving engine: continuous batching over the paged KV cache.
+
+Each `step()` runs one forward that mixes a decode for every running sequence whose
+prompt is in the cache (decodes never wait) with chunks of prompts still to prefill, up
+to the token budget the scheduler policy grants. Waiting requests are admitted in
+arrival order when a slot is free and the KV cache has blocks for their whole length
+(prompt + max_tokens, capped at the context), reserved up front so that a running
+sequence never runs out of cache; blocks return to the pool on finish or abort.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from spear.errors import SpearError
+from spear.runtime.detokenizer import Detokenizer
+from spear.runtime.kv_cache import BlockAllocator, Chunk, KVCache, cdiv
+from spear.runtime.model import Transformer, build_runtime_model
+from spear.runtime.requests import RequestOutput, SamplingParams
+from spear.runtime.runner import ModelRunner
+from spear.runtime.sampler import sample
+from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 32  # running sequences at most (also the largest CUDA-graph bucket)
+    max_model_len: int | None = None  # tokens per sequence; None: the model's context, at most 4096
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
+    policy: SchedulerPolicy = field(default_factory=StaticChunkPolicy)
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    seed: int = 0  # the generator of requests without their own seed
+
+
+@dataclass
+class StepStats:
+    seconds: float = 0.0
+    num_decodes: int = 0
+    num_prefill_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: Detokenizer
+    max_len: int  # prompt + max_tokens, capped at the context
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_computed >= len(self.prompt_ids)
+
+    def next_chunk(self, budget: int) -> Chunk:
+        """The decode token, or up to `budget` prompt tokens still to prefill."""
+        if self.prefilled:
+            return Chunk([self.output_ids[-1]], self.num_computed, self.block_table)
+        tokens = self.prompt_ids[self.num_computed:self.num_computed + budget]
+        return Chunk(tokens, self.num_computed, self.block_table)
+
+
+def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
+    """The KV cache and model runner that `config` asks for."""
+    max_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, model.args.max_seq_len)
+    if config.max_model_len is not None and config.max_model_len > model.args.max_seq_len:
+        raise SpearError(f"max_model_len {config.max_model_len} exceeds the model's context of {model.args.max_seq_len}")
+    blocks = config.num_kv_blocks or config.max_num_seqs * cdiv(max_len, config.block_size) + 1
+    args = model.args
+    cache = KVCache(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.head_dim, model.dtype, model.device)
+    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs)
+
+
+def build_engine(hf_model: nn.Module, tokenizer, config: EngineConfig | None = None) -> Engine:
+    """An engine over a transformers Llama-family model (float or a loaded SPEAR artifact)."""
+    config = config or EngineConfig()
+    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    return Engine(make_runner(build_runtime_model(hf_model), config), tokenizer, config, eos_ids)
+
+
+class Engine:
+    def __init__(self, model_runner: ModelRunner, tokenizer, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+        self.runner = model_runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.policy = config.policy
+        self.allocator = BlockAllocator(model_runner.cache.num_blocks)
+        self.block_size = model_runner.cache.block_size
+        self.max_model_len = model_runner.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+        self.generator = torch.Generator(model_runner.cache.device).manual_seed(config.seed)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._aborted: list[RequestOutput] = []
+        self.last_step = StepStats()
+        self.num_steps = 0
+
+    # Counters the server's /metrics reads.
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.allocator.num_used
+
+    @property
+    def kv_blocks_total(self) -> int:
+        return self.allocator.num_total
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise SpearError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise SpearError(f"the prompt has {len(prompt_token_ids)} tokens; the context is {self.max_model_len} "
+                             f"and must leave room for at least one generated token")
+        if any(s.request_id == request_id for s in (*self.waiting, *self.running)):
+            raise SpearError(f"request id {request_id!r} is already in use")
+        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if cdiv(max_len, self.block_size) > self.allocator.num_total:
+            raise SpearError(f"prompt + max_tokens = {max_len} tokens do not fit the KV cache "
+                             f"({self.allocator.num_total} blocks of {self.block_size}); lower max_tokens")
+        generator = self.generator
+        if params.seed is not None:
+            generator = torch.Generator(self.generator.device).manual_seed(params.seed)
+        detokenizer = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        self.waiting.append(Sequence(request_id, list(prompt_token_ids), params, generator, detokenizer, max_len))
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (unknown or finished ids are ignored); the next step reports it finished."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.allocator.free(seq.block_table)
+                    self._aborted.append(self._output(seq, [], "abort"))
+                    return
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs, self._aborted = self._aborted, []
+        work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled]
+        num_decodes = len(work)
+        waiting_tokens = sum(len(s.prompt_ids) - s.num_computed for s in (*self.running, *self.waiting) if not s.prefilled)
+        budget = self.policy.prefill_budget(num_decodes, waiting_tokens)
+        if num_decodes == 0:
+            budget = max(budget, 1)  # with nothing to decode, a step must make progress
+        work += self._prefill_chunks(budget)
+        if not work:
+            return outputs
+        logits = self.runner.forward([chunk for _, chunk in work])  # [B, vocab]
+        rows = []
+        for i, (seq, chunk) in enumerate(work):
+            seq.num_computed += len(chunk.tokens)
+            if seq.prefilled:
+                rows.append(i)
+        seqs = [work[i][0] for i in rows]
+        tokens = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        outputs += [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+        self.last_step = StepStats(time.perf_counter() - start, num_decodes, sum(len(c.tokens) for _, c in work[num_decodes:]))
+        self.num_steps += 1
+        return outputs
+
+    def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, Chunk]]:
+        """Continue admitted prompts, then admit waiting requests in order while slots, blocks and budget last."""
+        work = []
+        for seq in self.running:
+            if budget > 0 and not seq.prefilled:
+                work.append((seq, seq.next_chunk(budget)))
+                budget -= len(work[-1][1].tokens)
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            needed = cdiv(self.waiting[0].max_len, self.block_size)
+            if needed > self.allocator.num_free:
+                break
+            seq = self.waiting.popleft()
+            seq.block_table = self.allocator.allocate(needed)
+            self.running.append(seq)
+            work.append((seq, seq.next_chunk(budget)))
+            budget -= len(work[-1][1].tokens)
+        return work
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_ids.append(token)
+        stop_ids = seq.params.stop_token_ids if seq.params.ignore_eos else (*seq.params.stop_token_ids, *self.eos_token_ids)
+        reason = None
+        if token in stop_ids or seq.detokenizer.add(token):
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.params.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
+            reason = "length"
+        if reason is not None:
+            self.running.remove(seq)
+            self.allocator.free(seq.block_table)
+        return self._output(seq, [token], reason)
+
+    def _output(self, seq: Sequence, new_ids: list[int], reason: str | None) -> RequestOutput:
+        return RequestOutput(seq.request_id, new_ids, seq.detokenizer.take(final=reason is not None), reason is not None,
+                             reason, len(seq.prompt_ids), len(seq.output_ids))

@@ -1,0 +1,257 @@
+"""The runtime's compact Llama-family transformer (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
+
+Activations are flat over the step's tokens ([T, dim]), so the linear layers see only
+real tokens; attention regroups them per sequence (kv_cache.paged_attention).
+`build_runtime_model` reuses a transformers model's modules (SpearLinear layers stay the
+same objects, ECs included); `random_model` builds one of a real shape for benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spear.compensate.ec import ErrorCompensator
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+from spear.quant.record import QuantConfig, rtn_quantize
+from spear.runtime.kv_cache import Batch, KVCache, paged_attention, write_kv
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    intermediate: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_layers: int
+    vocab: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q, k, v have biases
+    max_seq_len: int = 4096
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelArgs:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED:
+            raise SpearError(f"the serving runtime supports {', '.join(SUPPORTED)} models, not {model_type!r}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise SpearError(f"the serving runtime needs a SwiGLU MLP (hidden_act silu), got {config.hidden_act!r}")
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise SpearError(f"RoPE type {rope_type!r} is not supported by the serving runtime ({', '.join(ROPE_TYPES)})")
+        # Past the sliding window Mistral-style attention differs; capping the context keeps it exact.
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        heads = config.num_attention_heads
+        return cls(
+            dim=config.hidden_size, intermediate=config.intermediate_size, n_heads=heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            n_layers=config.num_hidden_layers, vocab=config.vocab_size, norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else None,
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            max_seq_len=min(config.max_position_embeddings, window or config.max_position_embeddings),
+        )
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with linear or llama3 scaling."""
+    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float) / args.head_dim)
+    scaling = args.rope_scaling or {"rope_type": "default"}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":  # Llama 3.1: keep high frequencies, divide low ones by factor, interpolate between
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None]  # [T, D / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by position (the rotate-half convention of transformers' Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, wq: nn.Module, wk: nn.Module, wv: nn.Module, wo: nn.Module):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, mask: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        q = apply_rope(self.wq(x).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rope(self.wk(x).view(T, self.n_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
+        v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
+        write_kv(*kv, batch.slots, k, v)
+        return self.wo(paged_attention(q, *kv, batch, mask).reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, w_gate: nn.Module, w_up: nn.Module, w_down: nn.Module):
+        super().__init__()
+        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, attention: Attention, feed_forward: FeedForward, attention_norm: RMSNorm, ffn_norm: RMSNorm):
+        super().__init__()
+        self.attention, self.feed_forward = attention, feed_forward
+        self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
+
+    def forward(self, x, cos, sin, batch, mask, kv) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, batch, mask, kv)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, embed: nn.Embedding, layers: list[Block], norm: RMSNorm, head: nn.Module):
+        super().__init__()
+        self.args = args
+        self.embed = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.head = head
+        self.rope = RotaryEmbedding(args).to(embed.weight.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """Logits [B, vocab] at each sequence's last new token; the chunks' K/V land in the cache."""
+        x = self.embed(batch.tokens)  # [T, dim]
+        cos, sin = self.rope(batch.positions, x.dtype)
+        mask = batch.attention_mask(cache.block_size)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, mask, cache.layer(i))
+        return self.head(self.norm(x[batch.last_index]))
+
+
+def build_runtime_model(hf_model: nn.Module) -> Transformer:
+    """The runtime model over a transformers Llama-family model's own modules and tensors."""
+    args = ModelArgs.from_hf_config(hf_model.config)
+    base = hf_model.model
+    layers = []
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(Block(
+            Attention(args, a.q_proj, a.k_proj, a.v_proj, a.o_proj),
+            FeedForward(m.gate_proj, m.up_proj, m.down_proj),
+            RMSNorm(layer.input_layernorm.weight, args.norm_eps),
+            RMSNorm(layer.post_attention_layernorm.weight, args.norm_eps),
+        ))
+    return Transformer(args, base.embed_tokens, layers, RMSNorm(base.norm.weight, args.norm_eps), hf_model.lm_head)
+
+
+@torch.no_grad()
+def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction: float = 0.0, rank: int = 32,
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
+    """Random weights (~N(0, 1/in)) in the shapes of `args`, generated on `device`.
+
+    With `quant`, every decoder linear is RTN-quantized to a SpearLinear; gated ECs
+    (gate_hidden 8) of rank `rank` with random factors go on `ec_fraction` of them,
+    spread evenly over the depth.
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape: int, std: float) -> nn.Parameter:
+        return nn.Parameter(torch.randn(shape, generator=gen, device=device, dtype=dtype) * std, requires_grad=False)
+
+    def float_linear(in_f: int, out_f: int, bias: bool = False) -> nn.Linear:
+        lin = nn.Linear(in_f, out_f, bias=bias, device="meta")
+        lin.weight = randn(out_f, in_f, std=in_f**-0.5)
+        lin.bias = randn(out_f, std=0.02) if bias else None
+        return lin
+
+    def linear(in_f: int, out_f: int, bias: bool = False) -> nn.Module:
+        lin = float_linear(in_f, out_f, bias)
+        return lin if quant is None else SpearLinear(rtn_quantize(lin.weight, quant), lin.bias, dtype)
+
+    def norm() -> RMSNorm:
+        return RMSNorm(nn.Parameter(torch.ones(args.dim, device=device, dtype=dtype), requires_grad=False), args.norm_eps)
+
+    q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    layers = []
+    for _ in range(args.n_layers):
+        attention = Attention(args, linear(args.dim, q_out, args.attention_bias), linear(args.dim, kv_out, args.attention_bias),
+                              linear(args.dim, kv_out, args.attention_bias), linear(q_out, args.dim))
+        ffn = FeedForward(linear(args.dim, args.intermediate), linear(args.dim, args.intermediate),
+                          linear(args.intermediate, args.dim))
+        layers.append(Block(attention, ffn, norm(), norm()))
+
+    embed = nn.Embedding(args.vocab, args.dim, device="meta")
+    embed.weight = randn(args.vocab, args.dim, std=1.0)
+    head = float_linear(args.dim, args.vocab)
+    if args.tie_embeddings:
+        head.weight = embed.weight
+    model = Transformer(args, embed, layers, norm(), head).eval()
+    if quant is not None and ec_fraction > 0:
+        spear_linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
+        for i, lin in enumerate(spear_linears):
+            if math.floor((i + 1) * ec_fraction) > math.floor(i * ec_fraction):  # evenly spread, floor(n * fraction) in all
+                lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn)
+    return model
+
+
+def _random_ec(in_f: int, out_f: int, rank: int, randn) -> ErrorCompensator:
+    ec = ErrorCompensator(in_f, out_f, rank, gate_hidden=8)
+    ec.A, ec.B = randn(rank, in_f, std=in_f**-0.5), randn(out_f, rank, std=0.01 * rank**-0.5)
+    ec.alpha = nn.Parameter(torch.ones((), dtype=ec.A.dtype, device=ec.A.device), requires_grad=False)
+    for layer in (ec.gate[0], ec.gate[2]):
+        layer.weight = randn(*layer.weight.shape, std=layer.in_features**-0.5)
+        layer.bias = randn(*layer.bias.shape, std=0.01)
+    return ec

@@ -1,0 +1,35 @@
+"""Choosing each sequence's next token: greedy, or temperature with top-k and top-p, per-request generators."""
+
+from __future__ import annotations
+
+import torch
+
+from spear.runtime.requests import SamplingParams
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token outside each row's top-k and top-p nucleus set to -inf (k = 0: no top-k)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])
+    sorted_logits = sorted_logits.masked_fill(rank[None] >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    outside = probs.cumsum(dim=-1) - probs >= top_p[:, None]  # mass before this token already reaches top_p
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """One token per row of logits [B, V]; rows with temperature 0 are greedy."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        device = logits.device
+        sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
+        sub = top_k_top_p(sub, torch.tensor([params[i].top_k for i in rows], device=device),
+                          torch.tensor([params[i].top_p for i in rows], device=device))
+        probs = sub.softmax(dim=-1)
+        for j, i in enumerate(rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens.tolist()

@@ -1,0 +1,32 @@
+"""Scheduling policy: how many prompt tokens each engine step may prefill beside its decodes.
+
+The engine decodes one token for every running sequence each step (decodes never wait)
+and asks the policy for the prefill budget of the step; any object with this method
+plugs in, e.g. an SLO-aware policy that reads profiled latency tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from spear.errors import SpearError
+
+
+class SchedulerPolicy(Protocol):
+    def prefill_budget(self, num_decodes: int, num_waiting_tokens: int) -> int:
+        """Prompt tokens to prefill this step, given the step's decodes and the prompt tokens still to prefill."""
+
+
+@dataclass(frozen=True)
+class StaticChunkPolicy:
+    """A fixed prefill chunk per step, whatever the decode load."""
+
+    chunk_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise SpearError(f"the prefill chunk must be at least 1 token, got {self.chunk_tokens}")
+
+    def prefill_budget(self, num_decodes: int, num_waiting_tokens: int) -> int:
+        return self.chunk_tokens

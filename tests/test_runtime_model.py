@@ -1,0 +1,120 @@
+"""The runtime transformer against the transformers model it is built from (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+from spear.quant.pipeline import QuantSettings, quantize_model
+from spear.quant.record import QuantConfig
+from spear.runtime.kv_cache import Batch, Chunk, KVCache
+from spear.runtime.model import (
+    ModelArgs,
+    Transformer,
+    build_runtime_model,
+    random_model,
+)
+
+CPU = torch.device("cpu")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def new_cache(model: Transformer, num_blocks: int = 16, block_size: int = 16) -> KVCache:
+    a = model.args
+    return KVCache(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, model.dtype, model.device)
+
+
+@torch.no_grad()
+def check_against_hf(hf, ids: list[int], chunks: list[int]) -> None:
+    """Full prefill, then chunked prefill + token-by-token decode, against the HF logits at each position."""
+    ref = hf(torch.tensor([ids])).logits[0]  # [L, vocab]
+    model = build_runtime_model(hf)
+    table = [3, 1, 4, 5, 9, 2]  # out of order on purpose
+    out = model(Batch.build([Chunk(ids, 0, table)], 16, CPU), new_cache(model))
+    assert rel_err(out[0], ref[-1]) <= 1e-4
+
+    cache, start = new_cache(model), 0
+    for n in chunks:
+        out = model(Batch.build([Chunk(ids[start:start + n], start, table)], 16, CPU), cache)
+        start += n
+        assert rel_err(out[0], ref[start - 1]) <= 1e-4
+    for pos in range(start, len(ids)):
+        out = model(Batch.build([Chunk([ids[pos]], pos, table)], 16, CPU), cache)
+        assert rel_err(out[0], ref[pos]) <= 1e-4
+
+
+def test_tiny_llama_matches_transformers():
+    ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+    check_against_hf(make_tiny_llama(), ids, [7, 20, 13])
+
+
+def test_quantized_with_ecs_reuses_spear_linears_and_matches(tiny_model_dir):
+    from spear.api import load
+    from spear.compensate.ec import ErrorCompensator
+
+    hf = load(str(tiny_model_dir), CPU, torch.float32).model
+    quantize_model(hf, QuantSettings("rtn", QuantConfig(4, -1)))
+    q_proj = hf.model.layers[0].self_attn.q_proj
+    q_proj.ec = ErrorCompensator(q_proj.in_features, q_proj.out_features, 4, gate_hidden=8)
+    torch.nn.init.normal_(q_proj.ec.A)
+    torch.nn.init.normal_(q_proj.ec.B)
+    torch.nn.init.normal_(q_proj.ec.gate[2].weight)
+    assert build_runtime_model(hf).layers[0].attention.wq is q_proj
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    check_against_hf(hf, ids, [16, 9])
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_rope_scaling_and_attention_bias_match(kind):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    if kind == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+        hf = LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=rope)).eval()
+    else:
+        hf = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+        for layer in hf.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_proj.bias)
+            torch.nn.init.normal_(layer.self_attn.k_proj.bias)
+    args = ModelArgs.from_hf_config(hf.config)
+    assert (args.rope_scaling is not None) == (kind == "llama3") and args.attention_bias == (kind == "qwen2")
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    check_against_hf(hf, ids, [33, 40])
+
+
+def test_smollm2_matches_transformers(smollm2):
+    ids = smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
+    check_against_hf(smollm2.model, ids, [5, len(ids) - 9])
+
+
+def test_unsupported_architecture_is_a_spear_error():
+    from transformers import GPT2Config
+
+    with pytest.raises(SpearError, match="gpt2"):
+        ModelArgs.from_hf_config(GPT2Config())
+
+
+def test_random_model_shapes_ecs_and_forward():
+    args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=3, vocab=100)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.38, rank=8, dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
+    assert len(linears) == 21 and sum(m.ec is not None for m in linears) == 7
+    assert all(m.weight_hat.abs().sum() > 0 for m in linears)
+    assert all(m.ec.B.abs().sum() > 0 for m in linears if m.ec is not None)
+    out = model(Batch.build([Chunk([1, 2, 3], 0, [1]), Chunk([4], 0, [2])], 16, CPU), new_cache(model, 4))
+    assert out.shape == (2, 100) and torch.isfinite(out).all()
