@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run through the interpreter where there is no GPU (as in CI).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # One spear cache for the whole test session, never the user's ~/.cache/spear.
 os.environ.setdefault("SPEAR_CACHE", tempfile.mkdtemp(prefix="spear-test-cache-"))
 

@@ -1,0 +1,116 @@
+"""Packing for the W4A16 kernels.
+
+Weight W [N, K] (out × in) as the record holds it: W_hat = (q − z) · s, q ∈ [0, 15].
+Kernel layout:
+    qweight  int32 [N, K / 8]   eight 4-bit codes per word along K, code k at bits 4·(k mod 8)
+    scales   fp16  [N, K / g]   one per row and group (g = K for per-channel)
+    zeros    fp16  [N, K / g]   the integer zero points, exact in fp16
+(q − z) is an exact small integer in fp16 and (q − z)·s rounds once, so the kernels'
+dequantized weight is bit-identical to `QuantizedWeight.dequantize(torch.float16)`.
+
+The EC is packed as the kernels read it (ec(x) = alpha · B (gamma(A x) ⊙ A x)):
+    A fp16 [R, K], alpha·B fp16 [N, R], gate W1 [H, R], b1 [H], W2 [R, H], b2 [R], with R and H
+    zero-padded to tensor-core sizes (≥ 16, powers of two). Zero padding is exact: padded rank
+    rows give u = 0 and padded hidden units feed W2's zero columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spear.compensate.ec import ErrorCompensator
+from spear.errors import SpearError
+from spear.quant.record import QuantizedWeight
+
+
+@dataclass
+class PackedW4:
+    qweight: torch.Tensor  # int32 [N, K / 8]
+    scales: torch.Tensor  # fp16 [N, K / g]
+    zeros: torch.Tensor  # fp16 [N, K / g]
+    group_size: int  # g; K for per-channel
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 8
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+    def to(self, device: torch.device) -> "PackedW4":
+        return PackedW4(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
+
+
+@dataclass
+class PackedEC:
+    A: torch.Tensor  # fp16 [R, K]
+    B: torch.Tensor  # fp16 [N, R], alpha folded in
+    W1: torch.Tensor  # fp16 [H, R]
+    b1: torch.Tensor  # fp16 [H]
+    W2: torch.Tensor  # fp16 [R, H]
+    b2: torch.Tensor  # fp16 [R]
+    rank: int  # the true rank r ≤ R
+    gated: bool
+
+    @property
+    def padded_rank(self) -> int:
+        return self.A.shape[0]
+
+    def to(self, device: torch.device) -> "PackedEC":
+        t = {k: getattr(self, k).to(device) for k in ("A", "B", "W1", "b1", "W2", "b2")}
+        return PackedEC(**t, rank=self.rank, gated=self.gated)
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def pack_w4(record: QuantizedWeight) -> PackedW4:
+    if record.bits != 4:
+        raise SpearError(f"the W4A16 kernels take 4-bit weights, got {record.bits}-bit")
+    n, k = record.shape
+    if k % 64 or n % 64:
+        raise SpearError(f"the W4A16 kernels need in and out sizes that are multiples of 64, got {n}×{k}")
+    if record.group_size not in (32, 64, 128, k) and not (record.group_size % 128 == 0 and k % record.group_size == 0):
+        raise SpearError(f"the W4A16 kernels take group sizes 32, 64, multiples of 128, or per-channel; got {record.group_size}")
+    codes = record.codes.to(torch.int32).view(n, k // 8, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
+    qweight = (codes << shifts).sum(-1, dtype=torch.int64)  # fits 32 bits unsigned
+    qweight = torch.where(qweight >= 2**31, qweight - 2**32, qweight).to(torch.int32)
+    return PackedW4(qweight.contiguous(), record.scales.half().contiguous(), record.zeros.half().contiguous(), record.group_size)
+
+
+def unpack_w4(packed: PackedW4) -> torch.Tensor:
+    """The uint8 codes [N, K] back from the packed words (the inverse of pack_w4's packing)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.qweight.device)
+    codes = (packed.qweight[:, :, None] >> shifts) & 0xF
+    return codes.reshape(packed.out_features, packed.in_features).to(torch.uint8)
+
+
+def pack_ec(ec: ErrorCompensator) -> PackedEC:
+    r, k = ec.A.shape
+    n = ec.B.shape[0]
+    R = _pow2_at_least_16(r)
+    dev = ec.A.device
+    A = torch.zeros(R, k, dtype=torch.float16, device=dev)
+    A[:r] = ec.A.detach().half()
+    B = torch.zeros(n, R, dtype=torch.float16, device=dev)
+    B[:, :r] = (ec.alpha.detach().float() * ec.B.detach().float()).half()
+    h = max(ec.gate_hidden, 1)
+    H = _pow2_at_least_16(h)
+    W1 = torch.zeros(H, R, dtype=torch.float16, device=dev)
+    b1 = torch.zeros(H, dtype=torch.float16, device=dev)
+    W2 = torch.zeros(R, H, dtype=torch.float16, device=dev)
+    b2 = torch.zeros(R, dtype=torch.float16, device=dev)
+    if ec.gate is not None:
+        W1[:h, :r] = ec.gate[0].weight.detach().half()
+        b1[:h] = ec.gate[0].bias.detach().half()
+        W2[:r, :h] = ec.gate[2].weight.detach().half()
+        b2[:r] = ec.gate[2].bias.detach().half()
+    return PackedEC(A, B, W1, b1, W2, b2, rank=r, gated=ec.gate is not None)

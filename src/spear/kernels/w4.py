@@ -1,0 +1,368 @@
+"""W4A16 GEMM with the error compensator, in Triton: y = x · W_hatᵀ + bias + (alpha·B) g,
+g = gamma(A x) ⊙ A x (see reference.py for the specification, pack.py for the layout).
+
+Two regimes behind `w4_linear`, picked by the number of rows M:
+
+* decode (M ≤ 16), one launch. The grid is 1-D: its first num_ax programs compute partial
+  u = A x over slices of K and add them into a float32 workspace; the remaining programs
+  stream the int4 weight (split-K when N alone gives too few programs). The last program
+  to finish an output tile (a per-tile arrival counter) reads the reduced tile, waits for
+  the u-programs (an arrival counter they bump), applies the gate in rank space and adds
+  (alpha·B)_tile g in registers, then writes the output once. The u-programs have the
+  lowest ids, so they are dispatched first and the wait cannot deadlock. Each launch
+  leaves its workspace and counters zeroed for the next one.
+* prefill (M > 16): a rank-space kernel computes g [M, R] (A x and the gate MLP), then
+  the tensor-core W4 GEMM adds g (alpha·B)ᵀ in its epilogue: no extra pass over y.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from spear.kernels.pack import PackedEC, PackedW4
+
+DECODE_MAX_M = 16
+
+
+# --- building blocks ------------------------------------------------------------------
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K, G, group_size,
+                  BN: tl.constexpr, BK: tl.constexpr, NG: tl.constexpr):
+    """W_hat[offs_n, k0 : k0 + BK] as fp16 [BN, BK]; NG groups per tile (1 when g ≥ BK)."""
+    offs_kw = k0 // 8 + tl.arange(0, BK // 8)
+    packed = tl.load(qw_ptr + offs_n[:, None] * (K // 8) + offs_kw[None, :],
+                     mask=mask_n[:, None] & (offs_kw[None, :] < K // 8), other=0)  # [BN, BK/8] int32
+    shifts = tl.arange(0, 8) * 4
+    q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]: code k0 + 8i + j
+    q = tl.reshape(q, (BN, NG, BK // NG)).to(tl.float16)
+    offs_g = k0 // group_size + tl.arange(0, NG)
+    mask_g = mask_n[:, None] & (offs_g[None, :] < G)
+    s = tl.load(s_ptr + offs_n[:, None] * G + offs_g[None, :], mask=mask_g, other=0.0)  # [BN, NG]
+    z = tl.load(z_ptr + offs_n[:, None] * G + offs_g[None, :], mask=mask_g, other=0.0)
+    w = (q - z[:, :, None]) * s[:, :, None]  # (q − z) · s, exact as in the record's dequantize
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr):
+    """g = u ⊙ (1 + tanh(W2 silu(W1 u + b1) + b2)) for u [BM, R] float32; u itself when not gated."""
+    if GATED:
+        offs_r = tl.arange(0, R)
+        offs_h = tl.arange(0, H)
+        w1t = tl.load(w1_ptr + offs_h[None, :] * R + offs_r[:, None])  # [R, H] = W1ᵀ
+        b1 = tl.load(b1_ptr + offs_h).to(tl.float32)
+        hidden = tl.dot(u.to(tl.float16), w1t) + b1[None, :]
+        hidden = hidden * tl.sigmoid(hidden)  # silu
+        w2t = tl.load(w2_ptr + offs_r[None, :] * H + offs_h[:, None])  # [H, R] = W2ᵀ
+        b2 = tl.load(b2_ptr + offs_r).to(tl.float32)
+        z = tl.dot(hidden.to(tl.float16), w2t) + b2[None, :]
+        u = u * (2.0 * tl.sigmoid(2.0 * z))  # 1 + tanh(z) = 2 sigmoid(2z)
+    return u
+
+
+@triton.jit
+def _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
+                      HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr):
+    if HAS_EC:
+        offs_r = tl.arange(0, R)
+        b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None], other=0.0)  # [BN, R]
+        acc += tl.dot(g.to(tl.float16), tl.trans(b))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+# --- decode: one launch ---------------------------------------------------------------
+
+
+@triton.jit
+def _w4_decode_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
+    a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+    y_ws_ptr, u_ws_ptr, cnt_ptr,
+    M, N, K, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
+    HAS_EC: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NG: tl.constexpr,
+):
+    # cnt_ptr: [0] u-programs arrived, [1] tiles that consumed u, [2 + n] splits arrived at tile n
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    mask_m = offs_m < M
+    if pid < num_ax:
+        # u += A[:, slice] x[slice]  over this program's slice of K
+        offs_r = tl.arange(0, R)
+        u = tl.zeros((BM, R), dtype=tl.float32)
+        for k0 in range(pid * ax_k_per_prog, (pid + 1) * ax_k_per_prog, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+            ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+            u += tl.dot(xk, tl.trans(ak))
+        tl.atomic_add(u_ws_ptr + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
+        tl.debug_barrier()
+        tl.atomic_add(cnt_ptr, 1, sem="release")
+    else:
+        gid = pid - num_ax
+        pid_n = gid // split_k
+        pid_k = gid % split_k
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(pid_k * k_per_split, (pid_k + 1) * k_per_split, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+            w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K, G, group_size, BN, BK, NG)
+            acc += tl.dot(xk, tl.trans(w))
+        last = pid_k >= 0  # True, as a tensor: the branch below may replace it
+        if split_k > 1:
+            ws = y_ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+            mask = mask_m[:, None] & mask_n[None, :]
+            tl.atomic_add(ws, acc, mask=mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + 2 + pid_n, 1, sem="acq_rel")
+            last = arrived == split_k - 1
+            if last:  # every split has added its share: take the sum, leave zeros behind
+                acc = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(ws, tl.zeros((BM, BN), dtype=tl.float32), mask=mask)
+                tl.atomic_xchg(cnt_ptr + 2 + pid_n, 0)
+        if last:
+            g = tl.zeros((BM, R), dtype=tl.float32)
+            if HAS_EC:
+                arrived_ax = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+                while arrived_ax < num_ax:
+                    arrived_ax = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+                offs_r = tl.arange(0, R)
+                u = tl.load(u_ws_ptr + offs_m[:, None] * R + offs_r[None, :], cache_modifier=".cg")
+                g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+                tl.debug_barrier()
+                done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
+                if done == num_tiles - 1:  # the last reader of u: reset for the next launch
+                    tl.store(u_ws_ptr + offs_m[:, None] * R + offs_r[None, :], tl.zeros((BM, R), dtype=tl.float32))
+                    tl.atomic_xchg(cnt_ptr + 1, 0)
+                    tl.atomic_xchg(cnt_ptr, 0)
+            _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
+                              HAS_EC, HAS_BIAS, R)
+
+
+# --- prefill: rank-space kernel + tensor-core GEMM ---------------------------------------
+
+
+@triton.jit
+def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm,
+                    GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """g [M, R] = gamma(A x) ⊙ A x, in fp16."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    offs_r = tl.arange(0, R)
+    u = tl.zeros((BM, R), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+        u += tl.dot(xk, tl.trans(ak))
+    g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+    tl.store(g_ptr + offs_m[:, None] * R + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+
+
+@triton.jit
+def _w4_prefill_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr,
+    M, N, K, G, group_size, stride_xm, stride_ym,
+    HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NG: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K, G, group_size, BN, BK, NG)
+        acc += tl.dot(xk, tl.trans(w))
+    g = tl.zeros((BM, R), dtype=tl.float32)
+    if HAS_EC:
+        offs_r = tl.arange(0, R)
+        g = tl.load(g_ptr + offs_m[:, None] * R + offs_r[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
+    _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr, HAS_EC, HAS_BIAS, R)
+
+
+# --- host side ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 0  # 0: pick so that the grid fills the GPU
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+class _Workspace:
+    """Per-device float32 scratch and counters for the decode kernel, zero between launches.
+
+    Launches on one stream run in order, so one workspace serves every layer. It only grows;
+    buffers it outgrows stay alive because a captured CUDA graph may still point at them.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.retired: list[torch.Tensor] = []
+
+    def get(self, device: torch.device, n: int, r: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        have = self.buffers.get(device)
+        if have is None or have[0].shape[1] < n or have[1].shape[1] < r or have[2].numel() < 2 + tiles:
+            n = max(n, have[0].shape[1] if have else 0)
+            r = max(r, have[1].shape[1] if have else 0)
+            tiles = max(tiles, have[2].numel() - 2 if have else 0)
+            if have is not None:
+                self.retired.extend(have)
+            have = (torch.zeros(DECODE_MAX_M, n, dtype=torch.float32, device=device),
+                    torch.zeros(DECODE_MAX_M, r, dtype=torch.float32, device=device),
+                    torch.zeros(2 + tiles, dtype=torch.int32, device=device))
+            self.buffers[device] = have
+        return have
+
+
+_WORKSPACE = _Workspace()
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _groups_per_tile(block_k: int, group_size: int) -> int:
+    if group_size >= block_k:
+        if group_size % block_k:
+            raise ValueError(f"block_k {block_k} must divide the group size {group_size}")
+        return 1
+    if block_k % group_size:
+        raise ValueError(f"the group size {group_size} must divide block_k {block_k}")
+    return block_k // group_size
+
+
+def _block_k_for(block_k: int, group_size: int) -> int:
+    """The largest block ≤ block_k that tiles the groups (a power of two ≥ 32)."""
+    while block_k > 32 and group_size % block_k and block_k % group_size:
+        block_k //= 2
+    return block_k
+
+
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
+              cfg: DecodeConfig = DecodeConfig(), out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] for x [M, K] with M ≤ 16, in one launch (see the module docstring); into `out` if given."""
+    m, k = x.shape
+    n = w.out_features
+    if m > DECODE_MAX_M:
+        raise ValueError(f"the decode kernel takes at most {DECODE_MAX_M} rows, got {m}")
+    bk = _block_k_for(cfg.block_k, w.group_size)
+    tiles = triton.cdiv(n, cfg.block_n)
+    sms = _num_sms(x.device)
+    split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, bk)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    split_k = triton.cdiv(k, k_per_split)
+    R = ec.padded_rank if ec is not None else 16
+    H = ec.W1.shape[0] if ec is not None else 16
+    num_ax = 0
+    ax_k = bk
+    if ec is not None:
+        num_ax = max(1, min(triton.cdiv(k, 1024), triton.cdiv(sms, 4)))  # ≤ 1024 columns of A each
+        ax_k = triton.cdiv(triton.cdiv(k, num_ax), bk) * bk
+        num_ax = triton.cdiv(k, ax_k)
+    y_ws, u_ws, counters = _WORKSPACE.get(x.device, n, R, tiles)
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    e = ec
+    grid = (num_ax + tiles * split_k,)
+    _w4_decode_kernel[grid](
+        x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
+        e.A if e else y, e.B if e else y, e.W1 if e else y, e.b1 if e else y, e.W2 if e else y, e.b2 if e else y,
+        y_ws, u_ws, counters,
+        m, n, k, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0), split_k, k_per_split, num_ax, ax_k, tiles,
+        HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated),
+        HAS_BIAS=bias is not None, R=R, H=H,
+        BM=DECODE_MAX_M, BN=cfg.block_n, BK=bk, NG=_groups_per_tile(bk, w.group_size),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64) -> torch.Tensor:
+    """g = gamma(A x) ⊙ A x  [M, R] fp16, one launch."""
+    m, k = x.shape
+    g = torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
+    _ec_rank_kernel[(triton.cdiv(m, block_m),)](
+        x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0),
+        GATED=ec.gated, R=ec.padded_rank, H=ec.W1.shape[0], BM=block_m, BK=block_k, num_warps=4,
+    )
+    return g
+
+
+def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
+               cfg: PrefillConfig = PrefillConfig(), g: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] for any M: the tensor-core GEMM, with (alpha·B) g added in its epilogue.
+
+    g (from `ec_rank`) may be passed in, computed earlier or on another stream; else it is computed here.
+    """
+    m, k = x.shape
+    n = w.out_features
+    if ec is not None and g is None:
+        g = ec_rank(x, ec)
+    bk = _block_k_for(cfg.block_k, w.group_size)
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w4_prefill_kernel[grid](
+        x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
+        g if g is not None else y, ec.B if ec is not None else y,
+        m, n, k, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
+        HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
+        BM=cfg.block_m, BN=cfg.block_n, BK=bk, NG=_groups_per_tile(bk, w.group_size), GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Phase-adaptive dispatch: the decode kernel for M ≤ 16 rows, the prefill path above."""
+    x2 = _flatten(x)
+    if x2.dtype != torch.float16:
+        raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
+    y = w4_decode(x2, w, ec, bias) if x2.shape[0] <= DECODE_MAX_M else w4_prefill(x2, w, ec, bias)
+    return y.view(*x.shape[:-1], w.out_features)

@@ -1,0 +1,147 @@
+"""Triton W4A16 kernels against their PyTorch references (CPU: TRITON_INTERPRET=1, set in conftest).
+
+Inputs are drawn fresh each run (the seed is in every failure message) and outputs are
+poisoned with NaN before each launch, so an unwritten element fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from spear.compensate.ec import ErrorCompensator
+from spear.errors import SpearError
+from spear.kernels.pack import pack_ec, pack_w4, unpack_w4
+from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_ref
+from spear.kernels.w4 import DecodeConfig, PrefillConfig, ec_rank, w4_decode, w4_linear, w4_prefill
+from spear.layer import SpearLinear
+from spear.quant.record import QuantConfig, rtn_quantize
+
+SEED = int.from_bytes(os.urandom(4), "little")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SMALL_DECODE = DecodeConfig(block_n=32, block_k=64)
+SMALL_PREFILL = PrefillConfig(block_m=32, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=2)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(SEED)
+
+
+def random_w4(n: int, k: int, group: int, gen: torch.Generator, sym: bool = True):
+    w = torch.randn(n, k, generator=gen) * (1 + torch.rand(n, 1, generator=gen))
+    return rtn_quantize(w, QuantConfig(4, group, sym=sym))
+
+
+def random_ec(n: int, k: int, rank: int, gen: torch.Generator, gate_hidden: int = 8) -> ErrorCompensator:
+    ec = ErrorCompensator(k, n, rank, gate_hidden=gate_hidden, alpha=0.5 + torch.rand(1, generator=gen).item())
+    with torch.no_grad():
+        for p in ec.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() < 2 else 1 / p.shape[1] ** 0.5))
+    return ec
+
+
+def poisoned(m: int, n: int) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor, what: str, rtol: float = 2e-3) -> None:
+    assert not y.isnan().any(), f"{what}: unwritten (NaN) outputs; seed {SEED}"
+    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < rtol, f"{what}: relative error {err:.2e}; seed {SEED}"
+
+
+def test_packing_round_trips_codes_and_dequantizes_bit_exactly(gen):
+    for group in (-1, 32, 64, 128):
+        record = random_w4(64, 256, group, gen, sym=group != 64)
+        packed = pack_w4(record)
+        assert packed.qweight.dtype == torch.int32 and packed.qweight.shape == (64, 32)
+        assert torch.equal(unpack_w4(packed), record.codes)
+        assert torch.equal(dequantize_w4(packed), record.dequantize(torch.float16))
+
+
+def test_packing_rejects_what_the_kernels_cannot_take(gen):
+    with pytest.raises(SpearError, match="4-bit"):
+        pack_w4(rtn_quantize(torch.randn(64, 64, generator=gen), QuantConfig(3, -1)))
+    with pytest.raises(SpearError, match="multiples of 64"):
+        pack_w4(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32)))
+
+
+@pytest.mark.parametrize("group", [-1, 32, 64, 128])
+@pytest.mark.parametrize("with_ec", [False, True])
+def test_decode_kernel_matches_reference(group, with_ec, gen):
+    n, k = 192, 256  # odd tile counts: 192 / 32 = 6 tiles, K splits unevenly
+    packed = pack_w4(random_w4(n, k, group, gen, sym=group != 32)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE) if with_ec else None
+    bias = torch.randn(n, generator=gen).half().to(DEVICE)
+    for m, split_k in ((1, 1), (3, 2), (16, 3)):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, block_k=64, split_k=split_k), out=poisoned(m, n))
+        assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
+
+
+def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):
+    """The in-kernel counters and scratch reset themselves: repeated launches with new inputs stay exact."""
+    n, k = 128, 576  # SmolLM2's hidden size
+    packed = pack_w4(random_w4(n, k, 64, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 24, gen)).to(DEVICE)  # rank 24 → padded to 32
+    for m in (1, 7, 2):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=32, block_k=64, split_k=4), out=poisoned(m, n))
+        assert_close(y, w4_linear_ref(x, packed, ec), f"repeat m={m}")
+
+
+def test_decode_ec_term_alone_matches_reference(gen):
+    """The EC's share of the output, isolated: (kernel with EC) − (kernel without) vs the rank-space reference."""
+    n, k = 128, 256
+    packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
+    ec = random_ec(n, k, 16, gen)
+    with torch.no_grad():
+        ec.B.mul_(30)  # an EC term of the size of the W4 output, so that rounding of y does not hide it
+    ec = pack_ec(ec).to(DEVICE)
+    x = torch.randn(4, k, generator=gen).half().to(DEVICE)
+    with_ec = w4_decode(x, packed, ec, None, SMALL_DECODE).float()
+    without = w4_decode(x, packed, None, None, SMALL_DECODE).float()
+    ref = ec_gated_rank_ref(x, ec) @ ec.B.float().t()
+    assert ref.norm() > 0.3 * without.norm()  # the EC term is not negligible
+    err = ((with_ec - without - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, f"EC term relative error {err:.2e}; seed {SEED}"
+
+
+@pytest.mark.parametrize("group", [-1, 64])
+@pytest.mark.parametrize("with_ec", [False, True])
+def test_prefill_kernel_matches_reference(group, with_ec, gen):
+    n, k, m = 192, 320, 45  # M not a multiple of the tile, K not a multiple of block_k
+    packed = pack_w4(random_w4(n, k, group, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 32, gen)).to(DEVICE) if with_ec else None
+    bias = torch.randn(n, generator=gen).half().to(DEVICE) if with_ec else None
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    y = w4_prefill(x, packed, ec, bias, SMALL_PREFILL, out=poisoned(m, n))
+    assert_close(y, w4_linear_ref(x, packed, ec, bias), f"prefill g={group} ec={with_ec}")
+
+
+def test_rank_kernel_matches_reference(gen):
+    n, k, m = 64, 192, 37
+    for gated in (True, False):
+        ec = pack_ec(random_ec(n, k, 8, gen, gate_hidden=8 if gated else 0)).to(DEVICE)
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        g = ec_rank(x, ec, block_m=16)
+        assert_close(g, ec_gated_rank_ref(x, ec), f"rank kernel gated={gated}", rtol=5e-3)
+
+
+def test_dispatch_by_rows_and_the_shared_layer(gen):
+    """w4_linear picks decode (M ≤ 16) or prefill by M; SpearLinear.use_kernels routes through it on CUDA."""
+    n, k = 128, 192
+    record = random_w4(n, k, 64, gen)
+    layer = SpearLinear(record, bias=torch.randn(n, generator=gen), dtype=torch.float16)
+    layer.ec = random_ec(n, k, 8, gen).half()
+    assert layer.use_kernels()
+    for m in (1, 17):
+        x = torch.randn(2, m, k, generator=gen).half()  # leading dims are flattened
+        ref = w4_linear_ref(x.reshape(-1, k), layer.packed, layer.packed_ec, layer.bias.half()).view(2, m, n)
+        assert_close(w4_linear(x.to(DEVICE), layer.packed.to(DEVICE), layer.packed_ec.to(DEVICE),
+                               layer.bias.half().to(DEVICE)), ref, f"dispatch m={m}")
+        assert_close(layer(x), ref, f"SpearLinear m={m}", rtol=5e-3)  # CPU: the PyTorch backend
+    assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()
