@@ -15,7 +15,14 @@ from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.kernels.pack import pack_ec, pack_w4, unpack_w4
 from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_ref
-from spear.kernels.w4 import DecodeConfig, PrefillConfig, ec_rank, w4_decode, w4_linear, w4_prefill
+from spear.kernels.w4 import (
+    DecodeConfig,
+    PrefillConfig,
+    ec_rank,
+    w4_decode,
+    w4_linear,
+    w4_prefill,
+)
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 

@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compensate_args(r)
     _add_quant_args(r)
     _add_eval_args(r)
+
+    s = sub.add_parser("serve", help="serve a model or artifact over an OpenAI-compatible HTTP API")
+    s.add_argument("model", help="artifact directory, HF model directory, .gguf file, or 'smollm2'")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which requests get HTTP 429")
+    s.add_argument("--chunk-tokens", type=int, default=512, help="prompt tokens prefilled per engine step")
+    s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     return parser
 
 
@@ -113,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers_quiet()
     try:
-        commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run}
+        commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run,
+                    "serve": cmd_serve}
         return commands[args.command](args)
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
@@ -199,6 +208,13 @@ def cmd_run(args) -> int:
     report = run(config, device=_device(args))
     if args.json:
         print(json.dumps(report))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from spear.server.launch import ServeConfig, serve
+
+    serve(args.model, ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens), device=_device(args))
     return 0
 
 

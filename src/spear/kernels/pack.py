@@ -43,7 +43,7 @@ class PackedW4:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
 
-    def to(self, device: torch.device) -> "PackedW4":
+    def to(self, device: torch.device) -> PackedW4:
         return PackedW4(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
 
 
@@ -62,7 +62,7 @@ class PackedEC:
     def padded_rank(self) -> int:
         return self.A.shape[0]
 
-    def to(self, device: torch.device) -> "PackedEC":
+    def to(self, device: torch.device) -> PackedEC:
         t = {k: getattr(self, k).to(device) for k in ("A", "B", "W1", "b1", "W2", "b2")}
         return PackedEC(**t, rank=self.rank, gated=self.gated)
 
