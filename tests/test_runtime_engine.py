@@ -1,0 +1,169 @@
+"""The engine on CPU: greedy equals transformers' generate, batching changes nothing, stops, aborts, admission."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spear.errors import SpearError
+from spear.runtime.detokenizer import Detokenizer
+from spear.runtime.engine import Engine, EngineConfig, build_engine
+from spear.runtime.requests import SamplingParams
+from spear.runtime.scheduler import StaticChunkPolicy
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from spear.api import load
+
+    return load(str(tiny_model_dir), CPU, torch.float32)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, dict]:
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    results = {rid: {"ids": [], "text": "", "reason": None} for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            r = results[out.request_id]
+            assert r["reason"] is None, "no output after finishing"
+            r["ids"] += out.new_token_ids
+            r["text"] += out.new_text
+            r["reason"] = out.finish_reason
+    return results
+
+
+def hf_greedy(lm, ids: list[int], n: int) -> list[int]:
+    out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_equals_transformers_generate_tiny(tiny):
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=256, num_kv_blocks=40))
+    ids = prompt(21)
+    got = run(engine, {"a": (ids, SamplingParams(max_tokens=30, temperature=0))})["a"]
+    assert got["ids"] == hf_greedy(tiny, ids, 30)
+
+
+def test_greedy_equals_transformers_generate_smollm2(smollm2):
+    engine = build_engine(smollm2.model, smollm2.tokenizer, EngineConfig(max_model_len=128, num_kv_blocks=16))
+    ids = smollm2.tokenizer("The capital of France is")["input_ids"]
+    got = run(engine, {"a": (ids, SamplingParams(max_tokens=12, temperature=0))})["a"]
+    assert got["ids"] == hf_greedy(smollm2, ids, 12)
+    assert got["text"] == smollm2.tokenizer.decode(got["ids"], skip_special_tokens=True)
+    assert "Paris" in got["text"]
+
+
+def test_batching_and_chunked_prefill_change_nothing(tiny):
+    requests = {"short": (prompt(5, 1), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+                "long": (prompt(45, 2), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))}
+    alone = {rid: run(build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128)), {rid: r})[rid]
+             for rid, r in requests.items()}
+    # a 16-token prefill budget: the long prompt prefills in chunks while the short one decodes
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128, policy=StaticChunkPolicy(16)))
+    together = run(engine, requests)
+    assert together == alone
+    assert [len(together[r]["ids"]) for r in ("short", "long")] == [20, 9]
+    assert together["short"]["reason"] == "length"
+
+
+def test_abort_frees_blocks(tiny):
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128, num_kv_blocks=20))
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("a", prompt(20), params)
+    engine.add_request("b", prompt(20, 1), params)
+    engine.step()
+    assert engine.num_running == 2 and engine.kv_blocks_used == 2 * 5  # 70 tokens: 5 blocks each
+    engine.abort("a")
+    engine.abort("unknown")
+    assert engine.num_running == 1 and engine.kv_blocks_used == 5
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].finish_reason == "abort" and not outs["b"].finished
+    engine.abort("b")
+    engine.step()
+    assert not engine.has_unfinished() and engine.kv_blocks_used == 0
+
+
+def test_stop_strings_and_stop_tokens(tiny):
+    def engine():
+        return build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128))
+
+    ids = prompt(10, 3)
+    full = run(engine(), {"a": (ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))})["a"]
+    text = full["text"]
+    stop = text[12:15]
+    cut = text.find(stop)
+    got = run(engine(), {"a": (ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=("zzzz", stop)))})
+    assert got["a"]["text"] == text[:cut] and got["a"]["reason"] == "stop"
+    token = full["ids"][5]
+    got = run(engine(), {"a": (ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(token,)))})
+    first = full["ids"].index(token)
+    assert got["a"]["ids"] == full["ids"][:first + 1] and got["a"]["reason"] == "stop"
+
+
+def test_detokenizer_holds_back_a_possible_stop_string(tiny):
+    tok = tiny.tokenizer
+    d = Detokenizer(tok, tok("hi")["input_ids"], stop=("STOP",))
+    pieces = []
+    for ch in "abcST":
+        assert not d.add(tok(ch)["input_ids"][0])
+        pieces.append(d.take(final=False))
+    assert "".join(pieces) == "abc"  # "ST" could start "STOP"
+    assert not d.add(tok("X")["input_ids"][0])
+    assert d.take(final=False) == "STX"
+    for ch in "STO":
+        d.add(tok(ch)["input_ids"][0])
+    assert d.add(tok("P")["input_ids"][0]) and d.take(final=True) == ""
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    def sampled(seed, other=False):
+        engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128))
+        params = SamplingParams(max_tokens=25, temperature=1.0, top_p=0.9, top_k=50, seed=seed, ignore_eos=True)
+        requests = {"a": (prompt(8), params)}
+        if other:
+            requests["b"] = (prompt(30, 5), SamplingParams(max_tokens=10, temperature=0.7))
+        return run(engine, requests)["a"]["ids"]
+
+    assert sampled(7) == sampled(7) == sampled(7, other=True)
+    assert sampled(7) != sampled(8)
+
+
+def test_bad_requests_raise(tiny):
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=64, num_kv_blocks=3))
+    with pytest.raises(SpearError, match="context"):
+        engine.add_request("a", prompt(64), SamplingParams())
+    with pytest.raises(SpearError, match="KV cache"):
+        engine.add_request("a", prompt(40), SamplingParams(max_tokens=10))
+    with pytest.raises(SpearError, match="empty"):
+        engine.add_request("a", [], SamplingParams())
+    engine.add_request("a", prompt(10), SamplingParams())
+    with pytest.raises(SpearError, match="in use"):
+        engine.add_request("a", prompt(10), SamplingParams())
+    with pytest.raises(SpearError, match="exceeds"):
+        build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=100_000))
+
+
+def test_many_requests_with_a_small_pool_all_finish(tiny):
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128, max_num_seqs=8, num_kv_blocks=9))
+    requests = {f"r{i}": (prompt(10 + i, i), SamplingParams(max_tokens=6 + i, temperature=0, ignore_eos=True))
+                for i in range(16)}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    seen_waiting = False
+    results = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id] += out.new_token_ids
+        seen_waiting |= engine.num_waiting > 0 and engine.num_running > 0
+        assert engine.kv_blocks_used <= engine.kv_blocks_total == 8
+    assert seen_waiting and engine.kv_blocks_used == 0
+    assert all(len(results[f"r{i}"]) == 6 + i for i in range(16))
+    alone = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128))
+    assert run(alone, {"r15": requests["r15"]})["r15"]["ids"] == results["r15"]
