@@ -230,6 +230,27 @@ class PrefillConfig:
     num_stages: int = 3
 
 
+# Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
+DECODE_CANDIDATES = [
+    DecodeConfig(bn, bk, 0, warps, stages)
+    for bn in (32, 64, 128) for bk in (128, 256, 512) for warps, stages in ((4, 3), (4, 5), (8, 3))
+    if bn * bk <= 32768
+]
+PREFILL_CANDIDATES = [
+    PrefillConfig(128, 128, 64, 8, 8, 3), PrefillConfig(128, 256, 64, 8, 8, 3), PrefillConfig(128, 128, 64, 8, 4, 4),
+    PrefillConfig(64, 128, 64, 8, 4, 4), PrefillConfig(64, 64, 128, 8, 4, 4), PrefillConfig(128, 64, 64, 8, 4, 4),
+]
+_TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
+
+
+def _m_bucket(m: int) -> int:
+    return DECODE_MAX_M if m <= DECODE_MAX_M else min(4096, 1 << (m - 1).bit_length())
+
+
+def _tune_key(w: PackedW4, m: int) -> tuple:
+    return (w.out_features, w.in_features, w.group_size, _m_bucket(m))
+
+
 class _Workspace:
     """Per-device float32 scratch and counters for the decode kernel, zero between launches.
 
@@ -286,12 +307,13 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 
 
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-              cfg: DecodeConfig = DecodeConfig(), out: torch.Tensor | None = None) -> torch.Tensor:
+              cfg: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] for x [M, K] with M ≤ 16, in one launch (see the module docstring); into `out` if given."""
     m, k = x.shape
     n = w.out_features
     if m > DECODE_MAX_M:
         raise ValueError(f"the decode kernel takes at most {DECODE_MAX_M} rows, got {m}")
+    cfg = cfg or _TUNED.get(_tune_key(w, m), DecodeConfig())
     bk = _block_k_for(cfg.block_k, w.group_size)
     tiles = triton.cdiv(n, cfg.block_n)
     sms = _num_sms(x.device)
@@ -335,7 +357,7 @@ def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64)
 
 
 def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-               cfg: PrefillConfig = PrefillConfig(), g: torch.Tensor | None = None,
+               cfg: PrefillConfig | None = None, g: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] for any M: the tensor-core GEMM, with (alpha·B) g added in its epilogue.
 
@@ -345,6 +367,7 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     n = w.out_features
     if ec is not None and g is None:
         g = ec_rank(x, ec)
+    cfg = cfg or _TUNED.get(_tune_key(w, m), PrefillConfig())
     bk = _block_k_for(cfg.block_k, w.group_size)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
@@ -366,3 +389,22 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
     y = w4_decode(x2, w, ec, bias) if x2.shape[0] <= DECODE_MAX_M else w4_prefill(x2, w, ec, bias)
     return y.view(*x.shape[:-1], w.out_features)
+
+
+def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 64, 256, 1024, 4096)) -> dict[int, DecodeConfig | PrefillConfig]:
+    """Time the candidate configs for this weight shape at each M (CUDA only, outside graph capture);
+    later calls with the same shape and M bucket use the fastest. Returns the choice per M."""
+    from triton.testing import do_bench
+
+    chosen = {}
+    for m in ms:
+        x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
+        run, candidates = (w4_decode, DECODE_CANDIDATES) if m <= DECODE_MAX_M else (w4_prefill, PREFILL_CANDIDATES)
+        timings = []
+        for cfg in candidates:
+            try:
+                timings.append((do_bench(lambda: run(x, w, cfg=cfg), warmup=5, rep=20, return_mode="median"), cfg))
+            except Exception:  # a config the compiler rejects (e.g. out of shared memory) is not a candidate
+                continue
+        chosen[m] = _TUNED[_tune_key(w, m)] = min(timings, key=lambda t: t[0])[1]
+    return chosen

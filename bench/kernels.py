@@ -1,0 +1,216 @@
+"""Kernel benchmark (issue 4): W4A16 GEMM, with and without the EC, against cuBLAS fp16 and
+PyTorch's int4 kernel, on the linear-layer shapes of Llama-2-7B, Llama-3-8B, Llama-2-13B, Llama-2-70B.
+
+    python bench/kernels.py --json bench/results/kernels_h200.json [--models 7b 8b] [--ms 1 16 4096]
+
+Random weights in the real shapes (never zeros). Every variant is first checked against the
+PyTorch reference, then timed as the median over replays of a CUDA graph that calls it on
+enough weight copies to overflow the L2 cache (so M = 1 measures HBM, not cache), divided by
+the number of calls. The copy bandwidth (bytes read + written) is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from common import provenance, write_json  # noqa: E402
+
+from spear.compensate.ec import ErrorCompensator  # noqa: E402
+from spear.kernels.pack import PackedEC, PackedW4, pack_ec, pack_w4  # noqa: E402
+from spear.kernels.reference import w4_linear_ref  # noqa: E402
+from spear.kernels.w4 import ec_rank, tune_w4, w4_linear, w4_prefill  # noqa: E402
+from spear.quant.record import QuantConfig, rtn_quantize  # noqa: E402
+
+# (name, N = out, K = in) of each distinct linear layer
+MODELS = {
+    "7b": [("qkvo", 4096, 4096), ("gate_up", 11008, 4096), ("down", 4096, 11008)],
+    "8b": [("q_o", 4096, 4096), ("k_v", 1024, 4096), ("gate_up", 14336, 4096), ("down", 4096, 14336)],
+    "13b": [("qkvo", 5120, 5120), ("gate_up", 13824, 5120), ("down", 5120, 13824)],
+    "70b": [("q_o", 8192, 8192), ("k_v", 1024, 8192), ("gate_up", 28672, 8192), ("down", 8192, 28672)],
+}
+MS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
+RANKS = [16, 32, 64]
+L2_FLUSH_BYTES = 256 << 20  # weight bytes per timed graph: several times the H200's 50 MB L2
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.randn(nbytes // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (time_graph([lambda: dst.copy_(src)], reps=20) * 1e-6)
+
+
+def time_graph(calls: list, reps: int = 20) -> float:
+    """Median µs per call over `reps` replays of one CUDA graph that makes every call in order."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: compile, allocate
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def random_ec(n: int, k: int, rank: int) -> ErrorCompensator:
+    ec = ErrorCompensator(k, n, rank, gate_hidden=8).cuda()
+    with torch.no_grad():
+        for p in ec.parameters():
+            p.normal_(0, 0.02)
+    return ec
+
+
+def naive_ec(x: torch.Tensor, y: torch.Tensor, ec: PackedEC) -> torch.Tensor:
+    """The EC as separate PyTorch ops after the W4 GEMM."""
+    u = x @ ec.A.t()
+    gate = torch.tanh(F.linear(F.silu(F.linear(u, ec.W1, ec.b1)), ec.W2, ec.b2))
+    return y.addmm_(u * (1 + gate), ec.B.t())
+
+
+def overlapped(x: torch.Tensor, w: PackedW4, ec: PackedEC, side: torch.cuda.Stream) -> torch.Tensor:
+    """The EC's rank-space kernel on a side stream beside the plain W4 GEMM, then y += g Bᵀ."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g = ec_rank(x, ec)
+    y = w4_prefill(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    return y.addmm_(g, ec.B.t())
+
+
+def int4pack(weight: torch.Tensor, group: int = 128):
+    """PyTorch's tinygemm int4 layout (asymmetric, group 128) for `torch.ops.aten._weight_int4pack_mm`."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group, group)
+    wmin, wmax = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = ((wmax - wmin) / 15).clamp(min=1e-6)
+    q = ((w - wmin) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+    zero = wmin + 8 * scale  # tinygemm: w = (q − 8) · scale + zero
+    packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+    scales_zeros = torch.stack([scale.view(n, -1).t(), zero.view(n, -1).t()], -1).to(torch.bfloat16).contiguous()
+    return packed, scales_zeros
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    if y.isnan().any():
+        return math.inf
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
+    w_fp = torch.randn(n, k, device="cuda", dtype=torch.float16)
+    record = rtn_quantize(w_fp, QuantConfig(4, group))
+    packed = pack_w4(record)
+    ecs = {r: pack_ec(random_ec(n, k, r)) for r in RANKS}
+    copies_w4 = max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes()))
+    copies_fp = max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k)))
+    w4s = [packed] + [PackedW4(packed.qweight.clone(), packed.scales.clone(), packed.zeros.clone(), packed.group_size)
+                      for _ in range(copies_w4 - 1)]
+    fps = [w_fp] + [w_fp.clone() for _ in range(copies_fp - 1)]
+    try:
+        tinygemm = [int4pack(w_fp)]
+        tinygemm += [(tinygemm[0][0].clone(), tinygemm[0][1]) for _ in range(copies_w4 - 1)]
+    except Exception as e:  # noqa: BLE001 — reported, not fatal
+        log(f"  torch int4 unavailable: {str(e).splitlines()[0]}")
+        tinygemm = None
+    t = time.perf_counter()
+    tuned = tune_w4(packed, ms=tuple(sorted({1, *[m for m in ms if m > 16]})))
+    log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        xb = x.bfloat16()
+        ref = w4_linear_ref(x, packed)
+        ref_ec = w4_linear_ref(x, packed, ecs[32])
+        row = {"M": m, "N": n, "K": k, "group_size": group, "w4_bytes": packed.nbytes(),
+               "check_rel_err": {"w4": rel_err(w4_linear(x, packed), ref),
+                                 "w4_ec32": rel_err(w4_linear(x, packed, ecs[32]), ref_ec)}}
+        us = row["us"] = {}
+        us["fp16_cublas"] = time_graph([lambda w=w: x @ w.t() for w in fps])
+        if tinygemm is not None:
+            us["torch_int4_g128"] = time_graph(
+                [lambda p=p, sz=sz: torch.ops.aten._weight_int4pack_mm(xb, p, 128, sz) for p, sz in tinygemm])
+        us["w4"] = time_graph([lambda w=w: w4_linear(x, w) for w in w4s])
+        for r, ec in ecs.items():
+            us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec: w4_linear(x, w, ec) for w in w4s])
+        us["w4_ec_r32_naive"] = time_graph([lambda w=w: naive_ec(x, w4_linear(x, w), ecs[32]) for w in w4s])
+        if m > 16:
+            side = torch.cuda.Stream()
+            us["w4_ec_r32_overlap"] = time_graph([lambda w=w: overlapped(x, w, ecs[32], side) for w in w4s])
+        row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3
+        rows.append(row)
+        log(f"  M={m:<5} " + "  ".join(f"{key} {v:8.1f}" for key, v in us.items()))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", required=True)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--ms", nargs="+", type=int, default=MS)
+    p.add_argument("--group-size", type=int, default=-1, help="W4 group size for ours (-1: per-channel)")
+    p.add_argument("--time-limit", type=float, default=480, help="stop starting new shapes after this many seconds")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+    start = time.perf_counter()
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    bandwidth = copy_bandwidth()
+    log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    result = {"provenance": provenance(), "copy_bandwidth_Bps": bandwidth, "group_size": args.group_size,
+              "ranks": RANKS, "shapes": {}}
+    for model in args.models:
+        for name, n, k in MODELS[model]:
+            if time.perf_counter() - start > args.time_limit:
+                log(f"time limit: skipping {model} {name}")
+                continue
+            log(f"{model} {name} N={n} K={k}")
+            result["shapes"][f"{model}/{name}"] = bench_shape(n, k, args.ms, args.group_size, log)
+            write_json(args.json, result)
+    write_json(args.json, result)
+    summary(result, bandwidth, log)
+
+
+def summary(result: dict, bandwidth: float, log) -> None:
+    log("")
+    log(f"{'shape':<14} {'M':>5} {'fp16':>8} {'int4pt':>8} {'W4':>8} {'W4+EC32':>8} {'naive':>8} "
+        f"{'EC/W4':>6} {'%copyBW':>7} {'vs pt':>6}")
+    for shape, rows in result["shapes"].items():
+        for row in rows:
+            us = row["us"]
+            if row["M"] not in (1, 16, 1024, 4096):
+                continue
+            pt = us.get("torch_int4_g128", math.nan)
+            log(f"{shape:<14} {row['M']:>5} {us['fp16_cublas']:8.1f} {pt:8.1f} {us['w4']:8.1f} {us['w4_ec_r32']:8.1f} "
+                f"{us['w4_ec_r32_naive']:8.1f} {us['w4_ec_r32'] / us['w4']:6.2f} "
+                f"{100 * row['w4_gbps'] * 1e9 / bandwidth:6.0f}% {pt / us['w4']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
