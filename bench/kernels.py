@@ -20,15 +20,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from common import provenance, write_json  # noqa: E402
+import torch
+import torch.nn.functional as F
+from common import provenance, write_json
 
-from spear.compensate.ec import ErrorCompensator  # noqa: E402
-from spear.kernels.pack import PackedEC, PackedW4, pack_ec, pack_w4  # noqa: E402
-from spear.kernels.reference import w4_linear_ref  # noqa: E402
-from spear.kernels.w4 import ec_rank, tune_w4, w4_linear, w4_prefill  # noqa: E402
-from spear.quant.record import QuantConfig, rtn_quantize  # noqa: E402
+from spear.compensate.ec import ErrorCompensator
+from spear.kernels.pack import PackedEC, PackedW4, pack_ec, pack_w4
+from spear.kernels.reference import w4_linear_ref
+from spear.kernels.w4 import ec_rank, tune_w4, w4_linear, w4_prefill
+from spear.quant.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer
 MODELS = {
@@ -147,17 +147,17 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
                "check_rel_err": {"w4": rel_err(w4_linear(x, packed), ref),
                                  "w4_ec32": rel_err(w4_linear(x, packed, ecs[32]), ref_ec)}}
         us = row["us"] = {}
-        us["fp16_cublas"] = time_graph([lambda w=w: x @ w.t() for w in fps])
+        us["fp16_cublas"] = time_graph([lambda w=w, x=x: x @ w.t() for w in fps])
         if tinygemm is not None:
             us["torch_int4_g128"] = time_graph(
-                [lambda p=p, sz=sz: torch.ops.aten._weight_int4pack_mm(xb, p, 128, sz) for p, sz in tinygemm])
-        us["w4"] = time_graph([lambda w=w: w4_linear(x, w) for w in w4s])
+                [lambda p=p, sz=sz, xb=xb: torch.ops.aten._weight_int4pack_mm(xb, p, 128, sz) for p, sz in tinygemm])
+        us["w4"] = time_graph([lambda w=w, x=x: w4_linear(x, w) for w in w4s])
         for r, ec in ecs.items():
-            us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec: w4_linear(x, w, ec) for w in w4s])
-        us["w4_ec_r32_naive"] = time_graph([lambda w=w: naive_ec(x, w4_linear(x, w), ecs[32]) for w in w4s])
+            us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec, x=x: w4_linear(x, w, ec) for w in w4s])
+        us["w4_ec_r32_naive"] = time_graph([lambda w=w, x=x: naive_ec(x, w4_linear(x, w), ecs[32]) for w in w4s])
         if m > 16:
             side = torch.cuda.Stream()
-            us["w4_ec_r32_overlap"] = time_graph([lambda w=w: overlapped(x, w, ecs[32], side) for w in w4s])
+            us["w4_ec_r32_overlap"] = time_graph([lambda w=w, x=x, side=side: overlapped(x, w, ecs[32], side) for w in w4s])
         row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3
         rows.append(row)
         log(f"  M={m:<5} " + "  ".join(f"{key} {v:8.1f}" for key, v in us.items()))

@@ -17,6 +17,7 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -394,6 +395,8 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
 def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 64, 256, 1024, 4096)) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs for this weight shape at each M (CUDA only, outside graph capture);
     later calls with the same shape and M bucket use the fastest. Returns the choice per M."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench
 
     chosen = {}
@@ -403,8 +406,9 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 64, 256, 1024, 4096)) -> dict
         timings = []
         for cfg in candidates:
             try:
-                timings.append((do_bench(lambda: run(x, w, cfg=cfg), warmup=5, rep=20, return_mode="median"), cfg))
-            except Exception:  # a config the compiler rejects (e.g. out of shared memory) is not a candidate
-                continue
+                call = functools.partial(run, x, w, cfg=cfg)
+                timings.append((do_bench(call, warmup=5, rep=20, return_mode="median"), cfg))
+            except (OutOfResources, CompilationError):  # e.g. out of shared memory: not a candidate
+                pass
         chosen[m] = _TUNED[_tune_key(w, m)] = min(timings, key=lambda t: t[0])[1]
     return chosen
