@@ -1,0 +1,177 @@
+"""Decode throughput of the serving engine on random weights in real model shapes (issue 5, item 6).
+
+    python bench/decode.py --json bench/results/decode.json                    # H200: the full grid
+    python bench/decode.py --tiny --json /tmp/decode.json                      # CPU: end-to-end check
+
+For each model shape and setting (fp16; W4 RTN; W4 + gated rank-r ECs on a fraction of
+the linear modules) a random model is built on the device, then for each batch size B
+the engine serves B requests of `--prompt-tokens` random tokens and `--new-tokens`
+greedy tokens (ignore_eos), prefilling them in one step. ms/token is the median time of
+a decode step (every sequence gains one token per step); tokens/s = B / that time.
+The floor is the weight bytes one decode step must read (W4: packed codes, fp16 scales,
+ECs; plus the fp16 LM head) over the bandwidth of a large device-to-device copy measured
+in the same run (bytes read + written per second); KV-cache reads are not in the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from common import write_json
+
+from spear.layer import SpearLinear
+from spear.quant.record import QuantConfig
+from spear.runtime.engine import Engine, EngineConfig, make_runner
+from spear.runtime.model import ModelArgs, Transformer, random_model
+from spear.runtime.requests import SamplingParams
+from spear.runtime.scheduler import StaticChunkPolicy
+
+MODELS = {
+    "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
+                           vocab=32000, max_seq_len=4096),
+    "llama3-8b": ModelArgs(dim=4096, intermediate=14336, n_heads=32, n_kv_heads=8, head_dim=128, n_layers=32,
+                           vocab=128256, rope_theta=500000.0, max_seq_len=8192),
+    "tiny": ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256),
+}
+EC_FRACTIONS = {"w4": 0.0, "w4+ec15": 0.15, "w4+ec38": 0.38, "w4+ec60": 0.60}
+
+
+class NoText:
+    """The engine's tokenizer for token-only benchmarks: no EOS, no text."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    synchronize(device)
+    return 2 * nbytes * reps / (time.perf_counter() - start)
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: linears as served (ECs included), norms, the LM head."""
+
+    def nbytes(module: torch.nn.Module) -> int:
+        if isinstance(module, SpearLinear):
+            bias = 0 if module.bias is None else module.bias.numel() * 2
+            return module.qweight.nbytes_packed() + bias + (0 if module.ec is None else module.ec.nbytes())
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    total = nbytes(model.head) + nbytes(model.norm)
+    for layer in model.layers:
+        a, f = layer.attention, layer.feed_forward
+        modules = (a.wq, a.wk, a.wv, a.wo, f.w_gate, f.w_up, f.w_down, layer.attention_norm, layer.ffn_norm)
+        total += sum(nbytes(m) for m in modules)
+    return total
+
+
+def measure(model: Transformer, batch: int, prompt_tokens: int, new_tokens: int, cuda_graphs: bool) -> dict:
+    config = EngineConfig(max_num_seqs=batch, max_model_len=prompt_tokens + new_tokens,
+                          policy=StaticChunkPolicy(batch * prompt_tokens), cuda_graphs=cuda_graphs)
+    start = time.perf_counter()
+    engine = Engine(make_runner(model, config), NoText(), config)
+    setup_seconds = time.perf_counter() - start
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), torch.randint(model.args.vocab, (prompt_tokens,), generator=gen).tolist(), params)
+    decode_steps, prefill_seconds, generated = [], 0.0, 0
+    while engine.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+        stats = engine.last_step
+        if stats.num_prefill_tokens:
+            prefill_seconds += stats.seconds
+        elif stats.num_decodes == batch:
+            decode_steps.append(stats.seconds)
+    assert generated == batch * new_tokens, "every request generates new_tokens tokens"
+    step = statistics.median(decode_steps)
+    return {"batch": batch, "ms_per_token": 1e3 * step, "tokens_per_s": batch / step,
+            "mean_step_ms": 1e3 * statistics.fmean(decode_steps), "decode_steps": len(decode_steps),
+            "prefill_ms": 1e3 * prefill_seconds, "setup_s": setup_seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None, help="default: llama2-7b llama3-8b")
+    p.add_argument("--settings", nargs="+", choices=["fp16", *EC_FRACTIONS], default=["fp16", *EC_FRACTIONS])
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 32")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default: 128")
+    p.add_argument("--new-tokens", type=int, default=None, help="default: 256")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=-1, help="-1: per-channel (default)")
+    p.add_argument("--rank", type=int, default=32, help="EC rank")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="a tiny model with short runs (CPU end-to-end check)")
+    p.add_argument("--json", default="bench/results/decode.json")
+    args = p.parse_args()
+    small = args.tiny
+    models = args.models or (["tiny"] if small else ["llama2-7b", "llama3-8b"])
+    batches = args.batches or ([1, 4] if small else [1, 8, 32])
+    prompt_tokens = args.prompt_tokens or (16 if small else 128)
+    new_tokens = args.new_tokens or (16 if small else 256)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    quant = QuantConfig(bits=args.bits, group_size=args.group_size)
+    bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+    print(f"{device} copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
+    rows = []
+
+    def save() -> None:
+        write_json(args.json, {
+            "dtype": str(dtype), "quant": quant.to_dict(), "ec": {"rank": args.rank, "gate_hidden": 8},
+            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cuda_graphs": not args.no_cuda_graphs,
+            "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows,
+        })
+
+    for name in models:
+        for setting in args.settings:
+            start = time.perf_counter()
+            fraction = EC_FRACTIONS.get(setting)
+            model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device)
+            synchronize(device)
+            build_seconds = time.perf_counter() - start
+            nbytes = weight_bytes(model)
+            label = setting if fraction is not None or dtype == torch.float16 else "fp32"
+            for batch in batches:
+                row = {"model": name, "setting": label, "weight_bytes": nbytes, "build_s": build_seconds,
+                       "floor_ms_per_token": 1e3 * nbytes / bandwidth,
+                       **measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs)}
+                rows.append(row)
+                print(f"{name:<10} {label:<8} B={batch:<3} {row['ms_per_token']:8.2f} ms/token "
+                      f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_ms_per_token']:6.2f} ms", flush=True)
+                save()  # after every row, so a cut-short run keeps what it measured
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    save()
+    print(f"\n{'model':<10} {'setting':<8} {'batch':>5} {'ms/token':>9} {'tok/s':>9} {'floor ms':>9} {'GB read':>8}")
+    for r in rows:
+        print(f"{r['model']:<10} {r['setting']:<8} {r['batch']:>5} {r['ms_per_token']:>9.2f} {r['tokens_per_s']:>9.1f} "
+              f"{r['floor_ms_per_token']:>9.3f} {r['weight_bytes'] / 1e9:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
