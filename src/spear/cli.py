@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which requests get HTTP 429")
     s.add_argument("--chunk-tokens", type=int, default=512, help="prompt tokens prefilled per engine step")
     s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+
+    b = sub.add_parser("bench", help="run a benchmark script of the source checkout (bench/NAME.py)")
+    b.add_argument("name", choices=["decode"])
+    b.add_argument("options", nargs=argparse.REMAINDER, help="the script's own options (add --help to list them)")
     return parser
 
 
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers_quiet()
     try:
         commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run,
-                    "serve": cmd_serve}
+                    "serve": cmd_serve, "bench": cmd_bench}
         return commands[args.command](args)
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
@@ -215,6 +219,17 @@ def cmd_serve(args) -> int:
     from spear.server.launch import ServeConfig, serve
 
     serve(args.model, ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens), device=_device(args))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import runpy
+
+    script = Path(__file__).resolve().parents[2] / "bench" / f"{args.name}.py"
+    if not script.exists():
+        raise SpearError(f"spear bench runs the scripts of a source checkout; {script} does not exist")
+    sys.argv = [str(script), *args.options]
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 

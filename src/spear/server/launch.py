@@ -1,0 +1,63 @@
+"""`spear serve`: load a model, build its engine, and serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from spear.errors import SpearError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_waiting: int = 256  # requests waiting for the engine beyond which the server answers 429
+    chunk_tokens: int = 512  # prompt tokens prefilled per engine step
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 1:
+            raise SpearError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+
+
+def serve(spec: str, config: ServeConfig, device: torch.device | None = None) -> None:
+    """Serve `spec` (artifact dir, HF dir, GGUF or 'smollm2') until interrupted."""
+    import uvicorn
+
+    from spear import api
+    from spear.runtime.engine import EngineConfig, build_engine
+    from spear.runtime.scheduler import StaticChunkPolicy
+    from spear.server.app import build_app
+    from spear.server.async_engine import AsyncEngine
+
+    policy = StaticChunkPolicy(config.chunk_tokens)
+    sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
+    try:
+        lm = api.load(spec, device)
+        engine = build_engine(lm.model, lm.tokenizer, EngineConfig(policy=policy))
+        app = build_app(AsyncEngine(engine, config.max_waiting), lm.tokenizer, spec, engine.max_model_len)
+        host, port = sock.getsockname()[:2]
+        print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens)", flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    if not 0 <= port < 65536:
+        raise SpearError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise SpearError(f"cannot resolve host {host!r}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise SpearError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
