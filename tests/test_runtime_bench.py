@@ -25,3 +25,13 @@ def test_decode_bench_tiny_runs_end_to_end(tmp_path):
     assert all(r["decode_steps"] == 4 and r["ms_per_token"] > 0 and r["floor_ms_per_token"] > 0 for r in rows)
     assert rows[2]["weight_bytes"] < rows[0]["weight_bytes"]
     assert "ms/token" in proc.stdout.splitlines()[-5]
+
+
+def test_spear_bench_decode_runs_the_script(tmp_path, monkeypatch, capsys):
+    from spear.cli import main
+
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--tiny", "--batches", "2", "--new-tokens", "3", "--settings", "w4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["tokens_per_s"] > 0
+    assert "tok/s" in capsys.readouterr().out
