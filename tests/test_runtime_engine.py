@@ -167,3 +167,29 @@ def test_many_requests_with_a_small_pool_all_finish(tiny):
     assert all(len(results[f"r{i}"]) == 6 + i for i in range(16))
     alone = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128))
     assert run(alone, {"r15": requests["r15"]})["r15"]["ids"] == results["r15"]
+
+
+
+@torch.no_grad()
+def test_graph_padded_decode_batch_matches_eager(tiny):
+    """The CUDA-graph path's inputs (bucket padding, full-width tables), run eagerly: same logits, live blocks untouched."""
+    from spear.runtime.engine import make_runner
+    from spear.runtime.kv_cache import Chunk
+    from spear.runtime.model import build_runtime_model
+
+    model = build_runtime_model(tiny.model)
+    runner = make_runner(model, EngineConfig(max_model_len=64, max_num_seqs=4, num_kv_blocks=12))
+    assert runner.graphs == {} and runner.table_width == 4  # CPU: eager
+    tables = [[3, 7], [5], [9, 2, 4]]
+    prompts = [prompt(20, 1), prompt(9, 2), prompt(33, 3)]
+    runner.forward([Chunk(p, 0, t) for p, t in zip(prompts, tables)])
+    decodes = [Chunk([p[-1]], len(p), t) for p, t in zip(prompts, tables)]
+    k, v = runner.cache.k.clone(), runner.cache.v.clone()
+    eager = runner.forward(decodes)
+    k_eager, v_eager = runner.cache.k.clone(), runner.cache.v.clone()
+    runner.cache.k.copy_(k)
+    runner.cache.v.copy_(v)
+    padded = model(runner.padded_batch(decodes, 4), runner.cache)  # [4, vocab]
+    torch.testing.assert_close(padded[:3], eager)
+    torch.testing.assert_close(runner.cache.k[:, 1:], k_eager[:, 1:])  # the dummies wrote to the null block only
+    torch.testing.assert_close(runner.cache.v[:, 1:], v_eager[:, 1:])

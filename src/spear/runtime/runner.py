@@ -18,7 +18,7 @@ class DecodeGraph:
     """A captured decode step over `size` sequences with static inputs and output."""
 
     def __init__(self, model: Transformer, cache: KVCache, size: int, table_width: int, pool):
-        self.inputs = Batch.build([Chunk([0], 0, [])] * size, cache.block_size, cache.device, table_width)
+        self.inputs = Batch.build([Chunk([0], 0, [])] * size, cache.block_size, cache.device, table_width)  # all dummies
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (lazy inits, autotuning) outside the capture
@@ -53,10 +53,13 @@ class ModelRunner:
         """Logits [B, vocab] at the last token of each chunk; their K/V land in the cache."""
         size = next((s for s in sorted(self.graphs) if s >= len(chunks)), None)
         if size is not None and all(len(c.tokens) == 1 for c in chunks):
-            padded = chunks + [Chunk([0], 0, [])] * (size - len(chunks))
-            batch = Batch.build(padded, self.cache.block_size, self.cache.device, self.table_width)
-            return self.graphs[size].run(batch)[: len(chunks)]
+            return self.graphs[size].run(self.padded_batch(chunks, size))[: len(chunks)]
         return self.model(Batch.build(chunks, self.cache.block_size, self.cache.device), self.cache)
+
+    def padded_batch(self, chunks: list[Chunk], size: int) -> Batch:
+        """The batch in a graph's static shapes: `size` rows (dummies write to the null block), full-width tables."""
+        padded = chunks + [Chunk([0], 0, [])] * (size - len(chunks))
+        return Batch.build(padded, self.cache.block_size, self.cache.device, self.table_width)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
