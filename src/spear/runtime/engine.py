@@ -161,7 +161,7 @@ class Engine:
         work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled]
         num_decodes = len(work)
         waiting_tokens = sum(len(s.prompt_ids) - s.num_computed for s in (*self.running, *self.waiting) if not s.prefilled)
-        budget = self.policy.prefill_budget(num_decodes, waiting_tokens)
+        budget = self.policy.prefill_budget(num_decodes, sum(c.start + 1 for _, c in work), waiting_tokens)
         if num_decodes == 0:
             budget = max(budget, 1)  # with nothing to decode, a step must make progress
         work += self._prefill_chunks(budget)

@@ -14,8 +14,12 @@ from spear.errors import SpearError
 
 
 class SchedulerPolicy(Protocol):
-    def prefill_budget(self, num_decodes: int, num_waiting_tokens: int) -> int:
-        """Prompt tokens to prefill this step, given the step's decodes and the prompt tokens still to prefill."""
+    def prefill_budget(self, num_decodes: int, decode_context_tokens: int, waiting_prompt_tokens: int) -> int:
+        """Prompt tokens to prefill this step.
+
+        num_decodes: sequences decoding one token this step; decode_context_tokens: their
+        context lengths summed (attention cost); waiting_prompt_tokens: prompt tokens not yet prefilled.
+        """
 
 
 @dataclass(frozen=True)
@@ -28,5 +32,5 @@ class StaticChunkPolicy:
         if self.chunk_tokens < 1:
             raise SpearError(f"the prefill chunk must be at least 1 token, got {self.chunk_tokens}")
 
-    def prefill_budget(self, num_decodes: int, num_waiting_tokens: int) -> int:
+    def prefill_budget(self, num_decodes: int, decode_context_tokens: int, waiting_prompt_tokens: int) -> int:
         return self.chunk_tokens
