@@ -125,8 +125,8 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
     ecs = {r: pack_ec(random_ec(n, k, r)) for r in RANKS}
     copies_w4 = max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes()))
     copies_fp = max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k)))
-    w4s = [packed] + [PackedW4(packed.qweight.clone(), packed.scales.clone(), packed.zeros.clone(), packed.group_size)
-                      for _ in range(copies_w4 - 1)]
+    w4s = [packed] + [PackedW4(packed.qweight.clone(), packed.scales.clone(), packed.zeros.clone(), packed.group_size,
+                               packed.in_features) for _ in range(copies_w4 - 1)]
     fps = [w_fp] + [w_fp.clone() for _ in range(copies_fp - 1)]
     try:
         tinygemm = [int4pack(w_fp)]

@@ -28,8 +28,8 @@ from spear.quant.record import QuantConfig, rtn_quantize
 
 SEED = int.from_bytes(os.urandom(4), "little")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SMALL_DECODE = DecodeConfig(block_n=32, block_k=64)
-SMALL_PREFILL = PrefillConfig(block_m=32, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=2)
+SMALL_DECODE = DecodeConfig(block_n=32)
+SMALL_PREFILL = PrefillConfig(block_m=32, block_n=32, group_m=2, num_warps=4, num_stages=2)
 
 
 @pytest.fixture
@@ -45,8 +45,9 @@ def random_w4(n: int, k: int, group: int, gen: torch.Generator, sym: bool = True
 def random_ec(n: int, k: int, rank: int, gen: torch.Generator, gate_hidden: int = 8) -> ErrorCompensator:
     ec = ErrorCompensator(k, n, rank, gate_hidden=gate_hidden, alpha=0.5 + torch.rand(1, generator=gen).item())
     with torch.no_grad():
-        for p in ec.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() < 2 else 1 / p.shape[1] ** 0.5))
+        for name, p in ec.named_parameters():
+            if name != "alpha":
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() < 2 else 1 / p.shape[1] ** 0.5))
     return ec
 
 
@@ -65,6 +66,7 @@ def test_packing_round_trips_codes_and_dequantizes_bit_exactly(gen):
         record = random_w4(64, 256, group, gen, sym=group != 64)
         packed = pack_w4(record)
         assert packed.qweight.dtype == torch.int32 and packed.qweight.shape == (64, 32)
+        assert packed.in_features == 256
         assert torch.equal(unpack_w4(packed), record.codes)
         assert torch.equal(dequantize_w4(packed), record.dequantize(torch.float16))
 
@@ -85,7 +87,7 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     for m, split_k in ((1, 1), (3, 2), (16, 3)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, block_k=64, split_k=split_k), out=poisoned(m, n))
+        y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, split_k=split_k), out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
 
 
@@ -96,7 +98,7 @@ def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):
     ec = pack_ec(random_ec(n, k, 24, gen)).to(DEVICE)  # rank 24 → padded to 32
     for m in (1, 7, 2):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=32, block_k=64, split_k=4), out=poisoned(m, n))
+        y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=32, split_k=4), out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec), f"repeat m={m}")
 
 

@@ -2,11 +2,15 @@
 
 Weight W [N, K] (out × in) as the record holds it: W_hat = (q − z) · s, q ∈ [0, 15].
 Kernel layout:
-    qweight  int32 [N, K / 8]   eight 4-bit codes per word along K, code k at bits 4·(k mod 8)
+    qweight  int32 [N, K' / 8]  K' = K rounded up to a multiple of 128 (padding codes are 0).
+             Interleaved per block of 128 columns: word 16 b + i holds, in nibble j, the code of
+             column 128 b + 16 j + i. Nibble j of 16 consecutive words is then a contiguous
+             16-column slice, so a kernel unpacks a [rows, 16] operand with one shift and mask,
+             no reshuffle, and feeds it straight to a tensor-core dot.
     scales   fp16  [N, K / g]   one per row and group (g = K for per-channel)
     zeros    fp16  [N, K / g]   the integer zero points, exact in fp16
-(q − z) is an exact small integer in fp16 and (q − z)·s rounds once, so the kernels'
-dequantized weight is bit-identical to `QuantizedWeight.dequantize(torch.float16)`.
+The kernels use Σ_k (q − z) s x = s (Σ_k q x − z Σ_k x) over each group: exact in real
+arithmetic, float32 in practice.
 
 The EC is packed as the kernels read it (ec(x) = alpha · B (gamma(A x) ⊙ A x)):
     A fp16 [R, K], alpha·B fp16 [N, R], gate W1 [H, R], b1 [H], W2 [R, H], b2 [R], with R and H
@@ -24,27 +28,27 @@ from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.quant.record import QuantizedWeight
 
+BLOCK = 128  # columns per interleaved block
+
 
 @dataclass
 class PackedW4:
-    qweight: torch.Tensor  # int32 [N, K / 8]
+    qweight: torch.Tensor  # int32 [N, K' / 8], interleaved (see the module docstring)
     scales: torch.Tensor  # fp16 [N, K / g]
     zeros: torch.Tensor  # fp16 [N, K / g]
     group_size: int  # g; K for per-channel
+    in_features: int  # K
 
     @property
     def out_features(self) -> int:
         return self.qweight.shape[0]
 
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1] * 8
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
 
     def to(self, device: torch.device) -> PackedW4:
-        return PackedW4(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
+        return PackedW4(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size,
+                        self.in_features)
 
 
 @dataclass
@@ -79,18 +83,23 @@ def pack_w4(record: QuantizedWeight) -> PackedW4:
         raise SpearError(f"the W4A16 kernels need in and out sizes that are multiples of 64, got {n}×{k}")
     if record.group_size not in (32, 64, 128, k) and not (record.group_size % 128 == 0 and k % record.group_size == 0):
         raise SpearError(f"the W4A16 kernels take group sizes 32, 64, multiples of 128, or per-channel; got {record.group_size}")
-    codes = record.codes.to(torch.int32).view(n, k // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
-    qweight = (codes << shifts).sum(-1, dtype=torch.int64)  # fits 32 bits unsigned
-    qweight = torch.where(qweight >= 2**31, qweight - 2**32, qweight).to(torch.int32)
-    return PackedW4(qweight.contiguous(), record.scales.half().contiguous(), record.zeros.half().contiguous(), record.group_size)
+    blocks = -(-k // BLOCK)
+    codes = torch.zeros(n, blocks * BLOCK, dtype=torch.int64, device=record.codes.device)
+    codes[:, :k] = record.codes
+    codes = codes.view(n, blocks, 8, 16).transpose(2, 3)  # [n, b, i, j]: column 128 b + 16 j + i
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    words = (codes << shifts).sum(-1)  # [n, b, i], < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return PackedW4(words.reshape(n, blocks * 16).contiguous(), record.scales.half().contiguous(),
+                    record.zeros.half().contiguous(), record.group_size, k)
 
 
 def unpack_w4(packed: PackedW4) -> torch.Tensor:
     """The uint8 codes [N, K] back from the packed words (the inverse of pack_w4's packing)."""
+    n = packed.out_features
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.qweight.device)
-    codes = (packed.qweight[:, :, None] >> shifts) & 0xF
-    return codes.reshape(packed.out_features, packed.in_features).to(torch.uint8)
+    codes = (packed.qweight.view(n, -1, 16)[..., None] >> shifts) & 0xF  # [n, b, i, j]
+    return codes.transpose(2, 3).reshape(n, -1)[:, : packed.in_features].to(torch.uint8)
 
 
 def pack_ec(ec: ErrorCompensator) -> PackedEC:

@@ -33,21 +33,33 @@ DECODE_MAX_M = 16
 
 
 @triton.jit
-def _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K, G, group_size,
-                  BN: tl.constexpr, BK: tl.constexpr, NG: tl.constexpr):
-    """W_hat[offs_n, k0 : k0 + BK] as fp16 [BN, BK]; NG groups per tile (1 when g ≥ BK)."""
-    offs_kw = k0 // 8 + tl.arange(0, BK // 8)
-    packed = tl.load(qw_ptr + offs_n[:, None] * (K // 8) + offs_kw[None, :],
-                     mask=mask_n[:, None] & (offs_kw[None, :] < K // 8), other=0)  # [BN, BK/8] int32
-    shifts = tl.arange(0, 8) * 4
-    q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]: code k0 + 8i + j
-    q = tl.reshape(q, (BN, NG, BK // NG)).to(tl.float16)
-    offs_g = k0 // group_size + tl.arange(0, NG)
-    mask_g = mask_n[:, None] & (offs_g[None, :] < G)
-    s = tl.load(s_ptr + offs_n[:, None] * G + offs_g[None, :], mask=mask_g, other=0.0)  # [BN, NG]
-    z = tl.load(z_ptr + offs_n[:, None] * G + offs_g[None, :], mask=mask_g, other=0.0)
-    w = (q - z[:, :, None]) * s[:, :, None]  # (q − z) · s, exact as in the record's dequantize
-    return tl.reshape(w, (BN, BK))
+def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
+              SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one interleaved block.
+
+    Per group span (SPG slices of 16 columns): Σ (q − z) s x = s (Σ q x − z Σ x), so the inner
+    loop is shift, mask, convert and a tensor-core dot; the scale and zero act once per span.
+    """
+    packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
+                     mask=mask_n[:, None], other=0)  # [BN, 16] int32
+    part = tl.zeros((BN, BM), dtype=tl.float32)
+    xsum = tl.zeros((BM,), dtype=tl.float32)
+    for j in tl.static_range(8):
+        offs_k = kb + 16 * j + tl.arange(0, 16)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                     mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16, BM]: the slice of xᵀ
+        q = ((packed >> (4 * j)) & 0xF).to(tl.float16)  # [BN, 16]: columns kb + 16 j + i
+        part += tl.dot(q, xt)
+        xsum += tl.sum(xt.to(tl.float32), axis=0)
+        if (j + 1) % SPG == 0:
+            g = (kb + 16 * (j + 1 - SPG)) // group_size
+            mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (the span may be all padding)
+            s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+            acc += s[:, None] * (part - z[:, None] * xsum[None, :])
+            part = tl.zeros((BN, BM), dtype=tl.float32)
+            xsum = tl.zeros((BM,), dtype=tl.float32)
+    return acc
 
 
 @triton.jit
@@ -70,14 +82,15 @@ def _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED: tl.constexpr, R: tl.constexp
 @triton.jit
 def _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
                       HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr):
+    """y[offs_m, offs_n] = accᵀ + bias + ((alpha·B) g)ᵀ for acc [BN, BM], g [BM, R]."""
     if HAS_EC:
         offs_r = tl.arange(0, R)
         b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None], other=0.0)  # [BN, R]
-        acc += tl.dot(g.to(tl.float16), tl.trans(b))
+        acc += tl.dot(b, tl.trans(g.to(tl.float16)))
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & mask_m[None, :])
 
 
 # --- decode: one launch ---------------------------------------------------------------
@@ -88,10 +101,10 @@ def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
     y_ws_ptr, u_ws_ptr, cnt_ptr,
-    M, N, K, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
+    M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NG: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr,
 ):
     # cnt_ptr: [0] u-programs arrived, [1] tiles that consumed u, [2 + n] splits arrived at tile n
     pid = tl.program_id(0)
@@ -116,24 +129,21 @@ def _w4_decode_kernel(
         pid_k = gid % split_k
         offs_n = pid_n * BN + tl.arange(0, BN)
         mask_n = offs_n < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(pid_k * k_per_split, (pid_k + 1) * k_per_split, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-            w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K, G, group_size, BN, BK, NG)
-            acc += tl.dot(xk, tl.trans(w))
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for kb in range(pid_k * k_per_split, tl.minimum((pid_k + 1) * k_per_split, KW * 8), 128):
+            acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW,
+                            G, group_size, SPG, BN, BM)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
-            ws = y_ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-            mask = mask_m[:, None] & mask_n[None, :]
+            ws = y_ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+            mask = mask_n[:, None] & mask_m[None, :]
             tl.atomic_add(ws, acc, mask=mask)
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + 2 + pid_n, 1, sem="acq_rel")
             last = arrived == split_k - 1
             if last:  # every split has added its share: take the sum, leave zeros behind
                 acc = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(ws, tl.zeros((BM, BN), dtype=tl.float32), mask=mask)
+                tl.store(ws, tl.zeros((BN, BM), dtype=tl.float32), mask=mask)
                 tl.atomic_xchg(cnt_ptr + 2 + pid_n, 0)
         if last:
             g = tl.zeros((BM, R), dtype=tl.float32)
@@ -178,9 +188,9 @@ def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, s
 @triton.jit
 def _w4_prefill_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr,
-    M, N, K, G, group_size, stride_xm, stride_ym,
+    M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NG: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
@@ -195,13 +205,10 @@ def _w4_prefill_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k0, K, G, group_size, BN, BK, NG)
-        acc += tl.dot(xk, tl.trans(w))
+    acc = tl.zeros((BN, BM), dtype=tl.float32)  # yᵀ tile: the dequantized weight is the dot's first operand
+    for kb in range(0, KW * 8, 128):
+        acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW,
+                        G, group_size, SPG, BN, BM)
     g = tl.zeros((BM, R), dtype=tl.float32)
     if HAS_EC:
         offs_r = tl.arange(0, R)
@@ -215,7 +222,6 @@ def _w4_prefill_kernel(
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int = 64
-    block_k: int = 256
     split_k: int = 0  # 0: pick so that the grid fills the GPU
     num_warps: int = 4
     num_stages: int = 3
@@ -225,7 +231,6 @@ class DecodeConfig:
 class PrefillConfig:
     block_m: int = 128
     block_n: int = 128
-    block_k: int = 64
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
@@ -233,15 +238,14 @@ class PrefillConfig:
 
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
 DECODE_CANDIDATES = [
-    DecodeConfig(bn, bk, 0, warps, stages)
-    for bn in (32, 64, 128) for bk in (128, 256, 512) for warps, stages in ((4, 3), (4, 5), (8, 3))
-    if bn * bk <= 32768
+    DecodeConfig(bn, 0, warps, stages) for bn in (32, 64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))
 ]
 PREFILL_CANDIDATES = [
-    PrefillConfig(128, 128, 64, 8, 8, 3), PrefillConfig(128, 256, 64, 8, 8, 3), PrefillConfig(128, 128, 64, 8, 4, 4),
-    PrefillConfig(64, 128, 64, 8, 4, 4), PrefillConfig(64, 64, 128, 8, 4, 4), PrefillConfig(128, 64, 64, 8, 4, 4),
+    PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
+    PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
+AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
 
 
 def _m_bucket(m: int) -> int:
@@ -250,6 +254,11 @@ def _m_bucket(m: int) -> int:
 
 def _tune_key(w: PackedW4, m: int) -> tuple:
     return (w.out_features, w.in_features, w.group_size, _m_bucket(m))
+
+
+def _slices_per_group(group_size: int) -> int:
+    """16-column slices per group span inside a 128-column block (pack_w4 admits g = 32, 64, 128·n, K)."""
+    return min(8, group_size // 16)
 
 
 class _Workspace:
@@ -285,23 +294,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _groups_per_tile(block_k: int, group_size: int) -> int:
-    if group_size >= block_k:
-        if group_size % block_k:
-            raise ValueError(f"block_k {block_k} must divide the group size {group_size}")
-        return 1
-    if block_k % group_size:
-        raise ValueError(f"the group size {group_size} must divide block_k {block_k}")
-    return block_k // group_size
-
-
-def _block_k_for(block_k: int, group_size: int) -> int:
-    """The largest block ≤ block_k that tiles the groups (a power of two ≥ 32)."""
-    while block_k > 32 and group_size % block_k and block_k % group_size:
-        block_k //= 2
-    return block_k
-
-
 def _flatten(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -315,19 +307,19 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     if m > DECODE_MAX_M:
         raise ValueError(f"the decode kernel takes at most {DECODE_MAX_M} rows, got {m}")
     cfg = cfg or _TUNED.get(_tune_key(w, m), DecodeConfig())
-    bk = _block_k_for(cfg.block_k, w.group_size)
+    kw = w.qweight.shape[1]
+    blocks = kw // 16
     tiles = triton.cdiv(n, cfg.block_n)
     sms = _num_sms(x.device)
-    split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, bk)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
-    split_k = triton.cdiv(k, k_per_split)
+    split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), blocks))
+    k_per_split = triton.cdiv(blocks, split_k) * 128
+    split_k = triton.cdiv(blocks * 128, k_per_split)
     R = ec.padded_rank if ec is not None else 16
     H = ec.W1.shape[0] if ec is not None else 16
-    num_ax = 0
-    ax_k = bk
+    num_ax, ax_k = 0, AX_BLOCK
     if ec is not None:
         num_ax = max(1, min(triton.cdiv(k, 1024), triton.cdiv(sms, 4)))  # ≤ 1024 columns of A each
-        ax_k = triton.cdiv(triton.cdiv(k, num_ax), bk) * bk
+        ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
         num_ax = triton.cdiv(k, ax_k)
     y_ws, u_ws, counters = _WORKSPACE.get(x.device, n, R, tiles)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -337,10 +329,10 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         e.A if e else y, e.B if e else y, e.W1 if e else y, e.b1 if e else y, e.W2 if e else y, e.b2 if e else y,
         y_ws, u_ws, counters,
-        m, n, k, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0), split_k, k_per_split, num_ax, ax_k, tiles,
-        HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated),
-        HAS_BIAS=bias is not None, R=R, H=H,
-        BM=DECODE_MAX_M, BN=cfg.block_n, BK=bk, NG=_groups_per_tile(bk, w.group_size),
+        m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
+        split_k, k_per_split, num_ax, ax_k, tiles,
+        HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
+        BM=DECODE_MAX_M, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
@@ -369,15 +361,14 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     if ec is not None and g is None:
         g = ec_rank(x, ec)
     cfg = cfg or _TUNED.get(_tune_key(w, m), PrefillConfig())
-    bk = _block_k_for(cfg.block_k, w.group_size)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _w4_prefill_kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         g if g is not None else y, ec.B if ec is not None else y,
-        m, n, k, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
+        m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
-        BM=cfg.block_m, BN=cfg.block_n, BK=bk, NG=_groups_per_tile(bk, w.group_size), GROUP_M=cfg.group_m,
+        BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -193,7 +193,18 @@ def build_runtime_model(hf_model: nn.Module) -> Transformer:
             RMSNorm(layer.input_layernorm.weight, args.norm_eps),
             RMSNorm(layer.post_attention_layernorm.weight, args.norm_eps),
         ))
-    return Transformer(args, base.embed_tokens, layers, RMSNorm(base.norm.weight, args.norm_eps), hf_model.lm_head)
+    model = Transformer(args, base.embed_tokens, layers, RMSNorm(base.norm.weight, args.norm_eps), hf_model.lm_head)
+    use_kernels(model)
+    return model
+
+
+def use_kernels(model: nn.Module, drop_dense: bool = False) -> int:
+    """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
+    returns how many were packed. With `drop_dense`, free their dequantized fp16 copies."""
+    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
+    if not linears or linears[0].codes.device.type != "cuda" or linears[0].weight_hat.dtype != torch.float16:
+        return 0
+    return sum(m.use_kernels(drop_dense) for m in linears)
 
 
 @torch.no_grad()
@@ -244,6 +255,7 @@ def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction:
         for i, lin in enumerate(spear_linears):
             if math.floor((i + 1) * ec_fraction) > math.floor(i * ec_fraction):  # evenly spread, floor(n * fraction) in all
                 lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn)
+    use_kernels(model, drop_dense=True)
     return model
 
 
