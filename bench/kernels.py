@@ -26,7 +26,7 @@ from common import provenance, write_json
 
 from spear.compensate.ec import ErrorCompensator
 from spear.kernels.pack import PackedEC, PackedW4, pack_ec, pack_w4
-from spear.kernels.reference import w4_linear_ref
+from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.w4 import ec_rank, tune_w4, w4_linear, w4_prefill
 from spear.quant.record import QuantConfig, rtn_quantize
 
@@ -74,11 +74,12 @@ def time_graph(calls: list, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def random_ec(n: int, k: int, rank: int) -> ErrorCompensator:
+def random_ec(n: int, k: int, rank: int, b_std: float = 0.02) -> ErrorCompensator:
     ec = ErrorCompensator(k, n, rank, gate_hidden=8).cuda()
     with torch.no_grad():
-        for p in ec.parameters():
-            p.normal_(0, 0.02)
+        for name, p in ec.named_parameters():
+            if name != "alpha":
+                p.normal_(0, b_std if name == "B" else (k if name == "A" else rank) ** -0.5)
     return ec
 
 
@@ -123,6 +124,7 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
     record = rtn_quantize(w_fp, QuantConfig(4, group))
     packed = pack_w4(record)
     ecs = {r: pack_ec(random_ec(n, k, r)) for r in RANKS}
+    loud_ec = pack_ec(random_ec(n, k, 32, b_std=2.0))  # an EC term the size of y: checks the fused EC itself
     copies_w4 = max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes()))
     copies_fp = max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k)))
     w4s = [packed] + [PackedW4(packed.qweight.clone(), packed.scales.clone(), packed.zeros.clone(), packed.group_size,
@@ -142,10 +144,12 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         xb = x.bfloat16()
         ref = w4_linear_ref(x, packed)
-        ref_ec = w4_linear_ref(x, packed, ecs[32])
+        plain = w4_linear(x, packed)
+        ec_term_ref = ec_gated_rank_ref(x, loud_ec) @ loud_ec.B.float().t()
         row = {"M": m, "N": n, "K": k, "group_size": group, "w4_bytes": packed.nbytes(),
-               "check_rel_err": {"w4": rel_err(w4_linear(x, packed), ref),
-                                 "w4_ec32": rel_err(w4_linear(x, packed, ecs[32]), ref_ec)}}
+               "check_rel_err": {"w4": rel_err(plain, ref),
+                                 "w4_ec32": rel_err(w4_linear(x, packed, ecs[32]), w4_linear_ref(x, packed, ecs[32])),
+                                 "ec_term": rel_err(w4_linear(x, packed, loud_ec).float() - plain.float(), ec_term_ref)}}
         us = row["us"] = {}
         us["fp16_cublas"] = time_graph([lambda w=w, x=x: x @ w.t() for w in fps])
         if tinygemm is not None:
@@ -160,7 +164,8 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
             us["w4_ec_r32_overlap"] = time_graph([lambda w=w, x=x, side=side: overlapped(x, w, ecs[32], side) for w in w4s])
         row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3
         rows.append(row)
-        log(f"  M={m:<5} " + "  ".join(f"{key} {v:8.1f}" for key, v in us.items()))
+        log(f"  M={m:<5} " + "  ".join(f"{key} {v:8.1f}" for key, v in us.items())
+            + "  | rel err " + " ".join(f"{key} {v:.1e}" for key, v in row["check_rel_err"].items()))
     return rows
 
 
