@@ -111,10 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which requests get HTTP 429")
     s.add_argument("--chunk-tokens", type=int, default=512, help="prompt tokens prefilled per engine step")
+    s.add_argument("--itl-slo-ms", type=float, default=None,
+                   help="SLO-aware chunks (at most --chunk-tokens) from the artifact's latency table, profiled first if absent")
     s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
 
+    pr = sub.add_parser("profile", help="measure engine step latency (decode batch x prefill tokens) for the SLO scheduler")
+    pr.add_argument("model", help="artifact directory, HF model directory, .gguf file, or 'smollm2'")
+    pr.add_argument("--out", default=None, help="JSON file to write (default: DIR/latency_table.json for an artifact)")
+    pr.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="decode batch sizes (default 1 4 8 16 32)")
+    pr.add_argument("--prefill-tokens", type=int, nargs="+", default=None, help="prefill tokens (default 0 64 128 256 512)")
+    pr.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    pr.add_argument("--json", action="store_true", help="print the table as one JSON object on stdout")
+
     b = sub.add_parser("bench", help="run a benchmark script of the source checkout (bench/NAME.py)")
-    b.add_argument("name", choices=["decode"])
+    b.add_argument("name", choices=["decode", "serve", "slo_experiment"])
     b.add_argument("options", nargs=argparse.REMAINDER, help="the script's own options (add --help to list them)")
     return parser
 
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers_quiet()
     try:
         commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run,
-                    "serve": cmd_serve, "bench": cmd_bench}
+                    "serve": cmd_serve, "profile": cmd_profile, "bench": cmd_bench}
         return commands[args.command](args)
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
@@ -218,7 +228,20 @@ def cmd_run(args) -> int:
 def cmd_serve(args) -> int:
     from spear.server.launch import ServeConfig, serve
 
-    serve(args.model, ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens), device=_device(args))
+    serve(args.model, ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms),
+          device=_device(args))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from spear.runtime.latency import profile_model
+
+    table, path = profile_model(args.model, args.out, args.batch_sizes, args.prefill_tokens, device=_device(args))
+    if args.json:
+        print(json.dumps(table.to_dict()))
+    else:
+        print(table.format())
+    print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

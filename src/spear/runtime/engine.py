@@ -178,6 +178,8 @@ class Engine:
         outputs += [self._append(seq, token) for seq, token in zip(seqs, tokens)]
         self.last_step = StepStats(time.perf_counter() - start, num_decodes, sum(len(c.tokens) for _, c in work[num_decodes:]))
         self.num_steps += 1
+        if hasattr(self.policy, "observe"):  # feedback policies (SLOPolicy) correct their predictions
+            self.policy.observe(self.last_step)
         return outputs
 
     def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, Chunk]]:

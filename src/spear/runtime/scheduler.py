@@ -2,7 +2,8 @@
 
 The engine decodes one token for every running sequence each step (decodes never wait)
 and asks the policy for the prefill budget of the step; any object with this method
-plugs in, e.g. an SLO-aware policy that reads profiled latency tables.
+plugs in, e.g. the SLO-aware policy (spear.runtime.slo) that reads profiled latency tables.
+A policy that also has `observe(stats)` gets each finished step's StepStats (measured time).
 """
 
 from __future__ import annotations

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from spear.errors import SpearError
+
+if TYPE_CHECKING:
+    from spear.runtime.engine import Engine
+    from spear.runtime.latency import LatencyTable
 
 
 @dataclass(frozen=True)
@@ -15,11 +23,14 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_waiting: int = 256  # requests waiting for the engine beyond which the server answers 429
-    chunk_tokens: int = 512  # prompt tokens prefilled per engine step
+    chunk_tokens: int = 512  # prompt tokens prefilled per engine step (the most, with an ITL SLO)
+    itl_slo_ms: float | None = None  # SLO-aware chunks from the latency table (spear.runtime.slo)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
             raise SpearError(f"--max-waiting must be at least 1, got {self.max_waiting}")
+        if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
+            raise SpearError(f"--itl-slo-ms must be positive, got {self.itl_slo_ms}")
 
 
 def serve(spec: str, config: ServeConfig, device: torch.device | None = None) -> None:
@@ -29,6 +40,7 @@ def serve(spec: str, config: ServeConfig, device: torch.device | None = None) ->
     from spear import api
     from spear.runtime.engine import EngineConfig, build_engine
     from spear.runtime.scheduler import StaticChunkPolicy
+    from spear.runtime.slo import SLOPolicy
     from spear.server.app import build_app
     from spear.server.async_engine import AsyncEngine
 
@@ -37,12 +49,37 @@ def serve(spec: str, config: ServeConfig, device: torch.device | None = None) ->
     try:
         lm = api.load(spec, device)
         engine = build_engine(lm.model, lm.tokenizer, EngineConfig(policy=policy))
+        if config.itl_slo_ms is not None:
+            engine.policy = SLOPolicy(serving_table(spec, engine), config.itl_slo_ms, max_chunk=config.chunk_tokens)
         app = build_app(AsyncEngine(engine, config.max_waiting), lm.tokenizer, spec, engine.max_model_len)
         host, port = sock.getsockname()[:2]
         print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens)", flush=True)
         uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
     finally:
         sock.close()
+
+
+def serving_table(spec: str, engine: Engine) -> LatencyTable:
+    """The artifact's latency table if it was profiled on this device at this EC density, else a fresh profile
+    (stored in the artifact directory)."""
+    from spear.artifact import is_artifact
+    from spear.runtime import latency
+
+    path = Path(spec) / latency.TABLE_FILE
+    runner = engine.runner
+    density = latency.ec_density(runner.model)
+    if path.is_file():
+        table = latency.LatencyTable.load(path)
+        if table.device == latency.device_name(runner.cache.device) and math.isclose(table.ec_density, density):
+            return table
+        why = f"{path} was profiled on {table.device} at EC density {table.ec_density:.2f}"
+    else:
+        why = f"no latency table in {spec}"
+    print(f"{why}: profiling step latency on this device for --itl-slo-ms (a minute or two)", file=sys.stderr, flush=True)
+    table = latency.profile(runner, *latency.default_grid(engine.config.max_num_seqs, engine.max_model_len))
+    if is_artifact(spec):
+        print(f"wrote {table.save(path)}", file=sys.stderr, flush=True)
+    return table
 
 
 def _listen(host: str, port: int) -> socket.socket:

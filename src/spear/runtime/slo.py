@@ -1,0 +1,67 @@
+"""The SLO-aware prefill policy: the largest prompt chunk that keeps the step within the ITL target.
+
+Every running decode gains one token per engine step, so a step's duration is the
+inter-token latency its decodes see. Each step the policy asks the latency table for the
+most prefill tokens whose predicted step time, beside this step's decodes, stays within
+(1 - headroom) x the ITL SLO, and grants that (clamped to [min_chunk, max_chunk]).
+Decodes are never stalled (the engine always runs them); where the table has no answer
+(empty or partial table, a batch size outside its grid, even the smallest chunk over
+budget) the policy grants `min_chunk`, so prompts still progress slowly and safely.
+With no decodes running no inter-token latency is at stake: `max_chunk`.
+
+Feedback: the engine reports each step's measured time (`observe`); an exponential
+moving average of measured / predicted scales every prediction, so a table profiled
+under other conditions (longer contexts, a busier device) is corrected within a few steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from spear.errors import SpearError
+from spear.runtime.latency import LatencyTable
+
+if TYPE_CHECKING:
+    from spear.runtime.engine import StepStats
+
+
+@dataclass
+class SLOPolicy:
+    table: LatencyTable
+    itl_slo_ms: float
+    min_chunk: int = 16
+    max_chunk: int = 512
+    headroom: float = 0.1  # share of the SLO kept for scheduling, sampling and timing noise
+    smoothing: float = 0.1  # weight of the newest measured / predicted ratio in the moving average
+    correction: float = field(default=1.0, init=False)  # measured / predicted step time, smoothed
+
+    def __post_init__(self) -> None:
+        if self.itl_slo_ms <= 0:
+            raise SpearError(f"the ITL SLO must be positive, got {self.itl_slo_ms} ms")
+        if not 1 <= self.min_chunk <= self.max_chunk:
+            raise SpearError(f"need 1 <= min_chunk <= max_chunk, got {self.min_chunk} and {self.max_chunk}")
+        if not 0 <= self.headroom < 1 or not 0 < self.smoothing <= 1:
+            raise SpearError(f"need 0 <= headroom < 1 and 0 < smoothing <= 1, got {self.headroom} and {self.smoothing}")
+
+    def predict(self, num_decodes: int, prefill_tokens: int) -> float | None:
+        """Corrected step seconds, or None where the table has no answer."""
+        seconds = self.table.predict(num_decodes, prefill_tokens)
+        return None if seconds is None else seconds * self.correction
+
+    def prefill_budget(self, num_decodes: int, decode_context_tokens: int, waiting_prompt_tokens: int) -> int:
+        if num_decodes == 0:
+            return self.max_chunk
+        target = self.itl_slo_ms / 1e3 * (1 - self.headroom) / self.correction
+        tokens = self.table.max_prefill(num_decodes, target)
+        if tokens is None:
+            return self.min_chunk
+        return max(self.min_chunk, min(self.max_chunk, int(tokens + 1e-6)))  # floor, forgiving rounding error
+
+    def observe(self, stats: StepStats) -> None:
+        """Fold a finished step's measured time (the engine's StepStats) into the correction."""
+        predicted = self.table.predict(stats.num_decodes, stats.num_prefill_tokens)
+        if predicted is None or predicted <= 0 or stats.seconds <= 0:
+            return
+        ratio = stats.seconds / predicted
+        self.correction += self.smoothing * (ratio - self.correction)
