@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -71,6 +72,13 @@ def test_prompt_longer_than_context_is_400(tiny):
 
 def test_disconnect_mid_stream_frees_kv_blocks(tiny):
     async_engine, server = tiny_server(tiny)
+    step = async_engine.engine.step
+
+    def slow_step():  # 100 tokens take over a second: the client is surely gone before the end
+        time.sleep(0.01)
+        return step()
+
+    async_engine.engine.step = slow_step
     body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
     with server as url:
         with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:

@@ -133,7 +133,7 @@ class OpenAIServing:
             try:
                 while True:
                     timer.tokens_arrived(len(out.new_token_ids))
-                    if out.new_text:
+                    if out.new_token_ids or out.new_text:  # one chunk per token, even while its text is held back
                         yield _sse(builder.chunk(out.new_text))
                     if out.finished:
                         break

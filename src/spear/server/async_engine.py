@@ -174,12 +174,13 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
             try:
                 self._apply(adds, aborts)
-                if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                self._publish_stats()  # before the outputs: a client never sees stats older than its tokens
+                self._deliver(outputs)
             except Exception as e:  # a bug in a step: fail every live request, keep serving
                 log.exception("engine step failed")
                 self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
-            self._publish_stats()
+                self._publish_stats()
         self._fail_all(EngineDeadError("the engine shut down"))
 
     def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
