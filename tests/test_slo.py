@@ -129,7 +129,8 @@ def test_feedback_moves_predictions_toward_measured():
     assert errors[-1] < 0.01 * truth < errors[0]
     assert errors == sorted(errors, reverse=True)
     assert policy.prefill_budget(8, 0, 10_000) < before
-    policy.observe(StepStats(1.0, 64, 0))  # no prediction for it: ignored
+    for ignored in (StepStats(1.0, 64, 64), StepStats(1.0, 8, 0), StepStats(1.0, 0, 128)):
+        policy.observe(ignored)  # no prediction (batch beyond the grid), or not a step the policy sized
     assert policy.correction == pytest.approx(1.5, rel=0.01)
 
 

@@ -9,9 +9,10 @@ Decodes are never stalled (the engine always runs them); where the table has no 
 budget) the policy grants `min_chunk`, so prompts still progress slowly and safely.
 With no decodes running no inter-token latency is at stake: `max_chunk`.
 
-Feedback: the engine reports each step's measured time (`observe`); an exponential
-moving average of measured / predicted scales every prediction, so a table profiled
-under other conditions (longer contexts, a busier device) is corrected within a few steps.
+Feedback: the engine reports each step's measured time (`observe`); over the steps the
+policy sized (decodes beside a prefill chunk) an exponential moving average of measured /
+predicted scales every prediction, so a table profiled under other conditions (longer
+contexts than profiled, a busier device) is corrected within a few steps.
 """
 
 from __future__ import annotations
@@ -59,9 +60,14 @@ class SLOPolicy:
         return max(self.min_chunk, min(self.max_chunk, int(tokens + 1e-6)))  # floor, forgiving rounding error
 
     def observe(self, stats: StepStats) -> None:
-        """Fold a finished step's measured time (the engine's StepStats) into the correction."""
+        """Fold a finished step's measured time (the engine's StepStats) into the correction.
+
+        Only the steps this policy sized count: decodes beside a prefill chunk, with a prediction.
+        """
+        if stats.num_decodes == 0 or stats.num_prefill_tokens == 0:
+            return
         predicted = self.table.predict(stats.num_decodes, stats.num_prefill_tokens)
-        if predicted is None or predicted <= 0 or stats.seconds <= 0:
+        if predicted is None or predicted <= 0:
             return
         ratio = stats.seconds / predicted
         self.correction += self.smoothing * (ratio - self.correction)

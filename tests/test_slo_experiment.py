@@ -1,0 +1,25 @@
+"""bench/slo_experiment.py end to end on the tiny model (CPU), through `spear bench slo_experiment`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def test_slo_experiment_tiny_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    from spear.cli import main
+
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    out = tmp_path / "slo.json"
+    argv = ["bench", "slo_experiment", "--tiny", "--densities", "w4+ec38", "--static-chunks", "32", "16",
+            "--itl-slos-ms", "20", "--num-requests", "6", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["driver"].startswith("in-process") and "commit" in result["provenance"]
+    assert [r["policy"] for r in result["runs"]] == ["static32", "static16", "slo20ms"]
+    for run in result["runs"]:
+        assert run["summary"]["completed"] == 6 and run["summary"]["itl_ms"]["p99"] > 0
+        assert sum(r["completion_tokens"] for r in run["requests"]) == result["workload"]["output_tokens"]
+    assert result["latency_tables"]["w4+ec38"]["prefill_tokens"] == [0, 16, 32, 64]
+    assert (tmp_path / "slo_itl.png").stat().st_size > 0 and (tmp_path / "slo_p99.png").stat().st_size > 0
+    assert "slo20ms" in capsys.readouterr().out.splitlines()[-1]
