@@ -244,8 +244,7 @@ def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction:
                           linear(args.intermediate, args.dim))
         layers.append(Block(attention, ffn, norm(), norm()))
 
-    embed = nn.Embedding(args.vocab, args.dim, device="meta")
-    embed.weight = randn(args.vocab, args.dim, std=1.0)
+    embed = nn.Embedding(args.vocab, args.dim, _weight=randn(args.vocab, args.dim, std=1.0), _freeze=True)
     head = float_linear(args.dim, args.vocab)
     if args.tie_embeddings:
         head.weight = embed.weight

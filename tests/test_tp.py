@@ -1,0 +1,113 @@
+"""Tensor parallelism on CPU over gloo: the sharded model's logits equal the single-process model's.
+
+Each rank builds the same random model, computes the single-process reference itself,
+shards a second copy and runs the same prefill + greedy decode steps: greedy tokens must
+be identical and logits equal up to float32 summation order. The EC case puts gated and
+static ECs (with B scaled up, so that they move the logits) on every linear layer, so the
+column- and row-parallel EC paths are both exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+from spear.quant.record import QuantConfig
+from spear.runtime.kv_cache import Batch, Chunk, KVCache
+from spear.runtime.model import ModelArgs, Transformer, random_model
+from spear.runtime.tp import RowParallelLinear, apply_tp, launch, set_reduction
+
+BLOCK = 8
+PROMPTS = ([5, 17, 99, 3, 250, 41, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+DECODE_STEPS = 3
+
+
+def tiny_args(world: int) -> ModelArgs:
+    """Heads (2 per rank, KV 1 per rank) and group-16 shards that split over `world` ranks."""
+    return ModelArgs(dim=32 * world, intermediate=64 * world, n_heads=2 * world, n_kv_heads=world, head_dim=16,
+                     n_layers=2, vocab=256)
+
+
+def build(args: ModelArgs, setting: str) -> Transformer:
+    if setting == "fp32":
+        return random_model(args, dtype=torch.float32, seed=1)
+    if setting == "w4":
+        return random_model(args, QuantConfig(group_size=-1), dtype=torch.float32, seed=1)
+    model = random_model(args, QuantConfig(group_size=16), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1)
+    for i, lin in enumerate(m for m in model.modules() if isinstance(m, SpearLinear)):
+        lin.ec.B.mul_(30)
+        if i % 2:
+            lin.ec.gate = None  # static EC (LoRC-style) on every other layer
+    return model
+
+
+def greedy(model: Transformer) -> tuple[torch.Tensor, list[list[int]]]:
+    """Prefill both prompts in one step, then DECODE_STEPS greedy steps: logits [steps + 1, 2, vocab], tokens."""
+    args = model.args
+    cache = KVCache(args.n_layers, 8, BLOCK, args.n_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
+    tables = [[1, 2, 3], [4, 5, 6]]
+    chunks = [Chunk(list(p), 0, t) for p, t in zip(PROMPTS, tables)]
+    logits, tokens = [], []
+    with torch.inference_mode():
+        for step in range(DECODE_STEPS + 1):
+            logits.append(model(Batch.build(chunks, BLOCK, cache.device), cache))
+            tokens.append(logits[-1].argmax(-1).tolist())
+            chunks = [Chunk([tok], len(p) + step, t) for tok, p, t in zip(tokens[-1], PROMPTS, tables)]
+    return torch.stack(logits), tokens
+
+
+def check_rank() -> None:
+    """On every rank: TP == single process for float, W4 per-channel and W4 g16 + ECs."""
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    args = tiny_args(world)
+    for setting in ("fp32", "w4", "w4+ec"):
+        ref_logits, ref_tokens = greedy(build(args, setting))
+        model = apply_tp(build(args, setting))
+        assert model.args.n_kv_heads == 1 and model.layers[0].attention.n_heads == 2
+        logits, tokens = greedy(model)
+        assert tokens == ref_tokens, (setting, dist.get_rank())
+        err = (logits - ref_logits).abs().max().item()  # not assert_close: under dist it imports DTensor (seconds)
+        assert err < 1e-4, f"{setting}: logits differ by {err:.3g}"
+        gathered = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(gathered, logits)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{setting}: ranks disagree"
+    without_ec = random_model(args, QuantConfig(group_size=16), dtype=torch.float32, seed=1)
+    moved = (greedy(build(args, "w4+ec"))[0] - greedy(without_ec)[0]).abs().max()
+    assert moved > 0.05, f"the ECs barely change the logits ({moved:.3g}): the EC paths would go untested"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_tp_matches_single_process(world, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launch(check_rank, world)
+
+
+def test_shape_errors():
+    with pytest.raises(SpearError, match="attention heads do not split over 3 ranks"):
+        apply_tp(build(tiny_args(2), "w4"), rank=0, world=3)
+    model = build(ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64), "w4+ec")
+    with pytest.raises(SpearError, match="groups of 16 do not align"):
+        RowParallelLinear(model.layers[0].feed_forward.w_down, rank=0, world=16)
+    with pytest.raises(SpearError, match="needs CUDA"):
+        set_reduction(model, "symmetric")
+
+
+def test_ec_epilogue_kernel_matches_reference():
+    from spear.kernels.ec_epilogue import ec_epilogue, ec_epilogue_ref
+
+    gen = torch.Generator().manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).half().to(device)
+
+    for M, N, r, h, gated in ((1, 200, 32, 8, True), (5, 64, 12, 20, True), (3, 130, 32, 0, False)):
+        y, u, B = randn(M, N), randn(M, r), randn(N, r) * 0.1
+        gate = (randn(h, r), randn(h), randn(r, h), randn(r)) if gated else ()
+        expected = ec_epilogue_ref(y, u, B, *gate)
+        torch.testing.assert_close(ec_epilogue(y.clone(), u, B, *gate, block_n=64), expected, atol=2e-3, rtol=2e-3)
+
