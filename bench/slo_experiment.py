@@ -11,8 +11,8 @@ ITL SLO. In-process driver, no HTTP: a simulated client adds requests to the eng
 their Poisson arrival times (real time) between `engine.step()` calls, and stamps each
 token when its step returns; TTFT counts from the scheduled arrival. Metrics as in
 bench/serve.py (TTFT, ITL, TPOT percentiles, SLO attainment, throughput). The JSON is
-rewritten after every run; `--time-limit` stops starting new runs. Plots: ITL over time
-per density and policy, and P99 ITL per run against the SLOs.
+rewritten after every run; `--time-limit` stops starting new runs. One PNG beside it: ITL
+over time per density and policy, and P99 ITL per run against the SLOs.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def step_summary(steps: list[tuple]) -> dict:
             "step_ms": percentiles([s[1] for s in steps]), "mixed_step_ms": percentiles([s[1] for s in mixed])}
 
 
-def plot(runs: list[dict], slos: list[float], stem: Path) -> list[Path]:
+def plot(runs: list[dict], slos: list[float], path: Path) -> None:
+    """One PNG: ITL over time per density (rows) and policy (columns); below, P99 ITL per run against the SLOs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,8 +103,9 @@ def plot(runs: list[dict], slos: list[float], stem: Path) -> list[Path]:
 
     densities = list(dict.fromkeys(r["density"] for r in runs))
     policies = list(dict.fromkeys(r["policy"] for r in runs))
-    fig, axes = plt.subplots(len(densities), len(policies), figsize=(3 * len(policies), 2.6 * len(densities)),
-                             sharex=True, sharey=True, squeeze=False)
+    fig = plt.figure(figsize=(3 * len(policies), 2.6 * len(densities) + 3.5))
+    top, bottom = fig.subfigures(2, 1, height_ratios=[2.6 * len(densities), 3.5])
+    axes = top.subplots(len(densities), len(policies), sharex=True, sharey=True, squeeze=False)
     for r in runs:
         ax = axes[densities.index(r["density"])][policies.index(r["policy"])]
         times = [t for q in r["requests"] for t in q["chunk_times"][1:]]
@@ -117,12 +119,8 @@ def plot(runs: list[dict], slos: list[float], stem: Path) -> list[Path]:
         ax.set_xlabel("time (s)")
     for row in axes:
         row[0].set_ylabel("ITL (ms)")
-    fig.tight_layout()
-    itl_path = stem.with_name(f"{stem.name}_itl.png")
-    fig.savefig(itl_path, dpi=110)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(policies) * len(densities) / 3, 4))
+    ax = bottom.subplots()
     width = 0.8 / len(policies)
     for k, policy in enumerate(policies):
         p99 = [next((r["summary"]["itl_ms"]["p99"] for r in runs if r["density"] == d and r["policy"] == policy), 0)
@@ -132,12 +130,9 @@ def plot(runs: list[dict], slos: list[float], stem: Path) -> list[Path]:
         ax.axhline(slo, color="red", linestyle="--", linewidth=0.8)
     ax.set_xticks(np.arange(len(densities)) + 0.4 - width / 2, densities)
     ax.set(ylabel="P99 ITL (ms)", title="P99 inter-token latency (dashed: ITL SLOs)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    bar_path = stem.with_name(f"{stem.name}_p99.png")
-    fig.savefig(bar_path, dpi=110)
+    ax.legend(fontsize=7, ncol=len(policies))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [itl_path, bar_path]
 
 
 def print_table(runs: list[dict]) -> None:
@@ -245,8 +240,9 @@ def main() -> None:
             torch.cuda.empty_cache()
     save()
     if runs:
-        paths = plot(runs, args.itl_slos_ms, Path(args.json).with_suffix(""))
-        print(f"wrote {args.json}, " + ", ".join(map(str, paths)), file=sys.stderr)
+        plot_path = Path(args.json).with_suffix(".png")
+        plot(runs, args.itl_slos_ms, plot_path)
+        print(f"wrote {args.json} and {plot_path}", file=sys.stderr)
     if skipped:
         print(f"skipped (--time-limit {args.time_limit:g} s): {', '.join(skipped)}", file=sys.stderr)
     print_table(runs)
