@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-tokens", type=int, default=512, help="prompt tokens prefilled per engine step")
     s.add_argument("--itl-slo-ms", type=float, default=None,
                    help="SLO-aware chunks (at most --chunk-tokens) from the artifact's latency table, profiled first if absent")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context per sequence (default: the model's, at most 4096); with --max-num-seqs it sizes the KV cache")
+    s.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
     s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
 
     pr = sub.add_parser("profile", help="measure engine step latency (decode batch x prefill tokens) for the SLO scheduler")
@@ -228,8 +231,9 @@ def cmd_run(args) -> int:
 def cmd_serve(args) -> int:
     from spear.server.launch import ServeConfig, serve
 
-    serve(args.model, ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms),
-          device=_device(args))
+    config = ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms,
+                         args.max_model_len, args.max_num_seqs)
+    serve(args.model, config, device=_device(args))
     return 0
 
 

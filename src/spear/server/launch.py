@@ -25,12 +25,16 @@ class ServeConfig:
     max_waiting: int = 256  # requests waiting for the engine beyond which the server answers 429
     chunk_tokens: int = 512  # prompt tokens prefilled per engine step (the most, with an ITL SLO)
     itl_slo_ms: float | None = None  # SLO-aware chunks from the latency table (spear.runtime.slo)
+    max_model_len: int | None = None  # context per sequence (None: the model's, at most 4096); sizes the KV cache
+    max_num_seqs: int = 32  # sequences decoded together
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
             raise SpearError(f"--max-waiting must be at least 1, got {self.max_waiting}")
         if self.itl_slo_ms is not None and self.itl_slo_ms <= 0:
             raise SpearError(f"--itl-slo-ms must be positive, got {self.itl_slo_ms}")
+        if self.max_num_seqs < 1 or (self.max_model_len is not None and self.max_model_len < 2):
+            raise SpearError("--max-num-seqs must be at least 1 and --max-model-len at least 2")
 
 
 def serve(spec: str, config: ServeConfig, device: torch.device | None = None) -> None:
@@ -48,7 +52,8 @@ def serve(spec: str, config: ServeConfig, device: torch.device | None = None) ->
     sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
     try:
         lm = api.load(spec, device)
-        engine = build_engine(lm.model, lm.tokenizer, EngineConfig(policy=policy))
+        engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, policy=policy)
+        engine = build_engine(lm.model, lm.tokenizer, engine_config)
         if config.itl_slo_ms is not None:
             engine.policy = SLOPolicy(serving_table(spec, engine), config.itl_slo_ms, max_chunk=config.chunk_tokens)
         app = build_app(AsyncEngine(engine, config.max_waiting), lm.tokenizer, spec, engine.max_model_len)
