@@ -9,6 +9,12 @@ column- and row-parallel EC paths are both exercised.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +26,7 @@ from spear.runtime.kv_cache import Batch, Chunk, KVCache
 from spear.runtime.model import ModelArgs, Transformer, random_model
 from spear.runtime.tp import RowParallelLinear, apply_tp, launch, set_reduction
 
+ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 8
 PROMPTS = ([5, 17, 99, 3, 250, 41, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
 DECODE_STEPS = 3
@@ -111,3 +118,20 @@ def test_ec_epilogue_kernel_matches_reference():
         expected = ec_epilogue_ref(y, u, B, *gate)
         torch.testing.assert_close(ec_epilogue(y.clone(), u, B, *gate, block_n=64), expected, atol=2e-3, rtol=2e-3)
 
+
+
+def test_tp_decode_bench_tiny_runs_end_to_end(tmp_path):
+    out = tmp_path / "tp_decode.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "tp_decode.py"), "--tiny", "--batches", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert "commit" in result["provenance"] and "errors" not in result
+    assert [(r["tp"], r["setting"], r["reduce"]) for r in rows] == [
+        (1, "fp32", "-"), (1, "w4", "-"), (1, "w4+ec", "-"),
+        (2, "fp32", "collective"), (2, "w4", "collective"), (2, "w4+ec", "collective")]
+    assert all(r["repeat_identical"] and r["ranks_identical"] and r["ms_per_token"] > 0 for r in rows)
+    assert all(r["max_abs_diff_vs_tp1"] < 1e-4 for r in rows if r["tp"] == 2)
+    assert "ms/token" in proc.stdout.splitlines()[-7]

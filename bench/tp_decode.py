@@ -1,0 +1,224 @@
+"""Decode ms/token under tensor parallelism, random weights in Llama-2 shapes (issue 7, item 5).
+
+    python bench/tp_decode.py --json bench/results/tp_decode.json        # 2 GPUs: the full grid, ~3 min
+    python bench/tp_decode.py --layers 2 --json /tmp/tp_decode.json      # GPU smoke test (not a figure)
+    python bench/tp_decode.py --tiny --json /tmp/tp_decode.json          # CPU: gloo end to end
+
+For each TP size the ranks are started fresh (spear.runtime.tp.launch: NCCL, or gloo on
+CPU). For each model and setting each rank builds the same random model (W4: RTN
+per-channel; W4+EC: gated rank-32 ECs on 38% of the linears), shards it, packs it for the
+kernels, prefills `batch` prompts of `--context` tokens in one step, then times a decode
+step (every sequence gains one token): captured in a CUDA graph and replayed `--iters`
+times between CUDA events (eager on CPU or with --eager), the same fixed count on every
+rank. ms/token is the mean step time. At TP > 1 the row-parallel layers reduce through
+NCCL ("collective", the baseline: one all-reduce of y, a separate one of the EC's u; gloo on
+CPU) or through symmetric
+memory ("symmetric": [y | u] in one buffer, one one-shot all-reduce; the SPEAR path).
+
+Checks in every row: `repeat_identical` (the step re-run on the same inputs gives the same
+logits bit for bit), `ranks_identical` (every rank's logits are the same bits),
+`max_abs_diff_vs_tp1` (logits against the TP=1 run of the same model, setting and batch),
+and `max_abs_diff_vs_collective` for the symmetric rows. `--time-limit` stops starting new runs;
+the JSON is rewritten after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from common import write_json
+from torch.multiprocessing.spawn import ProcessException
+
+from spear.layer import SpearLinear
+from spear.quant.record import QuantConfig
+from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
+from spear.runtime.model import ModelArgs, Transformer, random_model
+from spear.runtime.runner import DecodeGraph
+from spear.runtime.tp import apply_tp, launch, set_reduction
+
+MODELS = {
+    "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
+                           vocab=32000, max_seq_len=4096),
+    "llama2-13b": ModelArgs(dim=5120, intermediate=13824, n_heads=40, n_kv_heads=40, head_dim=128, n_layers=40,
+                            vocab=32000, max_seq_len=4096),
+    "tiny": ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256),
+}
+EC_FRACTION, EC_RANK = 0.38, 32
+BLOCK = 16
+
+
+def runs(world: int, cuda: bool) -> list[tuple[str, float | None, list[str]]]:
+    """(setting, EC fraction or None for float, reductions) in order; symmetric after collective (CUDA, TP > 1)."""
+    float_name = "fp16" if cuda else "fp32"
+    if world == 1:
+        return [(float_name, None, ["-"]), ("w4", 0.0, ["-"]), ("w4+ec", EC_FRACTION, ["-"])]
+    symm = ["symmetric"] if cuda else []
+    return [(float_name, None, ["collective"]), ("w4", 0.0, ["collective", *symm]),
+            ("w4+ec", EC_FRACTION, ["collective", *symm])]
+
+
+def go_on(deadline: float) -> bool:
+    """Rank 0's clock decides for every rank (their decisions must match, or collectives hang)."""
+    flag = [time.time() < deadline]
+    dist.broadcast_object_list(flag, src=0)
+    return flag[0]
+
+
+def build(args: ModelArgs, fraction: float | None, dtype: torch.dtype, device: torch.device) -> Transformer:
+    quant = None if fraction is None else QuantConfig(bits=4, group_size=-1)
+    model = random_model(args, quant, fraction or 0.0, EC_RANK, dtype, device)
+    if dist.get_world_size() > 1:
+        apply_tp(model)
+    if device.type == "cuda":
+        for m in model.modules():
+            if isinstance(m, SpearLinear):
+                m.use_kernels(drop_dense=True)
+    return model
+
+
+def decode_step(model: Transformer, batch: int, context: int, iters: int, eager: bool) -> tuple[float, str, torch.Tensor, bool]:
+    """Prefill, then time the decode step: (ms per step, mode, logits [batch, vocab], repeat_identical)."""
+    args, device = model.args, model.device
+    width = cdiv(context + 1, BLOCK)
+    cache = KVCache(args.n_layers, batch * width + 1, BLOCK, args.n_kv_heads, args.head_dim, model.dtype, device)
+    tables = [list(range(1 + b * width, 1 + (b + 1) * width)) for b in range(batch)]
+    prompts = torch.randint(args.vocab, (batch, context), generator=torch.Generator().manual_seed(batch)).tolist()
+    with torch.inference_mode():
+        first = model(Batch.build([Chunk(p, 0, t) for p, t in zip(prompts, tables)], BLOCK, device), cache).argmax(-1)
+        inputs = Batch.build([Chunk([int(tok)], context, t) for tok, t in zip(first, tables)], BLOCK, device)
+        mode, step = "eager", lambda: model(inputs, cache)
+        if device.type == "cuda" and not eager:
+            try:
+                graph = DecodeGraph(model, cache, batch, width, None)
+            except RuntimeError as e:  # every rank fails alike; time eagerly rather than lose the row
+                print(f"rank {dist.get_rank()}: CUDA-graph capture failed, timing eagerly: {e}", flush=True)
+                return decode_step(model, batch, context, iters, eager=True)
+            graph.inputs.copy_(inputs)
+
+            def step() -> torch.Tensor:
+                graph.graph.replay()
+                return graph.logits
+
+            mode = "cuda-graph"
+        outs = [step().clone() for _ in range(5)]  # warm-up, and the repeat check
+        identical = all(torch.equal(o, outs[0]) for o in outs)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                step()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / iters
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            ms = 1e3 * (time.perf_counter() - t0) / iters
+    return ms, mode, outs[0], identical
+
+
+def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.float16 if cuda else torch.float32
+    if not cuda:
+        torch.set_num_threads(1)
+    rows = list(prior_rows)
+    for name in opts["models"]:
+        args = dataclasses.replace(MODELS[name], n_layers=opts["layers"] or MODELS[name].n_layers)
+        for setting, fraction, reductions in runs(world, cuda):
+            if not go_on(opts["deadline"]):
+                return
+            start = time.perf_counter()
+            model = build(args, fraction, dtype, device)
+            build_s = time.perf_counter() - start
+            for reduction in reductions:
+                if reduction != "-":
+                    set_reduction(model, reduction, max(opts["batches"]))
+                for batch in opts["batches"]:
+                    if not go_on(opts["deadline"]):
+                        return
+                    ms, mode, logits, identical = decode_step(model, batch, opts["context"], opts["iters"], opts["eager"])
+                    gathered = [torch.empty_like(logits) for _ in range(world)]
+                    dist.all_gather(gathered, logits)
+                    row = {"model": name, "layers": args.n_layers, "tp": world, "setting": setting, "reduce": reduction,
+                           "batch": batch, "ms_per_token": ms, "tokens_per_s": 1e3 * batch / ms, "mode": mode,
+                           "iters": opts["iters"], "build_s": build_s, "repeat_identical": identical,
+                           "ranks_identical": all(torch.equal(g, gathered[0]) for g in gathered)}
+                    key = Path(logits_dir) / f"{name}-{setting}-{batch}"
+                    if world == 1:
+                        torch.save(logits.cpu(), f"{key}.pt")
+                    elif Path(f"{key}.pt").exists():
+                        row["max_abs_diff_vs_tp1"] = (logits.cpu().float() - torch.load(f"{key}.pt").float()).abs().max().item()
+                    if reduction == "collective":
+                        torch.save(logits.cpu(), f"{key}-collective-{rank}.pt")
+                    elif reduction == "symmetric":
+                        baseline = torch.load(f"{key}-collective-{rank}.pt").float()
+                        row["max_abs_diff_vs_collective"] = (logits.cpu().float() - baseline).abs().max().item()
+                    rows.append(row)
+                    if rank == 0:
+                        print(f"{name:<10} tp={world} {setting:<6} {reduction:<10} B={batch:<3} {ms:8.3f} ms/token "
+                              f"{mode:<10} identical: repeat {identical} ranks {row['ranks_identical']}", flush=True)
+                        write_json(opts["json"], {**header, "rows": rows})
+            del model
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes, one launch each (default 1 2)")
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None, help="default: llama2-7b llama2-13b")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16")
+    p.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke tests only, not a figure)")
+    p.add_argument("--context", type=int, default=None, help="prompt tokens before the timed step (default 128)")
+    p.add_argument("--iters", type=int, default=None, help="timed decode steps, the same on every rank (default 50)")
+    p.add_argument("--eager", action="store_true", help="time eager steps instead of CUDA-graph replays")
+    p.add_argument("--time-limit", type=float, default=170.0, help="seconds after which no new run starts")
+    p.add_argument("--tiny", action="store_true", help="a tiny model with short runs (CPU end-to-end check)")
+    p.add_argument("--json", default="bench/results/tp_decode.json")
+    a = p.parse_args()
+    opts = {"models": a.models or (["tiny"] if a.tiny else ["llama2-7b", "llama2-13b"]),
+            "batches": a.batches or ([1, 2] if a.tiny else [1, 16]), "layers": a.layers,
+            "context": a.context or (8 if a.tiny else 128), "iters": a.iters or (3 if a.tiny else 50),
+            "eager": a.eager, "deadline": time.time() + a.time_limit, "json": a.json}
+    header = {"quant": QuantConfig(bits=4, group_size=-1).to_dict(),
+              "ec": {"fraction": EC_FRACTION, "rank": EC_RANK, "gate_hidden": 8},
+              **{k: opts[k] for k in ("context", "iters", "layers")}, "time_limit_s": a.time_limit,
+              "ms_per_token": "mean decode-step time (every sequence gains one token per step)"}
+    rows: list[dict] = []
+    write_json(a.json, {**header, "rows": rows})
+    with tempfile.TemporaryDirectory() as logits_dir:
+        for world in a.tp:
+            if time.time() >= opts["deadline"]:
+                break
+            try:
+                launch(worker, world, opts, header, rows, logits_dir)
+            except ProcessException as e:  # keep the rows measured so far and go on with the next TP size
+                header.setdefault("errors", []).append(f"tp={world}: {type(e).__name__}: {e}")
+                print(f"tp={world} failed: {e}", flush=True)
+            rows = json.loads(Path(a.json).read_text())["rows"]
+            write_json(a.json, {**header, "rows": rows})
+    print(f"\n{'model':<10} {'layers':>6} {'tp':>3} {'setting':<7} {'reduce':<10} {'batch':>5} {'ms/token':>9} "
+          f"{'tok/s':>9} {'mode':<10} {'bit-identical':>13} {'diff vs tp1':>11}")
+    for r in rows:
+        diff = r.get("max_abs_diff_vs_tp1")
+        print(f"{r['model']:<10} {r['layers']:>6} {r['tp']:>3} {r['setting']:<7} {r['reduce']:<10} {r['batch']:>5} "
+              f"{r['ms_per_token']:>9.3f} {r['tokens_per_s']:>9.1f} {r['mode']:<10} "
+              f"{r['repeat_identical'] and r['ranks_identical']!s:>13} {'' if diff is None else f'{diff:.3g}':>11}")
+
+
+if __name__ == "__main__":
+    main()
