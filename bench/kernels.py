@@ -27,7 +27,7 @@ from common import provenance, write_json
 from spear.compensate.ec import ErrorCompensator
 from spear.kernels.pack import PackedEC, PackedW4, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
-from spear.kernels.w4 import ec_rank, tune_w4, w4_linear, w4_prefill
+from spear.kernels.w4 import ec_rank, tune_w4, w4_linear, w4_prefill, w4_prefill_fused
 from spear.quant.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer
@@ -137,7 +137,7 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         log(f"  torch int4 unavailable: {str(e).splitlines()[0]}")
         tinygemm = None
     t = time.perf_counter()
-    tuned = tune_w4(packed, ms=tuple(sorted({1, *[m for m in ms if m > 16]})))
+    tuned = tune_w4(packed)
     log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
     rows = []
     for m in ms:
@@ -160,6 +160,8 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
             us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec, x=x: w4_linear(x, w, ec) for w in w4s])
         us["w4_ec_r32_naive"] = time_graph([lambda w=w, x=x: naive_ec(x, w4_linear(x, w), ecs[32]) for w in w4s])
         if m > 16:
+            us["w4_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w) for w in w4s])
+            us["w4_ec_r32_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w, ecs[32]) for w in w4s])
             side = torch.cuda.Stream()
             us["w4_ec_r32_overlap"] = time_graph([lambda w=w, x=x, side=side: overlapped(x, w, ecs[32], side) for w in w4s])
         row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3

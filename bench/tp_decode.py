@@ -39,10 +39,9 @@ import torch.distributed as dist
 from common import write_json
 from torch.multiprocessing.spawn import ProcessException
 
-from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
-from spear.runtime.model import ModelArgs, Transformer, random_model
+from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
 from spear.runtime.runner import DecodeGraph
 from spear.runtime.tp import apply_tp, launch, set_reduction
 
@@ -76,13 +75,10 @@ def go_on(deadline: float) -> bool:
 
 def build(args: ModelArgs, fraction: float | None, dtype: torch.dtype, device: torch.device) -> Transformer:
     quant = None if fraction is None else QuantConfig(bits=4, group_size=-1)
-    model = random_model(args, quant, fraction or 0.0, EC_RANK, dtype, device)
+    model = random_model(args, quant, fraction or 0.0, EC_RANK, dtype, device, kernels=False)
     if dist.get_world_size() > 1:
         apply_tp(model)
-    if device.type == "cuda":
-        for m in model.modules():
-            if isinstance(m, SpearLinear):
-                m.use_kernels(drop_dense=True)
+    use_kernels(model, drop_dense=True)
     return model
 
 

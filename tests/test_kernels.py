@@ -18,10 +18,12 @@ from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_
 from spear.kernels.w4 import (
     DecodeConfig,
     PrefillConfig,
+    dequantize_w4_into,
     ec_rank,
     w4_decode,
     w4_linear,
     w4_prefill,
+    w4_prefill_fused,
 )
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
@@ -127,8 +129,20 @@ def test_prefill_kernel_matches_reference(group, with_ec, gen):
     ec = pack_ec(random_ec(n, k, 32, gen)).to(DEVICE) if with_ec else None
     bias = torch.randn(n, generator=gen).half().to(DEVICE) if with_ec else None
     x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-    y = w4_prefill(x, packed, ec, bias, SMALL_PREFILL, out=poisoned(m, n))
-    assert_close(y, w4_linear_ref(x, packed, ec, bias), f"prefill g={group} ec={with_ec}")
+    ref = w4_linear_ref(x, packed, ec, bias)
+    assert_close(w4_prefill(x, packed, ec, bias, out=poisoned(m, n)), ref, f"prefill g={group} ec={with_ec}")
+    y = w4_prefill_fused(x, packed, ec, bias, SMALL_PREFILL, out=poisoned(m, n))
+    assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
+
+
+def test_dequantize_kernel_is_bit_exact(gen):
+    for group in (-1, 32, 64):
+        record = random_w4(128, 576, group, gen, sym=group != 32)
+        packed = pack_w4(record).to(DEVICE)
+        out = torch.full((128, 576 + 16), float("nan"), dtype=torch.float16, device=DEVICE)  # a strided view
+        dequantize_w4_into(packed, out[:, :576])
+        assert torch.equal(out[:, :576].cpu(), record.dequantize(torch.float16)), f"g={group}; seed {SEED}"
+        assert out[:, 576:].isnan().all()
 
 
 def test_rank_kernel_matches_reference(gen):
@@ -141,16 +155,16 @@ def test_rank_kernel_matches_reference(gen):
 
 
 def test_dispatch_by_rows_and_the_shared_layer(gen):
-    """w4_linear picks decode (M ≤ 16) or prefill by M; SpearLinear.use_kernels routes through it on CUDA."""
+    """w4_linear picks decode, sliced decode or prefill by M; SpearLinear.use_kernels routes through it on CUDA."""
     n, k = 128, 192
     record = random_w4(n, k, 64, gen)
     layer = SpearLinear(record, bias=torch.randn(n, generator=gen), dtype=torch.float16)
     layer.ec = random_ec(n, k, 8, gen).half()
     assert layer.use_kernels()
-    for m in (1, 17):
+    for m in (1, 17, 40):  # 2, 34 and 80 rows: decode, sliced decode, prefill
         x = torch.randn(2, m, k, generator=gen).half()  # leading dims are flattened
-        ref = w4_linear_ref(x.reshape(-1, k), layer.packed, layer.packed_ec, layer.bias.half()).view(2, m, n)
+        ref = w4_linear_ref(x.reshape(-1, k), layer.packed, layer.packed_ec, layer.bias.half()).view(2, m, n).to(DEVICE)
         assert_close(w4_linear(x.to(DEVICE), layer.packed.to(DEVICE), layer.packed_ec.to(DEVICE),
                                layer.bias.half().to(DEVICE)), ref, f"dispatch m={m}")
-        assert_close(layer(x), ref, f"SpearLinear m={m}", rtol=5e-3)  # CPU: the PyTorch backend
+        assert_close(layer.to(DEVICE)(x.to(DEVICE)), ref, f"SpearLinear m={m}", rtol=5e-3)  # the kernels on CUDA
     assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()

@@ -11,8 +11,10 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   (alpha·B)_tile g in registers, then writes the output once. The u-programs have the
   lowest ids, so they are dispatched first and the wait cannot deadlock. Each launch
   leaves its workspace and counters zeroed for the next one.
-* prefill (M > 16): a rank-space kernel computes g [M, R] (A x and the gate MLP), then
-  the tensor-core W4 GEMM adds g (alpha·B)ᵀ in its epilogue: no extra pass over y.
+* prefill (M > 16): the weight is dequantized once into scratch and multiplied by cuBLAS;
+  the EC rides along as R extra columns, [x | g] · [W_hat | alpha·B]ᵀ, with g from a
+  rank-space kernel (A x and the gate MLP). A fully fused Triton tile GEMM (dequantize in
+  the main loop, EC in the epilogue) is kept as `w4_prefill_fused`; it measured slower.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton.language as tl
 from spear.kernels.pack import PackedEC, PackedW4
 
 DECODE_MAX_M = 16
+SLICED_DECODE_MAX_M = 64  # w4_linear runs the decode kernel on 16-row slices up to this many rows
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -168,7 +171,7 @@ def _w4_decode_kernel(
 
 
 @triton.jit
-def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm,
+def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm, stride_gm,
                     GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """g [M, R] = gamma(A x) ⊙ A x, in fp16."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -182,7 +185,25 @@ def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, s
         ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
         u += tl.dot(xk, tl.trans(ak))
     g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-    tl.store(g_ptr + offs_m[:, None] * R + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+    tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride_wn, BN: tl.constexpr):
+    """W_hat[tile, block] in fp16, exactly as the record's dequantize: (q − z) · s, rounded once."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    kb = tl.program_id(1) * 128
+    packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
+                     mask=mask_n[:, None], other=0)  # [BN, 16]
+    for j in tl.static_range(8):
+        offs_k = kb + 16 * j + tl.arange(0, 16)
+        mask = mask_n[:, None] & (offs_k[None, :] < K)
+        g = offs_k // group_size
+        s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
+        z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
+        q = ((packed >> (4 * j)) & 0xF).to(tl.float16)
+        tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
 
 @triton.jit
@@ -338,23 +359,26 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     return y
 
 
-def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64) -> torch.Tensor:
-    """g = gamma(A x) ⊙ A x  [M, R] fp16, one launch."""
+def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """g = gamma(A x) ⊙ A x  [M, R] fp16, one launch; into `out` (any row stride) if given."""
     m, k = x.shape
-    g = torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
+    g = out if out is not None else torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
     _ec_rank_kernel[(triton.cdiv(m, block_m),)](
-        x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0),
+        x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0), g.stride(0),
         GATED=ec.gated, R=ec.padded_rank, H=ec.W1.shape[0], BM=block_m, BK=block_k, num_warps=4,
     )
     return g
 
 
-def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-               cfg: PrefillConfig | None = None, g: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] for any M: the tensor-core GEMM, with (alpha·B) g added in its epilogue.
+def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
+                     cfg: PrefillConfig | None = None, g: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] for any M from one Triton tensor-core GEMM that dequantizes in its main loop, with
+    (alpha·B) g added in its epilogue; g (from `ec_rank`) may be passed in, else it is computed here.
 
-    g (from `ec_rank`) may be passed in, computed earlier or on another stream; else it is computed here.
+    Measured on the H200 it runs at 0.15–0.4× cuBLAS fp16 (BENCHMARKS.md §4), so `w4_prefill`
+    (dequantize once, then cuBLAS) is the prefill path; this one is kept as the benchmark's variant.
     """
     m, k = x.shape
     n = w.out_features
@@ -374,18 +398,76 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     return y
 
 
+class _Scratch:
+    """Per-device fp16 scratch for the prefill path (the dequantized weight, [x | g]); grows, never shrinks.
+    Layers run one after another on a stream, so one buffer of each kind serves them all."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+    def get(self, device: torch.device, kind: str, rows: int, cols: int) -> torch.Tensor:
+        buf = self.buffers.get((device, kind))
+        if buf is None or buf.numel() < rows * cols:
+            buf = self.buffers[(device, kind)] = torch.empty(rows * cols, dtype=torch.float16, device=device)
+        return buf[: rows * cols].view(rows, cols)
+
+
+_SCRATCH = _Scratch()
+
+
+def dequantize_w4_into(w: PackedW4, out: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """Write W_hat [N, K] (fp16, bit-exact with the record's dequantize) into `out` (any row stride)."""
+    n, kw = w.qweight.shape
+    _dequant_kernel[(triton.cdiv(n, block_n), kw // 16)](
+        w.qweight, w.scales, w.zeros, out, n, w.in_features, kw, w.scales.shape[1], w.group_size, out.stride(0),
+        BN=block_n, num_warps=4,
+    )
+    return out
+
+
+def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] for many rows: dequantize W once into scratch, then one cuBLAS GEMM.
+
+    With an EC the GEMM takes the EC along as R extra columns (semi-fused, no extra pass over y):
+        y = [x | g] · [W_hat | alpha·B]ᵀ,   g = gamma(A x) ⊙ A x from the rank-space kernel,
+    which writes g straight into the scratch beside its copy of x.
+    """
+    m, k = x.shape
+    n = w.out_features
+    r = 0 if ec is None else ec.padded_rank
+    w_full = _SCRATCH.get(x.device, "weight", n, k + r)
+    dequantize_w4_into(w, w_full[:, :k])
+    x_full = x
+    if ec is not None:
+        w_full[:, k:].copy_(ec.B)
+        x_full = _SCRATCH.get(x.device, "input", m, k + r)
+        x_full[:, :k].copy_(x)
+        ec_rank(x, ec, out=x_full[:, k:])
+    if bias is None:
+        return torch.mm(x_full, w_full.t(), out=out)
+    return torch.addmm(bias, x_full, w_full.t(), out=out)
+
+
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Phase-adaptive dispatch: the decode kernel for M ≤ 16 rows, the prefill path above."""
+    """Phase-adaptive dispatch by rows: the decode kernel (per 16 rows up to 64), else the prefill path."""
     x2 = _flatten(x)
     if x2.dtype != torch.float16:
         raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
-    y = w4_decode(x2, w, ec, bias) if x2.shape[0] <= DECODE_MAX_M else w4_prefill(x2, w, ec, bias)
+    m = x2.shape[0]
+    if m > SLICED_DECODE_MAX_M:
+        y = w4_prefill(x2, w, ec, bias)
+    else:  # the decode kernel per 16 rows: up to 64 rows it reads fewer bytes than dequantize + GEMM
+        y = torch.empty(m, w.out_features, dtype=x2.dtype, device=x2.device)
+        for start in range(0, m, DECODE_MAX_M):
+            w4_decode(x2[start : start + DECODE_MAX_M], w, ec, bias, out=y[start : start + DECODE_MAX_M])
     return y.view(*x.shape[:-1], w.out_features)
 
 
-def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 64, 256, 1024, 4096)) -> dict[int, DecodeConfig | PrefillConfig]:
-    """Time the candidate configs for this weight shape at each M (CUDA only, outside graph capture);
-    later calls with the same shape and M bucket use the fastest. Returns the choice per M."""
+def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1,)) -> dict[int, DecodeConfig | PrefillConfig]:
+    """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
+    graph capture): the decode kernel for M ≤ 16, the fused prefill kernel above. Later calls with the
+    same shape and M bucket use the fastest. Returns the choice per M."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench
@@ -393,7 +475,7 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 64, 256, 1024, 4096)) -> dict
     chosen = {}
     for m in ms:
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
-        run, candidates = (w4_decode, DECODE_CANDIDATES) if m <= DECODE_MAX_M else (w4_prefill, PREFILL_CANDIDATES)
+        run, candidates = (w4_decode, DECODE_CANDIDATES) if m <= DECODE_MAX_M else (w4_prefill_fused, PREFILL_CANDIDATES)
         timings = []
         for cfg in candidates:
             try:

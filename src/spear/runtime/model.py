@@ -209,12 +209,14 @@ def use_kernels(model: nn.Module, drop_dense: bool = False) -> int:
 
 @torch.no_grad()
 def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction: float = 0.0, rank: int = 32,
-                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
+                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", seed: int = 0,
+                 kernels: bool = True) -> Transformer:
     """Random weights (~N(0, 1/in)) in the shapes of `args`, generated on `device`.
 
     With `quant`, every decoder linear is RTN-quantized to a SpearLinear; gated ECs
     (gate_hidden 8) of rank `rank` with random factors go on `ec_fraction` of them,
-    spread evenly over the depth.
+    spread evenly over the depth. With `kernels` (on CUDA) the 4-bit linears are packed for the
+    Triton kernels and their dense copies freed; pass False to shard the model (tp.apply_tp) first.
     """
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)
@@ -254,7 +256,8 @@ def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction:
         for i, lin in enumerate(spear_linears):
             if math.floor((i + 1) * ec_fraction) > math.floor(i * ec_fraction):  # evenly spread, floor(n * fraction) in all
                 lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn)
-    use_kernels(model, drop_dense=True)
+    if kernels:
+        use_kernels(model, drop_dense=True)
     return model
 
 
