@@ -161,10 +161,11 @@ def test_dispatch_by_rows_and_the_shared_layer(gen):
     layer = SpearLinear(record, bias=torch.randn(n, generator=gen), dtype=torch.float16)
     layer.ec = random_ec(n, k, 8, gen).half()
     assert layer.use_kernels()
+    layer.to(DEVICE)  # the packed tensors follow the module
+    w, ec, bias = layer.packed, layer.packed_ec, layer.bias.half()
     for m in (1, 17, 40):  # 2, 34 and 80 rows: decode, sliced decode, prefill
-        x = torch.randn(2, m, k, generator=gen).half()  # leading dims are flattened
-        ref = w4_linear_ref(x.reshape(-1, k), layer.packed, layer.packed_ec, layer.bias.half()).view(2, m, n).to(DEVICE)
-        assert_close(w4_linear(x.to(DEVICE), layer.packed.to(DEVICE), layer.packed_ec.to(DEVICE),
-                               layer.bias.half().to(DEVICE)), ref, f"dispatch m={m}")
-        assert_close(layer.to(DEVICE)(x.to(DEVICE)), ref, f"SpearLinear m={m}", rtol=5e-3)  # the kernels on CUDA
+        x = torch.randn(2, m, k, generator=gen).half().to(DEVICE)  # leading dims are flattened
+        ref = w4_linear_ref(x.reshape(-1, k), w, ec, bias).view(2, m, n)
+        assert_close(w4_linear(x, w, ec, bias), ref, f"dispatch m={m}")
+        assert_close(layer(x), ref, f"SpearLinear m={m}", rtol=5e-3)  # CPU: the PyTorch backend; CUDA: the kernels
     assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()

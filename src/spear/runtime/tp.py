@@ -142,7 +142,9 @@ class SymmetricReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = dist.group.WORLD.group_name
-        self.buffer = symm_mem.empty(max_rows * width, dtype=dtype, device=device)  # [max_rows * (N + r)]
+        # float32 staging: torch 2.11's one_shot_all_reduce has no fp16 kernel ("not implemented for 'Half'",
+        # seen on the H200 pair); the sum in float32 is also the more exact one.
+        self.buffer = symm_mem.empty(max_rows * width, dtype=torch.float32, device=device)  # [max_rows * (N + r)]
         symm_mem.rendezvous(self.buffer, self.group_name)
         self.fallback = CollectiveReduce()
 
@@ -155,8 +157,9 @@ class SymmetricReduce:
         staged[:n_y].view_as(y).copy_(y)
         if u is not None:
             staged[n_y:].view_as(u).copy_(u)
-        out = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)  # [n], a new tensor
-        return out[:n_y].view_as(y), None if u is None else out[n_y:].view_as(u)
+        out = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)  # [n] float32, a new tensor
+        y_sum = out[:n_y].view(y.shape).to(y.dtype)
+        return y_sum, None if u is None else out[n_y:].view(u.shape).to(u.dtype)
 
 
 class RowParallelLinear(nn.Module):
