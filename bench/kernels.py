@@ -27,7 +27,7 @@ from common import provenance, write_json
 from spear.compensate.ec import ErrorCompensator
 from spear.kernels.pack import PackedEC, PackedW4, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
-from spear.kernels.w4 import ec_rank, tune_w4, w4_linear, w4_prefill, w4_prefill_fused
+from spear.kernels.w4 import tune_w4, w4_linear, w4_prefill_fused
 from spear.quant.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer
@@ -88,16 +88,6 @@ def naive_ec(x: torch.Tensor, y: torch.Tensor, ec: PackedEC) -> torch.Tensor:
     u = x @ ec.A.t()
     gate = torch.tanh(F.linear(F.silu(F.linear(u, ec.W1, ec.b1)), ec.W2, ec.b2))
     return y.addmm_(u * (1 + gate), ec.B.t())
-
-
-def overlapped(x: torch.Tensor, w: PackedW4, ec: PackedEC, side: torch.cuda.Stream) -> torch.Tensor:
-    """The EC's rank-space kernel on a side stream beside the plain W4 GEMM, then y += g Bᵀ."""
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        g = ec_rank(x, ec)
-    y = w4_prefill(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    return y.addmm_(g, ec.B.t())
 
 
 def int4pack(weight: torch.Tensor, group: int = 128):
@@ -162,8 +152,6 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         if m > 16:
             us["w4_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w) for w in w4s])
             us["w4_ec_r32_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w, ecs[32]) for w in w4s])
-            side = torch.cuda.Stream()
-            us["w4_ec_r32_overlap"] = time_graph([lambda w=w, x=x, side=side: overlapped(x, w, ecs[32], side) for w in w4s])
         row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3
         rows.append(row)
         log(f"  M={m:<5} " + "  ".join(f"{key} {v:8.1f}" for key, v in us.items())

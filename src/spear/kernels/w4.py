@@ -11,10 +11,10 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   (alpha·B)_tile g in registers, then writes the output once. The u-programs have the
   lowest ids, so they are dispatched first and the wait cannot deadlock. Each launch
   leaves its workspace and counters zeroed for the next one.
-* prefill (M > 16): the weight is dequantized once into scratch and multiplied by cuBLAS;
-  the EC rides along as R extra columns, [x | g] · [W_hat | alpha·B]ᵀ, with g from a
-  rank-space kernel (A x and the gate MLP). A fully fused Triton tile GEMM (dequantize in
-  the main loop, EC in the epilogue) is kept as `w4_prefill_fused`; it measured slower.
+* prefill (M > 32): the weight is dequantized once into scratch and multiplied by cuBLAS;
+  the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
+  y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
+  epilogue) is kept as `w4_prefill_fused`; it measured 3–9× slower than cuBLAS.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import triton.language as tl
 from spear.kernels.pack import PackedEC, PackedW4
 
 DECODE_MAX_M = 16
-SLICED_DECODE_MAX_M = 64  # w4_linear runs the decode kernel on 16-row slices up to this many rows
+SLICED_DECODE_MAX_M = 32  # w4_linear runs the decode kernel on 16-row slices up to this many rows
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -377,7 +377,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
     """y [M, N] for any M from one Triton tensor-core GEMM that dequantizes in its main loop, with
     (alpha·B) g added in its epilogue; g (from `ec_rank`) may be passed in, else it is computed here.
 
-    Measured on the H200 it runs at 0.15–0.4× cuBLAS fp16 (BENCHMARKS.md §4), so `w4_prefill`
+    Measured on the H200 it runs at 0.1–0.4× cuBLAS fp16 (BENCHMARKS.md §4), so `w4_prefill`
     (dequantize once, then cuBLAS) is the prefill path; this one is kept as the benchmark's variant.
     """
     m, k = x.shape
@@ -429,24 +429,38 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
                out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] for many rows: dequantize W once into scratch, then one cuBLAS GEMM.
 
-    With an EC the GEMM takes the EC along as R extra columns (semi-fused, no extra pass over y):
-        y = [x | g] · [W_hat | alpha·B]ᵀ,   g = gamma(A x) ⊙ A x from the rank-space kernel,
-    which writes g straight into the scratch beside its copy of x.
+    With an EC (semi-fused): on CUDA the rank-space kernel computes g = gamma(A x) ⊙ A x on a side
+    stream while the main stream dequantizes and multiplies; then y += g (alpha·B)ᵀ. Measured on the
+    H200 this beat running the EC as R extra GEMM columns ([x | g]·[W_hat | alpha·B]ᵀ, which must
+    copy x) in 5 of 6 shapes at M ≥ 1024 (BENCHMARKS.md §4).
     """
-    m, k = x.shape
-    n = w.out_features
-    r = 0 if ec is None else ec.padded_rank
-    w_full = _SCRATCH.get(x.device, "weight", n, k + r)
-    dequantize_w4_into(w, w_full[:, :k])
-    x_full = x
+    n, k = w.out_features, w.in_features
+    main = torch.cuda.current_stream() if x.is_cuda else None
+    g = None
+    if ec is not None and main is not None:
+        side = _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            g = ec_rank(x, ec)
+        g.record_stream(main)
+    w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, "weight", n, k))
+    y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
     if ec is not None:
-        w_full[:, k:].copy_(ec.B)
-        x_full = _SCRATCH.get(x.device, "input", m, k + r)
-        x_full[:, :k].copy_(x)
-        ec_rank(x, ec, out=x_full[:, k:])
-    if bias is None:
-        return torch.mm(x_full, w_full.t(), out=out)
-    return torch.addmm(bias, x_full, w_full.t(), out=out)
+        if main is not None:
+            main.wait_stream(side)
+        else:
+            g = ec_rank(x, ec)
+        y.addmm_(g, ec.B.t())
+    return y
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -457,7 +471,7 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     m = x2.shape[0]
     if m > SLICED_DECODE_MAX_M:
         y = w4_prefill(x2, w, ec, bias)
-    else:  # the decode kernel per 16 rows: up to 64 rows it reads fewer bytes than dequantize + GEMM
+    else:  # the decode kernel per 16 rows: up to 32 rows it beats dequantize + GEMM (H200, BENCHMARKS.md §4)
         y = torch.empty(m, w.out_features, dtype=x2.dtype, device=x2.device)
         for start in range(0, m, DECODE_MAX_M):
             w4_decode(x2[start : start + DECODE_MAX_M], w, ec, bias, out=y[start : start + DECODE_MAX_M])
