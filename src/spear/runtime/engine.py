@@ -85,9 +85,13 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
 def build_engine(hf_model: nn.Module, tokenizer, config: EngineConfig | None = None) -> Engine:
     """An engine over a transformers Llama-family model (float or a loaded SPEAR artifact)."""
     config = config or EngineConfig()
+    return Engine(make_runner(build_runtime_model(hf_model), config), tokenizer, config, eos_token_ids(hf_model))
+
+
+def eos_token_ids(hf_model: nn.Module) -> tuple[int, ...]:
+    """The end-of-sequence ids of the model's generation config."""
     eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    return Engine(make_runner(build_runtime_model(hf_model), config), tokenizer, config, eos_ids)
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 class Engine:

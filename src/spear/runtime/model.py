@@ -180,8 +180,11 @@ class Transformer(nn.Module):
         return self.head(self.norm(x[batch.last_index]))
 
 
-def build_runtime_model(hf_model: nn.Module) -> Transformer:
-    """The runtime model over a transformers Llama-family model's own modules and tensors."""
+def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transformer:
+    """The runtime model over a transformers Llama-family model's own modules and tensors.
+
+    With `kernels` (on CUDA) the 4-bit linears are packed for the Triton kernels; pass False to
+    shard the model (tp.apply_tp) first."""
     args = ModelArgs.from_hf_config(hf_model.config)
     base = hf_model.model
     layers = []
@@ -194,7 +197,8 @@ def build_runtime_model(hf_model: nn.Module) -> Transformer:
             RMSNorm(layer.post_attention_layernorm.weight, args.norm_eps),
         ))
     model = Transformer(args, base.embed_tokens, layers, RMSNorm(base.norm.weight, args.norm_eps), hf_model.lm_head)
-    use_kernels(model)
+    if kernels:
+        use_kernels(model)
     return model
 
 

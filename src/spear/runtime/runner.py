@@ -8,6 +8,8 @@ tables are padded to the longest a sequence can have. Everything else runs eager
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
@@ -42,6 +44,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.table_width = cdiv(max_model_len, cache.block_size)
         self.graphs: dict[int, DecodeGraph] = {}
+        self.on_step: Callable[[list[Chunk]], None] | None = None  # sees each step's chunks first (TP: sends them)
         if cuda_graphs and cache.device.type == "cuda":
             with torch.inference_mode():
                 pool = torch.cuda.graph_pool_handle()
@@ -51,6 +54,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Logits [B, vocab] at the last token of each chunk; their K/V land in the cache."""
+        if self.on_step is not None:
+            self.on_step(chunks)
         size = next((s for s in sorted(self.graphs) if s >= len(chunks)), None)
         if size is not None and all(len(c.tokens) == 1 for c in chunks):
             return self.graphs[size].run(self.padded_batch(chunks, size))[: len(chunks)]

@@ -38,8 +38,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from typing import Literal
 
 import torch
@@ -56,6 +59,7 @@ from spear.runtime.model import Transformer
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 Reduction = Literal["collective", "symmetric"]
+GRACE_SECONDS = 10  # after one rank fails, how long the others may take to end by themselves before SIGTERM
 
 
 def _rows(t: torch.Tensor | None, rank: int, world: int) -> torch.Tensor | None:
@@ -242,9 +246,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+def _rank_main(rank: int, world: int, port: int, cuda: bool, fn: Callable, args: tuple) -> None:
     os.environ.update(TP_ENV)
-    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -255,15 +258,48 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple) -> N
         dist.destroy_process_group()
 
 
-def launch(fn: Callable, world: int, *args) -> None:
+def launch(fn: Callable, world: int, *args, cuda: bool | None = None) -> None:
     """Run fn(*args) in `world` new processes, one per rank, with torch.distributed initialised.
 
-    NCCL with one GPU per rank where CUDA is present, else gloo on the CPU. `fn` must be
-    importable (a module-level function). An exception on any rank is raised here.
+    NCCL with one GPU per rank when `cuda` (default: where CUDA is present), else gloo on the
+    CPU. `fn` must be importable (a module-level function). SIGTERM or SIGINT to this process
+    is passed on to the ranks as SIGTERM. A SpearError on any rank is raised here as one; any
+    other exception as torch's ProcessRaisedException.
     """
-    if torch.cuda.is_available() and torch.cuda.device_count() < world:
-        raise SpearError(f"--tp {world} needs {world} GPUs, found {torch.cuda.device_count()}")
     import torch.multiprocessing as mp
+    from torch.multiprocessing import ProcessRaisedException
 
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda and torch.cuda.device_count() < world:
+        raise SpearError(f"--tp {world} needs {world} GPUs, found {torch.cuda.device_count()}")
     os.environ.update(TP_ENV)
-    mp.spawn(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    context = mp.spawn(_rank_main, args=(world, _free_port(), cuda, fn, args), nprocs=world, join=False)
+    try:
+        with _forward_signals([p.pid for p in context.processes]):
+            while not context.join(grace_period=GRACE_SECONDS):
+                pass
+    except ProcessRaisedException as e:
+        kind, _, message = e.msg.rstrip().rpartition("\n")[2].partition(": ")  # the traceback's last line
+        if kind == f"{SpearError.__module__}.{SpearError.__qualname__}":
+            raise SpearError(message) from None
+        raise
+
+
+@contextmanager
+def _forward_signals(pids: list[int]):
+    """While the ranks run, SIGTERM / SIGINT to the launcher become SIGTERM to every rank (no orphans)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame) -> None:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

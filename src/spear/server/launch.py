@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ import torch
 from spear.errors import SpearError
 
 if TYPE_CHECKING:
-    from spear.runtime.engine import Engine
+    from spear.runtime.engine import Engine, EngineConfig
     from spear.runtime.latency import LatencyTable
+    from spear.runtime.tp_serve import StepChannel
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class ServeConfig:
     itl_slo_ms: float | None = None  # SLO-aware chunks from the latency table (spear.runtime.slo)
     max_model_len: int | None = None  # context per sequence (None: the model's, at most 4096); sizes the KV cache
     max_num_seqs: int = 32  # sequences decoded together
+    tp: int = 1  # tensor-parallel ranks (spear.runtime.tp_serve)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -35,33 +38,88 @@ class ServeConfig:
             raise SpearError(f"--itl-slo-ms must be positive, got {self.itl_slo_ms}")
         if self.max_num_seqs < 1 or (self.max_model_len is not None and self.max_model_len < 2):
             raise SpearError("--max-num-seqs must be at least 1 and --max-model-len at least 2")
+        if self.tp < 1:
+            raise SpearError(f"--tp must be at least 1, got {self.tp}")
 
 
 def serve(spec: str, config: ServeConfig, device: torch.device | None = None) -> None:
-    """Serve `spec` (artifact dir, HF dir, GGUF or 'smollm2') until interrupted."""
+    """Serve `spec` (artifact dir, HF dir, GGUF or 'smollm2') until interrupted; with `config.tp` > 1 on
+    that many ranks (one GPU each, or CPU processes over gloo), rank 0 serving HTTP."""
+    if config.tp == 1:
+        _serve(spec, config, device)
+        return
+    from spear.runtime.tp import launch
+
+    cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    launch(_serve_rank, config.tp, spec, config, cuda, cuda=cuda)
+
+
+def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel: StepChannel | None = None) -> None:
+    """Serve on this process; with a `channel`, as rank 0 of a tensor-parallel group."""
     import uvicorn
 
     from spear import api
-    from spear.runtime.engine import EngineConfig, build_engine
-    from spear.runtime.scheduler import StaticChunkPolicy
+    from spear.runtime.engine import build_engine
     from spear.runtime.slo import SLOPolicy
+    from spear.runtime.tp_serve import leader_engine
     from spear.server.app import build_app
     from spear.server.async_engine import AsyncEngine
 
-    policy = StaticChunkPolicy(config.chunk_tokens)
     sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
     try:
         lm = api.load(spec, device)
-        engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, policy=policy)
-        engine = build_engine(lm.model, lm.tokenizer, engine_config)
+        engine_config = _engine_config(config)
+        if channel is None:
+            engine = build_engine(lm.model, lm.tokenizer, engine_config)
+        else:
+            engine = leader_engine(lm.model, lm.tokenizer, engine_config, channel)
+        tokenizer = lm.tokenizer
+        del lm  # under TP the full weights go; the engine holds this rank's shard
         if config.itl_slo_ms is not None:
             engine.policy = SLOPolicy(serving_table(spec, engine), config.itl_slo_ms, max_chunk=config.chunk_tokens)
-        app = build_app(AsyncEngine(engine, config.max_waiting), lm.tokenizer, spec, engine.max_model_len)
+        app = build_app(AsyncEngine(engine, config.max_waiting), tokenizer, spec, engine.max_model_len)
         host, port = sock.getsockname()[:2]
-        print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens)", flush=True)
+        tp = "" if channel is None else f", tensor parallel over {config.tp} ranks"
+        print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens{tp})", flush=True)
         uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
     finally:
         sock.close()
+
+
+def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
+    """One rank of `serve --tp`: rank 0 serves, the others follow its steps until it stops them.
+
+    Signals (the launcher passes SIGTERM on to every rank) end rank 0's server gracefully, after
+    which it stops the followers; the followers ignore them and end with rank 0 (its stop, or its
+    connection gone)."""
+    import torch.distributed as dist
+
+    from spear import api
+    from spear.runtime.engine import make_runner
+    from spear.runtime.tp_serve import StepChannel, follow, shard_runtime_model
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    channel = StepChannel()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        # rank 0: uvicorn takes them over while it serves and re-raises them after its shutdown; ignored
+        # then, so that the followers are stopped
+        signal.signal(sig, signal.SIG_IGN)
+    if rank > 0:
+        follow(make_runner(shard_runtime_model(api.load(spec, device).model), _engine_config(config)), channel)
+        return
+    try:
+        _serve(spec, config, device, channel)
+    finally:
+        channel.send(None)
+
+
+def _engine_config(config: ServeConfig) -> EngineConfig:
+    from spear.runtime.engine import EngineConfig
+    from spear.runtime.scheduler import StaticChunkPolicy
+
+    return EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                        policy=StaticChunkPolicy(config.chunk_tokens))
 
 
 def serving_table(spec: str, engine: Engine) -> LatencyTable:

@@ -1,0 +1,135 @@
+"""Serving under tensor parallelism on CPU (gloo): rank 0's engine drives the other ranks step by step.
+
+The tiny model's decoder weights are scaled up (x10) so that its greedy continuations depend on
+attention and the MLP (at the default init it only repeats the last token, which a broken
+shard would too).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import make_byte_tokenizer, make_tiny_llama
+from server_harness import running_server, wait_until
+
+from spear import api
+from spear.cli import main
+from spear.errors import SpearError
+from spear.runtime.engine import Engine, EngineConfig, build_engine, make_runner
+from spear.runtime.requests import SamplingParams
+from spear.runtime.scheduler import StaticChunkPolicy
+from spear.runtime.tp import launch
+from spear.runtime.tp_serve import StepChannel, follow, leader_engine, shard_runtime_model
+from spear.server.app import build_app
+from spear.server.async_engine import AsyncEngine
+
+PROMPTS = ([5, 17, 99, 3, 250, 41, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [200, 100], [42] * 9, [7, 77, 177])
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def lively_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-x10")
+    model = make_tiny_llama()
+    with torch.no_grad():
+        for p in model.model.layers.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    model.save_pretrained(path)
+    make_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def engine_config() -> EngineConfig:
+    """Fewer slots than prompts (one waits for freed blocks) and 8-token chunks (prefill beside decodes)."""
+    return EngineConfig(max_num_seqs=4, max_model_len=64, block_size=4, policy=StaticChunkPolicy(8))
+
+
+def greedy(engine: Engine) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), list(prompt), params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def lead_or_follow(model_dir) -> None:
+    """Rank 0: greedy tokens of the TP engine == the single-process engine's; other ranks follow."""
+    torch.set_num_threads(1)
+    lm = api.load(str(model_dir), torch.device("cpu"))
+    channel = StepChannel()
+    if dist.get_rank() > 0:
+        follow(make_runner(shard_runtime_model(lm.model), engine_config()), channel)
+        return
+    expected = greedy(build_engine(lm.model, lm.tokenizer, engine_config()))
+    try:
+        engine = leader_engine(lm.model, lm.tokenizer, engine_config(), channel)
+        assert engine.runner.cache.k.shape[3] == 1  # this rank's KV heads: 2 over 2 ranks
+        got = greedy(engine)
+    finally:
+        channel.send(None)
+    assert len({tuple(t) for t in expected.values()}) == len(PROMPTS) and len(set(expected["0"])) > 3
+    assert got == expected
+
+
+def test_tp_engine_matches_single_process(lively_model_dir, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launch(lead_or_follow, 2, lively_model_dir)
+
+
+def fail_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise SpearError("rank 1 cannot go on")
+
+
+def test_launch_raises_a_rank_s_spear_error(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(SpearError, match="^rank 1 cannot go on$"):
+        launch(fail_on_rank_1, 2)
+
+
+def test_cli_serve_tp_errors(tiny_model_dir, capsys):
+    assert main(["serve", str(tiny_model_dir), "--tp", "0", "--port", "0"]) == 2
+    assert capsys.readouterr().err == "spear: error: --tp must be at least 1, got 0\n"
+
+
+def test_cli_serve_tp2_answers_as_tp1(lively_model_dir):
+    """`spear serve --tp 2` over HTTP gives the same greedy text as the single-process server."""
+    requests = [{"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True} for p in ("hello", "the cat sat", "0123")]
+    lm = api.load(str(lively_model_dir), torch.device("cpu"))
+    engine = build_engine(lm.model, lm.tokenizer, EngineConfig(max_num_seqs=4, max_model_len=64))
+    with running_server(build_app(AsyncEngine(engine), lm.tokenizer, "tiny", engine.max_model_len)) as url:
+        expected = [httpx.post(f"{url}/v1/completions", json=r).json()["choices"][0]["text"] for r in requests]
+    assert len(set(expected)) == len(requests)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "spear.cli", "serve", str(lively_model_dir), "--tp", "2", "--port", "0",
+                             "--device", "cpu", "--max-model-len", "64", "--max-num-seqs", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "tensor parallel over 2 ranks" in line, line
+        url = re.search(r"(http://\S+)/v1", line).group(1)
+        wait_until(lambda: _healthy(url), timeout=60)
+        got = [httpx.post(f"{url}/v1/completions", json=r, timeout=60).json()["choices"][0]["text"] for r in requests]
+    finally:
+        proc.terminate()  # the launcher passes SIGTERM on; rank 0 shuts down and stops rank 1
+        assert proc.wait(timeout=60) == 0
+    assert got == expected
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.TransportError:
+        return False
