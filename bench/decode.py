@@ -2,6 +2,7 @@
 
     python bench/decode.py --json bench/results/decode.json                    # H200: the full grid
     python bench/decode.py --tiny --json /tmp/decode.json                      # CPU: end-to-end check
+    python bench/decode.py --tp 2 --json bench/results/decode_tp2.json         # 2 GPUs: the engine over TP ranks
 
 For each model shape and setting (fp16; W4 RTN; W4 + gated rank-r ECs on a fraction of
 the linear modules) a random model is built on the device, then for each batch size B
@@ -11,6 +12,11 @@ a decode step (every sequence gains one token per step); tokens/s = B / that tim
 The floor is the weight bytes one decode step must read (W4: packed codes, fp16 scales,
 ECs; plus the fp16 LM head) over the bandwidth of a large device-to-device copy measured
 in the same run (bytes read + written per second); KV-cache reads are not in the floor.
+
+With `--tp N` the ranks are started here (spear.runtime.tp.launch: one GPU each, or gloo
+processes on CPU); each builds the same random model and shards it, rank 0 runs the engine
+and the others follow its steps (spear.runtime.tp_serve), as `spear serve --tp N` does. The
+weight bytes and the floor are then one rank's shard.
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+import torch.distributed as dist
 from common import write_json
 
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
-from spear.runtime.model import ModelArgs, Transformer, random_model
+from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
+from spear.runtime.tp import RowParallelLinear, apply_tp, launch
+from spear.runtime.tp_serve import StepChannel, follow
 
 MODELS = {
     "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
@@ -71,9 +80,11 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: linears as served (ECs included), norms, the LM head."""
+    """Bytes of weights one decode step reads: linears as served (ECs included), norms, the LM head (one rank's under TP)."""
 
     def nbytes(module: torch.nn.Module) -> int:
+        if isinstance(module, RowParallelLinear):  # a TP shard: its base linear, its columns of the EC
+            return nbytes(module.base) + (0 if module.ec is None else sum(b.nbytes for b in module.ec.buffers()))
         if isinstance(module, SpearLinear):
             bias = 0 if module.bias is None else module.bias.numel() * 2
             return module.qweight.nbytes_packed() + bias + (0 if module.ec is None else module.ec.nbytes())
@@ -87,11 +98,19 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
-def measure(model: Transformer, batch: int, prompt_tokens: int, new_tokens: int, cuda_graphs: bool) -> dict:
+def measure(model: Transformer, batch: int, prompt_tokens: int, new_tokens: int, cuda_graphs: bool,
+            channel: StepChannel | None = None) -> dict | None:
+    """The row of one batch size; under TP (`channel`) rank 0's, and None on the other ranks."""
     config = EngineConfig(max_num_seqs=batch, max_model_len=prompt_tokens + new_tokens,
                           policy=StaticChunkPolicy(batch * prompt_tokens), cuda_graphs=cuda_graphs)
     start = time.perf_counter()
-    engine = Engine(make_runner(model, config), NoText(), config)
+    runner = make_runner(model, config)
+    if channel is not None and dist.get_rank() > 0:
+        follow(runner, channel)
+        return None
+    if channel is not None:
+        runner.on_step = channel.send
+    engine = Engine(runner, NoText(), config)
     setup_seconds = time.perf_counter() - start
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -105,6 +124,8 @@ def measure(model: Transformer, batch: int, prompt_tokens: int, new_tokens: int,
             prefill_seconds += stats.seconds
         elif stats.num_decodes == batch:
             decode_steps.append(stats.seconds)
+    if channel is not None:
+        channel.send(None)
     assert generated == batch * new_tokens, "every request generates new_tokens tokens"
     step = statistics.median(decode_steps)
     return {"batch": batch, "ms_per_token": 1e3 * step, "tokens_per_s": batch / step,
@@ -124,25 +145,39 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=32, help="EC rank")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny model with short runs (CPU end-to-end check)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, started here (default 1)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
+    if args.tp < 1:
+        p.error(f"--tp must be at least 1, got {args.tp}")
+    if args.tp == 1:
+        run(args)
+    else:
+        launch(run, args.tp, args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The grid on this process; under TP on every rank, rank 0 recording the rows."""
+    channel = StepChannel() if args.tp > 1 else None
+    rank = 0 if channel is None else dist.get_rank()
     small = args.tiny
     models = args.models or (["tiny"] if small else ["llama2-7b", "llama3-8b"])
     batches = args.batches or ([1, 4] if small else [1, 8, 32])
     prompt_tokens = args.prompt_tokens or (16 if small else 128)
     new_tokens = args.new_tokens or (16 if small else 256)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     quant = QuantConfig(bits=args.bits, group_size=args.group_size)
     bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
-    print(f"{device} copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
+    if rank == 0:
+        print(f"{device} copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
     rows = []
 
     def save() -> None:
         write_json(args.json, {
             "dtype": str(dtype), "quant": quant.to_dict(), "ec": {"rank": args.rank, "gate_hidden": 8},
-            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cuda_graphs": not args.no_cuda_graphs,
+            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cuda_graphs": not args.no_cuda_graphs, "tp": args.tp,
             "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows,
         })
 
@@ -150,15 +185,20 @@ def main() -> None:
         for setting in args.settings:
             start = time.perf_counter()
             fraction = EC_FRACTIONS.get(setting)
-            model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device)
+            model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device,
+                                 kernels=channel is None)
+            if channel is not None:  # shard, then pack for the kernels
+                use_kernels(apply_tp(model), drop_dense=True)
             synchronize(device)
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)
             label = setting if fraction is not None or dtype == torch.float16 else "fp32"
             for batch in batches:
+                measured = measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs, channel)
+                if measured is None:
+                    continue
                 row = {"model": name, "setting": label, "weight_bytes": nbytes, "build_s": build_seconds,
-                       "floor_ms_per_token": 1e3 * nbytes / bandwidth,
-                       **measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs)}
+                       "floor_ms_per_token": 1e3 * nbytes / bandwidth, **measured}
                 rows.append(row)
                 print(f"{name:<10} {label:<8} B={batch:<3} {row['ms_per_token']:8.2f} ms/token "
                       f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_ms_per_token']:6.2f} ms", flush=True)
@@ -166,6 +206,8 @@ def main() -> None:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if rank > 0:
+        return
     save()
     print(f"\n{'model':<10} {'setting':<8} {'batch':>5} {'ms/token':>9} {'tok/s':>9} {'floor ms':>9} {'GB read':>8}")
     for r in rows:

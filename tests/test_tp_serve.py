@@ -7,6 +7,7 @@ shard would too).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,7 +27,12 @@ from spear.runtime.engine import Engine, EngineConfig, build_engine, make_runner
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
 from spear.runtime.tp import launch
-from spear.runtime.tp_serve import StepChannel, follow, leader_engine, shard_runtime_model
+from spear.runtime.tp_serve import (
+    StepChannel,
+    follow,
+    leader_engine,
+    shard_runtime_model,
+)
 from spear.server.app import build_app
 from spear.server.async_engine import AsyncEngine
 
@@ -133,3 +139,14 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_spear_bench_decode_tp2(tmp_path):
+    """`spear bench decode --tp 2` starts its ranks; rank 0 records the rows (one rank's shard bytes)."""
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, "-m", "spear.cli", "bench", "decode", "--tiny", "--tp", "2", "--batches", "2",
+           "--new-tokens", "4", "--settings", "w4+ec38", "--json", str(out)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["tp"] == 2 and [(r["setting"], r["batch"], r["decode_steps"]) for r in result["rows"]] == [("w4+ec38", 2, 3)]
