@@ -93,6 +93,19 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
 
 
+@pytest.mark.parametrize("group", [-1, 32])
+def test_decode_gemv_loop_matches_reference(group, gen):
+    """The few-row GEMV main loop (DecodeConfig.gemv_rows) at 1–4 rows, and the dot loop above its limit."""
+    n, k = 128, 576
+    packed = pack_w4(random_w4(n, k, group, gen, sym=group == -1)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
+    for m, split_k in ((1, 1), (2, 3), (3, 2), (5, 2)):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4)
+        y = w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n))
+        assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group}")
+
+
 def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):
     """The in-kernel counters and scratch reset themselves: repeated launches with new inputs stay exact."""
     n, k = 128, 576  # SmolLM2's hidden size

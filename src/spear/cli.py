@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print the table as one JSON object on stdout")
 
     b = sub.add_parser("bench", help="run a benchmark script of the source checkout (bench/NAME.py)")
-    b.add_argument("name", choices=["decode", "serve", "slo_experiment", "tp_decode"])
+    b.add_argument("name", choices=["kernels", "decode", "serve", "slo_experiment", "tp_decode"])
     b.add_argument("options", nargs=argparse.REMAINDER, help="the script's own options (add --help to list them)")
     return parser
 

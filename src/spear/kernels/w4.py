@@ -66,6 +66,44 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 
 
 @triton.jit
+def _w4_block_gemv(acc3, x_ptr, stride_xm, offs_r, mask_r, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
+                   group_size, SPG: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr):
+    """acc3 [ROWS, BN, 16] += (q − z) s ⊙ x over one interleaved block, for ROWS ≤ 4 rows of x.
+
+    The few-row (GEMV) main loop: no tensor-core dot, so the unpacked codes stay in the registers
+    they were loaded into (no layout conversion); the sum over the last axis waits for the end.
+    """
+    packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
+                     mask=mask_n[:, None], other=0)  # [BN, 16] int32
+    part = tl.zeros((ROWS, BN, 16), dtype=tl.float32)
+    for j in tl.static_range(8):
+        if j % SPG == 0:  # a group span starts: its scale and zero
+            g = (kb + 16 * j) // group_size
+            mask_g = mask_n & (offs_n * 0 + g < G)
+            s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+        offs_k = kb + 16 * j + tl.arange(0, 16)
+        x = tl.load(x_ptr + offs_r[:, None] * stride_xm + offs_k[None, :],
+                    mask=mask_r[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)  # [ROWS, 16]
+        w = ((packed >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]  # [BN, 16]: q − z
+        part += w[None, :, :] * x[:, None, :]
+        if (j + 1) % SPG == 0:
+            acc3 += s[None, :, None] * part
+            part = tl.zeros((ROWS, BN, 16), dtype=tl.float32)
+    return acc3
+
+
+@triton.jit
+def _rows_to_tile(y_rows, offs_r, offs_m, BN: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr):
+    """[ROWS, BN] → the decode kernel's [BN, BM] tile (yᵀ, rows ≥ ROWS zero)."""
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for r in tl.static_range(ROWS):
+        row = tl.sum(tl.where(offs_r[:, None] == r, y_rows, 0.0), axis=0)  # [BN]
+        acc += tl.where(offs_m[None, :] == r, row[:, None], 0.0)
+    return acc
+
+
+@triton.jit
 def _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr):
     """g = u ⊙ (1 + tanh(W2 silu(W1 u + b1) + b2)) for u [BM, R] float32; u itself when not gated."""
     if GATED:
@@ -107,7 +145,7 @@ def _w4_decode_kernel(
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
 ):
     # cnt_ptr: [0] u-programs arrived, [1] tiles that consumed u, [2 + n] splits arrived at tile n
     pid = tl.program_id(0)
@@ -132,10 +170,19 @@ def _w4_decode_kernel(
         pid_k = gid % split_k
         offs_n = pid_n * BN + tl.arange(0, BN)
         mask_n = offs_n < N
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for kb in range(pid_k * k_per_split, tl.minimum((pid_k + 1) * k_per_split, KW * 8), 128):
-            acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW,
-                            G, group_size, SPG, BN, BM)
+        k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
+        if GEMV_ROWS > 0:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop
+            offs_r = tl.arange(0, GEMV_ROWS)
+            acc3 = tl.zeros((GEMV_ROWS, BN, 16), dtype=tl.float32)
+            for kb in range(pid_k * k_per_split, k_hi, 128):
+                acc3 = _w4_block_gemv(acc3, x_ptr, stride_xm, offs_r, offs_r < M, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
+                                      kb, K, KW, G, group_size, SPG, BN, GEMV_ROWS)
+            acc = _rows_to_tile(tl.sum(acc3, axis=2), offs_r, offs_m, BN, BM, GEMV_ROWS)
+        else:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for kb in range(pid_k * k_per_split, k_hi, 128):
+                acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW,
+                                G, group_size, SPG, BN, BM)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
             ws = y_ws_ptr + offs_m[None, :] * N + offs_n[:, None]
@@ -246,6 +293,7 @@ class DecodeConfig:
     split_k: int = 0  # 0: pick so that the grid fills the GPU
     num_warps: int = 4
     num_stages: int = 3
+    gemv_rows: int = 0  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
 
 
 @dataclass(frozen=True)
@@ -260,7 +308,7 @@ class PrefillConfig:
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
 DECODE_CANDIDATES = [
     DecodeConfig(bn, 0, warps, stages) for bn in (32, 64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))
-]
+] + [DecodeConfig(bn, 0, warps, 3, gemv_rows=4) for bn in (32, 64, 128) for warps in (4, 8)]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
@@ -275,6 +323,11 @@ def _m_bucket(m: int) -> int:
 
 def _tune_key(w: PackedW4, m: int) -> tuple:
     return (w.out_features, w.in_features, w.group_size, _m_bucket(m))
+
+
+def _gemv_rows(m: int, limit: int) -> int:
+    """The GEMV loop's row count for m rows (a power of two ≥ m), or 0 when m is above the config's limit."""
+    return 0 if m > min(limit, 4) else 1 << (m - 1).bit_length()
 
 
 def _slices_per_group(group_size: int) -> int:
@@ -354,6 +407,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=DECODE_MAX_M, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
+        GEMV_ROWS=_gemv_rows(m, cfg.gemv_rows),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
