@@ -117,6 +117,18 @@ def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):
         assert_close(y, w4_linear_ref(x, packed, ec), f"repeat m={m}")
 
 
+def test_decode_kernel_is_bit_reproducible(gen):
+    """No float atomics: the same inputs give the same bits, whatever ran in between."""
+    n, k = 128, 576
+    packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 16, gen)).to(DEVICE)
+    x = torch.randn(3, k, generator=gen).half().to(DEVICE)
+    cfg = DecodeConfig(block_n=32, split_k=4)
+    first = w4_decode(x, packed, ec, None, cfg)
+    w4_decode(torch.randn(16, k, generator=gen).half().to(DEVICE), packed, ec, None, DecodeConfig(block_n=64, split_k=2))
+    assert torch.equal(w4_decode(x, packed, ec, None, cfg), first)
+
+
 def test_decode_ec_term_alone_matches_reference(gen):
     """The EC's share of the output, isolated: (kernel with EC) − (kernel without) vs the rank-space reference."""
     n, k = 128, 256

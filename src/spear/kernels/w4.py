@@ -4,13 +4,14 @@ g = gamma(A x) ⊙ A x (see reference.py for the specification, pack.py for the 
 Two regimes behind `w4_linear`, picked by the number of rows M:
 
 * decode (M ≤ 16), one launch. The grid is 1-D: its first num_ax programs compute partial
-  u = A x over slices of K and add them into a float32 workspace; the remaining programs
+  u = A x over slices of K and store them in a float32 workspace; the remaining programs
   stream the int4 weight (split-K when N alone gives too few programs). The last program
-  to finish an output tile (a per-tile arrival counter) reads the reduced tile, waits for
-  the u-programs (an arrival counter they bump), applies the gate in rank space and adds
-  (alpha·B)_tile g in registers, then writes the output once. The u-programs have the
-  lowest ids, so they are dispatched first and the wait cannot deadlock. Each launch
-  leaves its workspace and counters zeroed for the next one.
+  to finish an output tile (a per-tile arrival counter) sums the splits' partials in split
+  order, waits for the u-programs (an arrival counter they bump), sums their partial u in
+  program order, applies the gate in rank space and adds (alpha·B)_tile g in registers,
+  then writes the output once. No float atomics: the result is bit-reproducible. The
+  u-programs have the lowest ids, so they are dispatched first and the wait cannot
+  deadlock. Each launch leaves its counters zeroed for the next one.
 * prefill (M > 32): the weight is dequantized once into scratch and multiplied by cuBLAS;
   the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
   y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
@@ -141,12 +142,14 @@ def _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, 
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    y_ws_ptr, u_ws_ptr, cnt_ptr,
+    y_part_ptr, u_part_ptr, cnt_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
 ):
+    # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed
+    # order by the program that arrives last (no float atomics: the result is bit-reproducible).
     # cnt_ptr: [0] u-programs arrived, [1] tiles that consumed u, [2 + n] splits arrived at tile n
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
@@ -161,7 +164,7 @@ def _w4_decode_kernel(
                          mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
             ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
             u += tl.dot(xk, tl.trans(ak))
-        tl.atomic_add(u_ws_ptr + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
+        tl.store(u_part_ptr + pid * BM * R + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
         tl.debug_barrier()
         tl.atomic_add(cnt_ptr, 1, sem="release")
     else:
@@ -185,15 +188,16 @@ def _w4_decode_kernel(
                                 G, group_size, SPG, BN, BM)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
-            ws = y_ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+            tile = offs_m[None, :] * N + offs_n[:, None]
             mask = mask_n[:, None] & mask_m[None, :]
-            tl.atomic_add(ws, acc, mask=mask)
+            tl.store(y_part_ptr + pid_k * BM * N + tile, acc, mask=mask)
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + 2 + pid_n, 1, sem="acq_rel")
             last = arrived == split_k - 1
-            if last:  # every split has added its share: take the sum, leave zeros behind
-                acc = tl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(ws, tl.zeros((BN, BM), dtype=tl.float32), mask=mask)
+            if last:  # every split has stored its share: sum them in split order
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                for split in range(split_k):
+                    acc += tl.load(y_part_ptr + split * BM * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + 2 + pid_n, 0)
         if last:
             g = tl.zeros((BM, R), dtype=tl.float32)
@@ -202,12 +206,14 @@ def _w4_decode_kernel(
                 while arrived_ax < num_ax:
                     arrived_ax = tl.atomic_add(cnt_ptr, 0, sem="acquire")
                 offs_r = tl.arange(0, R)
-                u = tl.load(u_ws_ptr + offs_m[:, None] * R + offs_r[None, :], cache_modifier=".cg")
+                u = tl.zeros((BM, R), dtype=tl.float32)
+                for p in range(num_ax):  # in program order
+                    u += tl.load(u_part_ptr + p * BM * R + offs_m[:, None] * R + offs_r[None, :],
+                                 mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
                 g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
                 tl.debug_barrier()
                 done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
-                if done == num_tiles - 1:  # the last reader of u: reset for the next launch
-                    tl.store(u_ws_ptr + offs_m[:, None] * R + offs_r[None, :], tl.zeros((BM, R), dtype=tl.float32))
+                if done == num_tiles - 1:  # the last reader of u: reset the counters for the next launch
                     tl.atomic_xchg(cnt_ptr + 1, 0)
                     tl.atomic_xchg(cnt_ptr, 0)
             _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
@@ -336,7 +342,8 @@ def _slices_per_group(group_size: int) -> int:
 
 
 class _Workspace:
-    """Per-device float32 scratch and counters for the decode kernel, zero between launches.
+    """Per-device float32 scratch (partial sums) and counters for the decode kernel; the counters are
+    zero between launches, the partial sums need no reset (a launch reads only what it wrote).
 
     Launches on one stream run in order, so one workspace serves every layer. It only grows;
     buffers it outgrows stay alive because a captured CUDA graph may still point at them.
@@ -346,16 +353,15 @@ class _Workspace:
         self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.retired: list[torch.Tensor] = []
 
-    def get(self, device: torch.device, n: int, r: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get(self, device: torch.device, y_elems: int, u_elems: int, tiles: int) -> tuple[torch.Tensor, ...]:
         have = self.buffers.get(device)
-        if have is None or have[0].shape[1] < n or have[1].shape[1] < r or have[2].numel() < 2 + tiles:
-            n = max(n, have[0].shape[1] if have else 0)
-            r = max(r, have[1].shape[1] if have else 0)
-            tiles = max(tiles, have[2].numel() - 2 if have else 0)
+        if have is None or have[0].numel() < y_elems or have[1].numel() < u_elems or have[2].numel() < 2 + tiles:
             if have is not None:
+                y_elems, u_elems = max(y_elems, have[0].numel()), max(u_elems, have[1].numel())
+                tiles = max(tiles, have[2].numel() - 2)
                 self.retired.extend(have)
-            have = (torch.zeros(DECODE_MAX_M, n, dtype=torch.float32, device=device),
-                    torch.zeros(DECODE_MAX_M, r, dtype=torch.float32, device=device),
+            have = (torch.empty(y_elems, dtype=torch.float32, device=device),
+                    torch.empty(max(u_elems, 1), dtype=torch.float32, device=device),
                     torch.zeros(2 + tiles, dtype=torch.int32, device=device))
             self.buffers[device] = have
         return have
@@ -395,14 +401,14 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_ax = max(1, min(triton.cdiv(k, 1024), triton.cdiv(sms, 4)))  # ≤ 1024 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
         num_ax = triton.cdiv(k, ax_k)
-    y_ws, u_ws, counters = _WORKSPACE.get(x.device, n, R, tiles)
+    y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * DECODE_MAX_M * n, num_ax * DECODE_MAX_M * R, tiles)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     e = ec
     grid = (num_ax + tiles * split_k,)
     _w4_decode_kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         e.A if e else y, e.B if e else y, e.W1 if e else y, e.b1 if e else y, e.W2 if e else y, e.b2 if e else y,
-        y_ws, u_ws, counters,
+        y_part, u_part, counters,
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
