@@ -1,0 +1,81 @@
+"""Where a decode step's time goes (issue 5's gap to the bandwidth floor, BENCHMARKS.md §5).
+
+    python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 --json bench/results/profile_w4.json
+    python bench/profile_step.py --tiny --json /tmp/profile.json                 # CPU: end-to-end check
+
+Builds the engine on random weights like bench/decode.py, prefills, then runs `--steps` decode
+steps eagerly (no CUDA graph, so every kernel is seen) under torch.profiler and prints the
+operators and kernels that take the most device time (CPU time on a CPU) per step; an
+operator's row includes its kernels' time, as in torch.profiler's own table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from common import write_json
+from decode import EC_FRACTIONS, MODELS, NoText
+
+from spear.quant.record import QuantConfig
+from spear.runtime.engine import Engine, EngineConfig, make_runner
+from spear.runtime.model import random_model
+from spear.runtime.requests import SamplingParams
+from spear.runtime.scheduler import StaticChunkPolicy
+
+
+def op_time_us(event, cuda: bool) -> float:
+    """Total time of one profiler row in µs: device time on CUDA (the attribute's name moved across torch versions)."""
+    if not cuda:
+        return event.cpu_time_total
+    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="llama2-7b")
+    p.add_argument("--setting", choices=["fp16", *EC_FRACTIONS], default="w4")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--tiny", action="store_true", help="the tiny model, on whatever device there is")
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    name = "tiny" if args.tiny else args.model
+    prompt_tokens = 16 if args.tiny else args.prompt_tokens
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    dtype = torch.float16 if cuda else torch.float32
+    fraction = EC_FRACTIONS.get(args.setting)
+    model = random_model(MODELS[name], None if fraction is None else QuantConfig(4, -1), fraction or 0.0, 32, dtype, device)
+    config = EngineConfig(max_num_seqs=args.batch, max_model_len=prompt_tokens + args.steps + 8,
+                          policy=StaticChunkPolicy(args.batch * prompt_tokens), cuda_graphs=False)
+    engine = Engine(make_runner(model, config), NoText(), config)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), torch.randint(model.args.vocab, (prompt_tokens,), generator=gen).tolist(), params)
+    engine.step()  # the prefill
+    engine.step()  # one decode step to warm up
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    rows = sorted(prof.key_averages(), key=lambda e: op_time_us(e, cuda), reverse=True)
+    top = [{"name": e.key, "calls_per_step": e.count / args.steps, "us_per_step": op_time_us(e, cuda) / args.steps}
+           for e in rows[: args.top]]
+    write_json(args.json, {"model": name, "setting": args.setting, "batch": args.batch, "steps": args.steps,
+                           "device": str(device), "top": top})
+    print(f"{name} {args.setting} batch {args.batch}: {'device' if cuda else 'CPU'} time per decode step, eager")
+    for row in top:
+        print(f"{row['us_per_step']:10.1f} µs  {row['calls_per_step']:6.1f}×  {row['name'][:90]}")
+
+
+if __name__ == "__main__":
+    main()
