@@ -403,11 +403,10 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_ax = triton.cdiv(k, ax_k)
     y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * DECODE_MAX_M * n, num_ax * DECODE_MAX_M * R, tiles)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    e = ec
     grid = (num_ax + tiles * split_k,)
     _w4_decode_kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
-        e.A if e else y, e.B if e else y, e.W1 if e else y, e.b1 if e else y, e.W2 if e else y, e.b2 if e else y,
+        *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (y,) * 6),
         y_part, u_part, counters,
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         split_k, k_per_split, num_ax, ax_k, tiles,
@@ -459,16 +458,16 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
 
 
 class _Scratch:
-    """Per-device fp16 scratch for the prefill path (the dequantized weight, [x | g]); grows, never shrinks.
-    Layers run one after another on a stream, so one buffer of each kind serves them all."""
+    """Per-device fp16 scratch for the prefill path's dequantized weight; grows, never shrinks.
+    Layers run one after another on a stream, so one buffer serves them all."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.device, str], torch.Tensor] = {}
+        self.buffers: dict[torch.device, torch.Tensor] = {}
 
-    def get(self, device: torch.device, kind: str, rows: int, cols: int) -> torch.Tensor:
-        buf = self.buffers.get((device, kind))
+    def get(self, device: torch.device, rows: int, cols: int) -> torch.Tensor:
+        buf = self.buffers.get(device)
         if buf is None or buf.numel() < rows * cols:
-            buf = self.buffers[(device, kind)] = torch.empty(rows * cols, dtype=torch.float16, device=device)
+            buf = self.buffers[device] = torch.empty(rows * cols, dtype=torch.float16, device=device)
         return buf[: rows * cols].view(rows, cols)
 
 
@@ -503,7 +502,7 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
         with torch.cuda.stream(side):
             g = ec_rank(x, ec)
         g.record_stream(main)
-    w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, "weight", n, k))
+    w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
     y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
     if ec is not None:
         if main is not None:
@@ -524,7 +523,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Phase-adaptive dispatch by rows: the decode kernel (per 16 rows up to 64), else the prefill path."""
+    """Phase-adaptive dispatch by rows: the decode kernel (per 16 rows, up to SLICED_DECODE_MAX_M), else the
+    prefill path."""
     x2 = _flatten(x)
     if x2.dtype != torch.float16:
         raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
