@@ -12,6 +12,7 @@ the number of calls. The copy bandwidth (bytes read + written) is measured in th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -127,8 +128,14 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         log(f"  torch int4 unavailable: {str(e).splitlines()[0]}")
         tinygemm = None
     t = time.perf_counter()
-    tuned = tune_w4(packed)
+    timings: dict = {}
+    tuned = tune_w4(packed, (1, 16), timings)
     log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
+    for m, measured in timings.items():  # the best of each main loop (do_bench, cold L2, launch included)
+        best = {}
+        for us, cfg in measured:
+            best.setdefault("gemv" if cfg.gemv_rows and m <= cfg.gemv_rows else "dot", (us, cfg))
+        log(f"  M={m} best per loop: " + "; ".join(f"{loop} {us:.1f} µs {cfg}" for loop, (us, cfg) in best.items()))
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -153,6 +160,8 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
             us["w4_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w) for w in w4s])
             us["w4_ec_r32_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w, ecs[32]) for w in w4s])
         row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3
+        if m in timings:  # the tuner's five fastest decode configs (do_bench µs, cold L2, launch included)
+            row["tuning"] = [(t, dataclasses.asdict(cfg)) for t, cfg in timings[m][:5]]
         rows.append(row)
         log(f"  M={m:<5} " + "  ".join(f"{key} {v:8.1f}" for key, v in us.items())
             + "  | rel err " + " ".join(f"{key} {v:.1e}" for key, v in row["check_rel_err"].items()))

@@ -89,21 +89,23 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     for m, split_k in ((1, 1), (3, 2), (16, 3)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, split_k=split_k), out=poisoned(m, n))
+        y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, split_k=split_k, gemv_rows=0), out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
 
 
-@pytest.mark.parametrize("group", [-1, 32])
+@pytest.mark.parametrize("group", [-1, 32, 64, 128])
 def test_decode_gemv_loop_matches_reference(group, gen):
-    """The few-row GEMV main loop (DecodeConfig.gemv_rows) at 1–4 rows, and the dot loop above its limit."""
-    n, k = 128, 576
+    """The few-row GEMV main loop (DecodeConfig.gemv_rows) at 1–4 rows, one or several 128-column blocks per
+    step (K = 576 pads to 640; 640 = 2.5 steps of 32 words: the last step is partial), and the dot loop above
+    its row limit."""
+    n, k = 128, 640 if group == 128 else 576
     packed = pack_w4(random_w4(n, k, group, gen, sym=group == -1)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
-    for m, split_k in ((1, 1), (2, 3), (3, 2), (5, 2)):
+    for m, split_k, block_kw in ((1, 1, 32), (2, 3, 16), (3, 2, 32), (4, 1, 16), (5, 2, 32)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4)
+        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw)
         y = w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n))
-        assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group}")
+        assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group} split_k={split_k} block_kw={block_kw}")
 
 
 def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):

@@ -67,31 +67,57 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 
 
 @triton.jit
-def _w4_block_gemv(acc3, x_ptr, stride_xm, offs_r, mask_r, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
-                   group_size, SPG: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr):
-    """acc3 [ROWS, BN, 16] += (q − z) s ⊙ x over one interleaved block, for ROWS ≤ 4 rows of x.
+def _codes_f32(packed, j: tl.constexpr):
+    """Nibble j of each word as float32, without an int → float conversion: the 4 code bits become the
+    low mantissa bits of 2^23 (0x4B000000), and subtracting 2^23 leaves the code exactly."""
+    bits = ((packed >> (4 * j)) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
 
-    The few-row (GEMV) main loop: no tensor-core dot, so the unpacked codes stay in the registers
-    they were loaded into (no layout conversion); the sum over the last axis waits for the end.
+
+@triton.jit
+def _w4_gemv(x_ptr, stride_xm, offs_r, mask_r, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
+             group_size, SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+             ROWS: tl.constexpr):
+    """[ROWS, BN] = x[offs_r, k_lo:k_hi] · W_hat[offs_n, k_lo:k_hi]ᵀ for ROWS ≤ 4 rows: the GEMV main loop.
+
+    Each step loads a wide [BN, BKW] tile of code words (BKW / 16 interleaved blocks) and multiplies
+    every nibble plane by the matching gathered slice of x with plain FMAs into a [ROWS, BN, BKW]
+    float32 accumulator: no tensor-core operand layout, no int → float conversion (_codes_f32).
+    Per group span: s (Σ q x − z Σ x); per-channel weights apply s and z once, after the loop.
     """
-    packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
-                     mask=mask_n[:, None], other=0)  # [BN, 16] int32
-    part = tl.zeros((ROWS, BN, 16), dtype=tl.float32)
-    for j in tl.static_range(8):
-        if j % SPG == 0:  # a group span starts: its scale and zero
-            g = (kb + 16 * j) // group_size
-            mask_g = mask_n & (offs_n * 0 + g < G)
-            s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
-        offs_k = kb + 16 * j + tl.arange(0, 16)
-        x = tl.load(x_ptr + offs_r[:, None] * stride_xm + offs_k[None, :],
-                    mask=mask_r[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)  # [ROWS, 16]
-        w = ((packed >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]  # [BN, 16]: q − z
-        part += w[None, :, :] * x[:, None, :]
-        if (j + 1) % SPG == 0:
-            acc3 += s[None, :, None] * part
-            part = tl.zeros((ROWS, BN, 16), dtype=tl.float32)
-    return acc3
+    offs_w = tl.arange(0, BKW)
+    col0 = 128 * (offs_w // 16) + offs_w % 16  # column of nibble 0 of each word, within the step
+    acc = tl.zeros((ROWS, BN, BKW), dtype=tl.float32)
+    xsum = tl.zeros((ROWS, BKW), dtype=tl.float32)  # per-channel: Σ x over the range
+    for kb in range(k_lo, k_hi, BKW * 8):
+        words = kb // 8 + offs_w
+        packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
+                         mask=mask_n[:, None] & (words[None, :] < k_hi // 8), other=0)  # [BN, BKW] int32
+        for span in tl.static_range(8 // SPG):
+            part = tl.zeros((ROWS, BN, BKW), dtype=tl.float32)
+            xs = tl.zeros((ROWS, BKW), dtype=tl.float32)
+            for jj in tl.static_range(SPG):
+                j = span * SPG + jj
+                cols = kb + col0 + 16 * j
+                x = tl.load(x_ptr + offs_r[:, None] * stride_xm + cols[None, :],
+                            mask=mask_r[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)  # [ROWS, BKW]
+                part += _codes_f32(packed, j)[None, :, :] * x[:, None, :]
+                xs += x
+            if PER_CHANNEL:
+                acc += part
+                xsum += xs
+            else:
+                g = (kb + col0 + 16 * SPG * span) // group_size  # [BKW]
+                mask_g = mask_n[:, None] & (g[None, :] < G)
+                s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+                acc += s[None, :, :] * (part - z[None, :, :] * xs[:, None, :])
+    y = tl.sum(acc, axis=2)  # [ROWS, BN]
+    if PER_CHANNEL:
+        s = tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
+        y = s[None, :] * (y - z[None, :] * tl.sum(xsum, axis=1)[:, None])
+    return y
 
 
 @triton.jit
@@ -147,6 +173,7 @@ def _w4_decode_kernel(
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
+    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed
     # order by the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -176,11 +203,9 @@ def _w4_decode_kernel(
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
         if GEMV_ROWS > 0:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop
             offs_r = tl.arange(0, GEMV_ROWS)
-            acc3 = tl.zeros((GEMV_ROWS, BN, 16), dtype=tl.float32)
-            for kb in range(pid_k * k_per_split, k_hi, 128):
-                acc3 = _w4_block_gemv(acc3, x_ptr, stride_xm, offs_r, offs_r < M, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                                      kb, K, KW, G, group_size, SPG, BN, GEMV_ROWS)
-            acc = _rows_to_tile(tl.sum(acc3, axis=2), offs_r, offs_m, BN, BM, GEMV_ROWS)
+            y_rows = _w4_gemv(x_ptr, stride_xm, offs_r, offs_r < M, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
+                              pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BKW, GEMV_ROWS)
+            acc = _rows_to_tile(y_rows, offs_r, offs_m, BN, BM, GEMV_ROWS)
         else:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             for kb in range(pid_k * k_per_split, k_hi, 128):
@@ -295,11 +320,12 @@ def _w4_prefill_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 64
+    block_n: int = 32
     split_k: int = 0  # 0: pick so that the grid fills the GPU
     num_warps: int = 4
     num_stages: int = 3
-    gemv_rows: int = 0  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
+    gemv_rows: int = 4  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
+    block_kw: int = 64  # GEMV loop: code words per row per step (a multiple of 16: 128 columns each)
 
 
 @dataclass(frozen=True)
@@ -312,9 +338,10 @@ class PrefillConfig:
 
 
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
-DECODE_CANDIDATES = [
-    DecodeConfig(bn, 0, warps, stages) for bn in (32, 64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))
-] + [DecodeConfig(bn, 0, warps, 3, gemv_rows=4) for bn in (32, 64, 128) for warps in (4, 8)]
+DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ 16), then the GEMV loop (M ≤ 4)
+    DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn in (32, 64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))
+] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw)
+     for bn, bkw in ((16, 64), (16, 128), (32, 32), (32, 64), (64, 32)) for warps, stages in ((4, 2), (4, 3), (8, 3))]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
@@ -324,7 +351,8 @@ AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
 
 
 def _m_bucket(m: int) -> int:
-    return DECODE_MAX_M if m <= DECODE_MAX_M else min(4096, 1 << (m - 1).bit_length())
+    """Tuning buckets: the GEMV rows (≤ 4), the rest of the decode kernel (≤ 16), then powers of two."""
+    return 4 if m <= 4 else DECODE_MAX_M if m <= DECODE_MAX_M else min(4096, 1 << (m - 1).bit_length())
 
 
 def _tune_key(w: PackedW4, m: int) -> tuple:
@@ -391,8 +419,11 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     blocks = kw // 16
     tiles = triton.cdiv(n, cfg.block_n)
     sms = _num_sms(x.device)
-    split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), blocks))
-    k_per_split = triton.cdiv(blocks, split_k) * 128
+    gemv_rows = _gemv_rows(m, cfg.gemv_rows)
+    step = cfg.block_kw * 8 if gemv_rows else 128  # columns per main-loop step; a split holds whole steps
+    steps = triton.cdiv(blocks * 128, step)
+    split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), steps))
+    k_per_split = triton.cdiv(steps, split_k) * step
     split_k = triton.cdiv(blocks * 128, k_per_split)
     R = ec.padded_rank if ec is not None else 16
     H = ec.W1.shape[0] if ec is not None else 16
@@ -412,7 +443,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=DECODE_MAX_M, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
-        GEMV_ROWS=_gemv_rows(m, cfg.gemv_rows),
+        GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
@@ -538,10 +569,11 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     return y.view(*x.shape[:-1], w.out_features)
 
 
-def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1,)) -> dict[int, DecodeConfig | PrefillConfig]:
+def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 16), timings: dict | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
-    graph capture): the decode kernel for M ≤ 16, the fused prefill kernel above. Later calls with the
-    same shape and M bucket use the fastest. Returns the choice per M."""
+    graph capture): the decode kernel for M ≤ 16 (its GEMV loop only where M ≤ 4), the fused prefill kernel
+    above. Later calls with the same shape and M bucket use the fastest. Returns the choice per M; every
+    candidate's median µs goes into `timings[m]` when given."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
     from triton.testing import do_bench
@@ -549,13 +581,18 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1,)) -> dict[int, DecodeConfig |
     chosen = {}
     for m in ms:
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
-        run, candidates = (w4_decode, DECODE_CANDIDATES) if m <= DECODE_MAX_M else (w4_prefill_fused, PREFILL_CANDIDATES)
-        timings = []
+        if m <= DECODE_MAX_M:
+            run, candidates = w4_decode, [c for c in DECODE_CANDIDATES if m <= 4 or c.gemv_rows == 0]
+        else:
+            run, candidates = w4_prefill_fused, PREFILL_CANDIDATES
+        measured = []
         for cfg in candidates:
             try:
                 call = functools.partial(run, x, w, cfg=cfg)
-                timings.append((do_bench(call, warmup=5, rep=20, return_mode="median"), cfg))
+                measured.append((do_bench(call, warmup=5, rep=20, return_mode="median") * 1e3, cfg))
             except (OutOfResources, CompilationError):  # e.g. out of shared memory: not a candidate
                 pass
-        chosen[m] = _TUNED[_tune_key(w, m)] = min(timings, key=lambda t: t[0])[1]
+        chosen[m] = _TUNED[_tune_key(w, m)] = min(measured, key=lambda t: t[0])[1]
+        if timings is not None:
+            timings[m] = [(round(us, 2), cfg) for us, cfg in sorted(measured, key=lambda t: t[0])]
     return chosen
