@@ -5,10 +5,12 @@ A sequence's token at position p lives in block `table[p // block_size]` at offs
 block: never allocated, it is where padding rows (CUDA-graph buckets) write and what
 padded block-table entries point at, so padding never touches a live sequence.
 
-Attention is plain PyTorch: write the new K/V to their slots, gather each sequence's
-blocks by its block table, and run scaled_dot_product_attention with an explicit mask
-(key position <= query position), which is causal within a prefill chunk and attends to
-every cached earlier token.
+The new K/V reach their slots through spear.runtime.ops.rope_write_kv (with RoPE). A pure
+decode batch (one new token per sequence: what the CUDA graphs capture) attends with
+ops.paged_decode_attention (a Triton flash-decoding kernel on CUDA). Other batches (prefill,
+mixed chunks) gather each sequence's blocks by its block table and run
+scaled_dot_product_attention with an explicit mask (key position <= query position), which
+is causal within a prefill chunk and attends to every cached earlier token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from spear.errors import SpearError
+from spear.runtime.ops import paged_decode_attention
 
 NULL_BLOCK = 0
 
@@ -93,12 +96,15 @@ class Batch:
     padded_index: torch.Tensor  # [B, S] index into T of each query (padding: 0)
     flat_index: torch.Tensor  # [T] index into B*S of each token
     last_index: torch.Tensor  # [B] index into T of each sequence's last token
+    seq_lens: torch.Tensor  # [B] each sequence's length with this step's tokens (last position + 1)
+    decode: bool = False  # every chunk is one token (T == B): attention takes the decode kernel
 
     @classmethod
     def build(cls, chunks: list[Chunk], block_size: int, device: torch.device, table_width: int | None = None) -> Batch:
         width = table_width or max(len(c.block_table) for c in chunks)
         S = max(len(c.tokens) for c in chunks)
-        tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index = [], [], [], [], [], [], [], []
+        tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index = ([] for _ in range(8))
+        seq_lens = []
         for b, c in enumerate(chunks):
             table = c.block_table + [NULL_BLOCK] * (width - len(c.block_table))
             pos = list(range(c.start, c.start + len(c.tokens)))
@@ -112,14 +118,17 @@ class Batch:
             padded_index.append(list(range(first, first + len(pos))) + [0] * pad)
             flat_index += range(b * S, b * S + len(pos))
             last_index.append(len(tokens) - 1)
+            seq_lens.append(pos[-1] + 1)
         as_long = {"dtype": torch.long, "device": device}
         return cls(*(torch.tensor(x, **as_long) for x in
-                     (tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index)))
+                     (tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index, seq_lens)),
+                   decode=S == 1)
 
     def copy_(self, other: Batch) -> None:
         """Copy another batch of the same shapes into this one's tensors (static CUDA-graph inputs)."""
         for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name))
+            if isinstance(getattr(self, f.name), torch.Tensor):
+                getattr(self, f.name).copy_(getattr(other, f.name))
 
     def attention_mask(self, block_size: int) -> torch.Tensor:
         """[B, 1, S, M * block_size]: key position <= query position."""
@@ -139,8 +148,12 @@ def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch,
-                    mask: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]."""
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D].
+
+    `mask` is batch.attention_mask (unused, and may be None, for a decode batch)."""
+    if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
+        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens)
     k = gather_kv(k_pool, batch.block_tables).transpose(1, 2)  # [B, KV, K, D]
     v = gather_kv(v_pool, batch.block_tables).transpose(1, 2)
     qp = q[batch.padded_index].transpose(1, 2)  # [B, H, S, D]

@@ -1,7 +1,10 @@
 """The runtime's compact Llama-family transformer (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
 
 Activations are flat over the step's tokens ([T, dim]), so the linear layers see only
-real tokens; attention regroups them per sequence (kv_cache.paged_attention).
+real tokens; attention regroups them per sequence (kv_cache.paged_attention). Between the
+linears run the fused ops of spear.runtime.ops (Triton on CUDA): add + RMSNorm, RoPE + KV
+write, decode attention, SiLU * up. The residual stream is carried beside the sub-layers'
+outputs, vLLM-style: each norm first adds the previous sub-layer's output to it.
 `build_runtime_model` reuses a transformers model's modules (SpearLinear layers stay the
 same objects, ECs included); `random_model` builds one of a real shape for benchmarks.
 """
@@ -12,14 +15,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
-from spear.runtime.kv_cache import Batch, KVCache, paged_attention, write_kv
+from spear.runtime.kv_cache import Batch, KVCache, paged_attention
+from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -88,20 +91,12 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds RoPE's inverse frequencies (a buffer, so it follows the model's device); ops.rope_write_kv
+    rotates by them."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None]  # [T, D / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by position (the rotate-half convention of transformers' Llama)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -110,10 +105,9 @@ class RMSNorm(nn.Module):
         self.weight = weight
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) with h = x + residual (x without one): the normed input and the new residual stream."""
+        return add_rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -122,13 +116,13 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, batch: Batch, mask: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        q = apply_rope(self.wq(x).view(T, self.n_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rope(self.wk(x).view(T, self.n_kv_heads, self.head_dim), cos, sin)  # [T, KV, D]
+        q = self.wq(x).view(T, self.n_heads, self.head_dim)  # [T, H, D]
+        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
         v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
-        write_kv(*kv, batch.slots, k, v)
+        q = rope_write_kv(q, k, v, batch.positions, inv_freq, *kv, batch.slots)  # rotated; k (rotated), v cached
         return self.wo(paged_attention(q, *kv, batch, mask).reshape(T, -1))
 
 
@@ -138,7 +132,7 @@ class FeedForward(nn.Module):
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(silu_mul(self.w_gate(x), self.w_up(x)))
 
 
 class Block(nn.Module):
@@ -147,9 +141,13 @@ class Block(nn.Module):
         self.attention, self.feed_forward = attention, feed_forward
         self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
 
-    def forward(self, x, cos, sin, batch, mask, kv) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, batch, mask, kv)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor, batch: Batch,
+                mask: torch.Tensor | None, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this block's FFN output, the residual stream before it); their sum is the
+        block's output, formed by the next norm. The first block gets residual None (x is the stream)."""
+        h, residual = self.attention_norm(x, residual)  # residual += x
+        h, residual = self.ffn_norm(self.attention(h, inv_freq, batch, mask, kv), residual)  # residual += attention
+        return self.feed_forward(h), residual
 
 
 class Transformer(nn.Module):
@@ -173,11 +171,13 @@ class Transformer(nn.Module):
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
         """Logits [B, vocab] at each sequence's last new token; the chunks' K/V land in the cache."""
         x = self.embed(batch.tokens)  # [T, dim]
-        cos, sin = self.rope(batch.positions, x.dtype)
-        mask = batch.attention_mask(cache.block_size)
+        mask = None if batch.decode else batch.attention_mask(cache.block_size)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, mask, cache.layer(i))
-        return self.head(self.norm(x[batch.last_index]))
+            x, residual = layer(x, residual, self.rope.inv_freq, batch, mask, cache.layer(i))
+        last = batch.last_index  # [B]
+        h, _ = self.norm(x[last], residual[last])  # the last FFN's add, fused into the final norm
+        return self.head(h)
 
 
 def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transformer:

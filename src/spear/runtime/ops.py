@@ -1,0 +1,323 @@
+"""Fused Triton kernels for the runtime model's non-linear work, each beside its PyTorch reference.
+
+A decode step of a 7B model is mostly small kernels between the W4 linears; in plain PyTorch
+each layer launches ~40 of them. Fused here, one launch each:
+
+  add_rms_norm            h = x + residual;  y = weight * rmsnorm(h)       (vLLM's "fused add + norm":
+                          the residual add of one sub-layer rides in the next norm; h is the new
+                          residual stream)
+  silu_mul                silu(gate) * up                                  (the SwiGLU activation)
+  rope_write_kv           RoPE on q and k, k and v stored at their cache slots, rotated q returned
+  paged_decode_attention  one query per sequence over its cached blocks (flash-decoding: partitions
+                          of the context in parallel, then a small combine kernel)
+
+The references (`*_ref`) are the specification and what runs off CUDA; every public op takes
+`use_triton` (None: Triton when the input is on CUDA, else the reference; tests force True
+on CPU with TRITON_INTERPRET=1). Kernels compute in float32 and store in the input's dtype.
+Nothing here syncs with the host or sizes anything by tensor values, so all of it can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is a dev extra: without it every op runs its reference
+    triton = None
+
+
+def _jit(fn):
+    return fn if triton is None else triton.jit(fn)
+
+
+PARTITION = 256  # tokens per flash-decoding partition (a multiple of BLOCK_N)
+BLOCK_N = 64  # keys per inner step of the attention kernel
+
+
+def _triton(use_triton: bool | None, x: torch.Tensor) -> bool:
+    if use_triton is None:
+        return x.is_cuda and triton is not None
+    return use_triton
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, head_dim: int) -> None:
+    """The kernels address a slot's KV heads as one dense [KV, D] row, the same way in both pools."""
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride()[2:] == (head_dim, 1), \
+        "pools must be [num_blocks, block_size, KV, D] with dense [KV, D] rows, K and V alike"
+
+
+# ---------------------------------------------------------------- add + RMSNorm
+
+def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual;  y = weight * (h / sqrt(mean(h²) + eps)), normalised in float32 and cast to x's
+    dtype before the weight (as transformers' LlamaRMSNorm). Returns (y, h)."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), h
+
+
+@_jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    h = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0)  # [BLOCK]
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * N + cols, mask=ok, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # x + residual, rounded to x's dtype
+        tl.store(h_ptr + row * N + cols, h, mask=ok)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    normed = (hf * rstd).to(h.dtype).to(tl.float32)  # cast to x's dtype before the weight
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+                 use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, dim], weight [dim] -> (y, h) [T, dim]: the norm of h = x + residual, and h itself."""
+    if not _triton(use_triton, x):
+        return add_rms_norm_ref(x, weight, eps, residual)
+    x = x.contiguous()
+    dim = x.shape[-1]
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    h = x if residual is None else torch.empty_like(x)
+    block = _next_pow2(dim)
+    _add_rms_norm_kernel[(x.numel() // dim,)](
+        x, x if residual is None else residual.contiguous(), weight, y, h, dim, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+    return y, h
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float32, in the input dtype."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+@_jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = g / (1 + tl.exp(-g)) * u  # silu(g) = g * sigmoid(g)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """gate, up [..., n] -> silu(gate) * up [..., n]."""
+    if not _triton(use_triton, gate):
+        return silu_mul_ref(gate, up)
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    block = 1024
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block)
+    return out
+
+
+# ---------------------------------------------------------------- RoPE + KV write
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by position, the rotate-half convention of transformers' Llama:
+
+        θ = position * inv_freq (cat'ed with itself to D);  x * cos θ + rotate_half(x) * sin θ,
+        rotate_half([x1, x2]) = [-x2, x1],  cos and sin cast to x's dtype.
+    """
+    freqs = positions[:, None].float() * inv_freq[None]  # [T, D / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      inv_freq: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """Rotate q [T, H, D] and k [T, KV, D]; store k and v at `slots` in the pools [N, block_size, KV, D]
+    (slot = block * block_size + offset); return the rotated q."""
+    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, rope_ref(k, positions, inv_freq))
+    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+    return rope_ref(q, positions, inv_freq)
+
+
+@_jit
+def _rope_row(src_ptr, dst_ptr, cos, sin, i, ok, HALF: tl.constexpr):
+    """dst = [x1 cos - x2 sin, x2 cos + x1 sin] for one head's row x = [x1, x2] (float32 math)."""
+    x1 = tl.load(src_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + i, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst_ptr + HALF + i, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@_jit
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
+                          H, KV, block_size, stride_pool_block, stride_pool_offset,
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Program (t, j): j < H rotates query head j of token t; j >= H rotates key head j - H and stores it,
+    and the token's value head, at the token's slot."""
+    t, j = tl.program_id(0), tl.program_id(1)
+    i = tl.arange(0, BLOCK_HALF)
+    ok = i < HALF
+    theta = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=ok, other=0.0)  # [BLOCK_HALF]
+    cos, sin = tl.cos(theta), tl.sin(theta)
+    D: tl.constexpr = 2 * HALF
+    if j < H:
+        _rope_row(q_ptr + (t * H + j) * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF)
+    else:
+        kv = j - H
+        slot = tl.load(slots_ptr + t)
+        dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
+        _rope_row(k_ptr + (t * KV + kv) * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
+        for half in tl.static_range(2):  # v as it is, in two halves
+            val = tl.load(v_ptr + (t * KV + kv) * D + half * HALF + i, mask=ok)
+            tl.store(v_pool_ptr + dst + half * HALF + i, val, mask=ok)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, *,
+                  use_triton: bool | None = None) -> torch.Tensor:
+    """q [T, H, D], k, v [T, KV, D], positions, slots [T], inv_freq [D / 2] float32, pools [N, block_size, KV, D]
+    -> rotated q [T, H, D]; rotated k and v land in the pools. One launch over (token, head)."""
+    if not _triton(use_triton, q):
+        return rope_write_kv_ref(q, k, v, positions, inv_freq, k_pool, v_pool, slots)
+    T, H, D = q.shape
+    KV = k.shape[1]
+    _check_pools(k_pool, v_pool, D)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_out = torch.empty_like(q)
+    _rope_write_kv_kernel[(T, H + KV)](
+        q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, H, KV, k_pool.shape[1],
+        k_pool.stride(0), k_pool.stride(1), HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1)
+    return q_out
+
+
+# ---------------------------------------------------------------- paged decode attention
+
+def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ * scale) v of each sequence's one query over its keys 0 .. seq_len - 1.
+
+    q [B, H, D]; pools [N, block_size, KV, D]; block_tables [B, W]; seq_lens [B] -> [B, H, D].
+    Query head h reads KV head h // (H // KV) (GQA).
+    """
+    k = k_pool[block_tables].flatten(1, 2).transpose(1, 2)  # [B, KV, W * block_size, D], in position order
+    v = v_pool[block_tables].flatten(1, 2).transpose(1, 2)
+    key_pos = torch.arange(k.shape[2], device=q.device)
+    mask = (key_pos < seq_lens[:, None])[:, None, None]  # [B, 1, 1, W * block_size]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0]  # [B, H, D]
+
+
+@_jit
+def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, m_ptr, l_ptr, acc_ptr,
+                                   scale, H, num_partitions, block_size, stride_table,
+                                   stride_pool_block, stride_pool_offset,
+                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                                   PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (b, kv, p): the GROUP query heads of KV head kv over keys [p * PARTITION, (p + 1) * PARTITION)
+    of sequence b, by online softmax. Writes the partition's running max m, sum l = Σ exp(s - m) and
+    acc = Σ exp(s - m) v (float32); a partition past the sequence's end writes m = -inf, l = 0 only."""
+    b, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = p * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP  # head rows past the group are padding (tl.dot needs 16)
+    head = kv * GROUP + g  # [BLOCK_G]
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * H + head)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, D]
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):  # no steps past the end: an empty partition just writes (-inf, 0)
+        t = n0 + tl.arange(0, BLOCK_N)  # key positions
+        t_ok = t < end
+        block = tl.load(tables_ptr + b * stride_table + t // block_size, mask=t_ok, other=0)  # [BLOCK_N]
+        kv_off = block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D
+        k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)  # rescales what came before
+        prob = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(prob, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)  # prob in v's dtype
+        m = m_new
+
+    row = (b * H + head) * num_partitions + p  # [BLOCK_G] into the [B, H, P] workspace
+    tl.store(m_ptr + row, m, mask=g_ok)
+    tl.store(l_ptr + row, l, mask=g_ok)
+    if start < seq_len:  # the combine never reads an empty partition's acc
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+
+
+@_jit
+def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, seq_lens_ptr, out_ptr, num_partitions,
+                                 D: tl.constexpr, PARTITION: tl.constexpr):
+    """Program (b, h): merge the partitions that saw keys (all of them at least one):
+
+        M = max m_p;  out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p   (running, one partition at a time)
+    """
+    bh = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    used = tl.cdiv(tl.load(seq_lens_ptr + tl.program_id(0)), PARTITION)
+    d = tl.arange(0, D)
+    row = bh * num_partitions
+    m, l = tl.load(m_ptr + row), tl.load(l_ptr + row)
+    acc = tl.load(acc_ptr + row * D + d)  # [D]
+    for p in range(1, used):
+        m_p, l_p = tl.load(m_ptr + row + p), tl.load(l_ptr + row + p)
+        m_new = tl.maximum(m, m_p)
+        alpha, beta = tl.exp(m - m_new), tl.exp(m_p - m_new)
+        l = l * alpha + l_p * beta
+        acc = acc * alpha + tl.load(acc_ptr + (row + p) * D + d) * beta
+        m = m_new
+    tl.store(out_ptr + bh * D + d, (acc / l).to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float | None = None, *, use_triton: bool | None = None,
+                           partition: int = PARTITION) -> torch.Tensor:
+    """q [B, H, D] (each sequence's query at position seq_len - 1), pools [N, block_size, KV, D],
+    block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's dtype.
+
+    Triton: grid (B, KV, cdiv(W * block_size, partition)) then (B, H): shapes alone set the grids and
+    the float32 workspace, so the launch can be captured in a CUDA graph.
+    """
+    if not _triton(use_triton, q):
+        return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
+    B, H, D = q.shape
+    _, block_size, KV, _ = k_pool.shape
+    assert D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16, got {D}"
+    _check_pools(k_pool, v_pool, D)
+    block_n = min(BLOCK_N, partition)
+    assert block_n >= 16 and partition % block_n == 0, f"partition must be a multiple of 16 (and of {BLOCK_N} above it)"
+    num_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition)
+    q = q.contiguous()
+    m = torch.empty(B, H, num_partitions, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, H, num_partitions, D, dtype=torch.float32, device=q.device)
+    group = H // KV
+    _paged_decode_partition_kernel[(B, KV, num_partitions)](
+        q, k_pool, v_pool, block_tables, seq_lens, m, l, acc, D**-0.5 if scale is None else scale, H, num_partitions,
+        block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
+        GROUP=group, BLOCK_G=max(16, _next_pow2(group)), D=D, PARTITION=partition, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    out = torch.empty_like(q)
+    _paged_decode_combine_kernel[(B, H)](m, l, acc, seq_lens, out, num_partitions, D=D, PARTITION=partition,
+                                         num_warps=1)
+    return out

@@ -1,0 +1,147 @@
+"""The runtime's fused ops: Triton kernels against their PyTorch references (CPU: TRITON_INTERPRET=1, set in conftest).
+
+Inputs are drawn fresh each run (the seed is in every failure message); cache pools are
+poisoned with NaN, so a slot written by mistake, or a key read past a sequence's end, shows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from spear.runtime import ops
+from spear.runtime.kv_cache import Batch, Chunk, KVCache
+from spear.runtime.model import ModelArgs, random_model, rope_inv_freq
+
+SEED = int.from_bytes(os.urandom(4), "little")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-5}
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(SEED)
+
+
+def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(DEVICE, dtype)
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float | None = None) -> None:
+    tol = TOL[ref.dtype] if tol is None else tol
+    assert (got.dtype, got.shape) == (ref.dtype, ref.shape), f"{what}: {got.dtype}{list(got.shape)} vs {ref.dtype}"
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol, equal_nan=True, msg=lambda m: f"{what}; seed {SEED}\n{m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_add_rms_norm_matches_reference(dtype, gen):
+    for dim in (64, 576, 8192):  # 576: SmolLM2, not a power of two
+        x, residual = randn(3, dim, gen=gen, dtype=dtype), randn(3, dim, gen=gen, dtype=dtype)
+        weight = (1 + torch.rand(dim, generator=gen)).to(DEVICE, dtype)
+        for r in (None, residual):
+            y, h = ops.add_rms_norm(x, weight, 1e-5, r, use_triton=True)
+            y_ref, h_ref = ops.add_rms_norm_ref(x, weight, 1e-5, r)
+            what = f"add_rms_norm dim={dim} {dtype} residual={r is not None}"
+            assert_close(h, h_ref, what + " (h)")
+            assert_close(y, y_ref, what + " (y)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_silu_mul_matches_reference(dtype, gen):
+    for shape in ((3, 1000), (1, 1536), (5, 7)):
+        gate, up = randn(*shape, gen=gen, dtype=dtype) * 4, randn(*shape, gen=gen, dtype=dtype)
+        assert_close(ops.silu_mul(gate, up, use_triton=True), ops.silu_mul_ref(gate, up), f"silu_mul {shape} {dtype}")
+
+
+def nan_pools(num_blocks: int, block_size: int, kv: int, d: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.full((num_blocks, block_size, kv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (6, 2, 32), (8, 2, 80)])  # GQA 1, 3, 4; D 80: odd
+def test_rope_write_kv_matches_reference(dtype, heads, kv_heads, head_dim, gen):
+    T, num_blocks, block_size = 3, 5, 4
+    q, k, v = (randn(T, n, head_dim, gen=gen, dtype=dtype) for n in (heads, kv_heads, kv_heads))
+    positions = torch.tensor([0, 7, 3000], device=DEVICE)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    inv_freq = rope_inv_freq(ModelArgs(dim=heads * head_dim, intermediate=1, n_heads=heads, n_kv_heads=kv_heads,
+                                       head_dim=head_dim, n_layers=1, vocab=1, rope_theta=500000.0,
+                                       rope_scaling=rope)).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T].to(DEVICE)
+    k_pool, v_pool = nan_pools(num_blocks, block_size, kv_heads, head_dim, dtype)
+    k_ref, v_ref = nan_pools(num_blocks, block_size, kv_heads, head_dim, dtype)
+    q_rot = ops.rope_write_kv(q, k, v, positions, inv_freq, k_pool, v_pool, slots, use_triton=True)
+    q_ref = ops.rope_write_kv_ref(q, k, v, positions, inv_freq, k_ref, v_ref, slots)
+    what = f"rope_write_kv H={heads} KV={kv_heads} D={head_dim} {dtype}"
+    assert_close(q_rot, q_ref, what + " (q)")
+    assert_close(k_pool, k_ref, what + " (k pool)")  # NaN where nothing was written
+    assert_close(v_pool, v_ref, what + " (v pool)", tol=0.0)  # v is copied as it is
+    assert k_pool.isnan().sum() == k_pool.numel() - T * kv_heads * head_dim
+
+
+def random_cache(seq_lens: list[int], width: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 gen: torch.Generator):
+    """Block tables [B, width] over distinct random blocks (padded with block 0) and pools holding random keys
+    and values at each sequence's first seq_len positions: NaN elsewhere in the kernel's pools, 0 in the reference's."""
+    num_blocks = 1 + len(seq_lens) * width
+    ids = (1 + torch.randperm(num_blocks - 1, generator=gen)).view(len(seq_lens), width)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        n_blocks = -(-n // block_size)
+        ids[b, n_blocks:] = 0
+        for p in range(n):
+            used[ids[b, p // block_size], p % block_size] = True
+    pools, ref_pools = [], []
+    for _ in range(2):
+        x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+        pools.append(x.masked_fill(~used[..., None, None], float("nan")).to(DEVICE))
+        ref_pools.append(x.masked_fill(~used[..., None, None], 0).to(DEVICE))
+    return ids.to(DEVICE), pools, ref_pools
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2), (4, 1)])  # GQA 1, 3, 4
+def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, gen):
+    """Lengths 1, a block, a block and a bit, the full table; 32-token partitions, so up to 3 per sequence."""
+    block_size, width, head_dim = 16, 5, 32
+    seq_lens = [1, 16, 37, 80]
+    tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
+    q = randn(len(seq_lens), heads, head_dim, gen=gen, dtype=dtype)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens)
+    for partition in (32, ops.PARTITION):  # several partitions to combine, and the default (one here)
+        out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, use_triton=True, partition=partition)
+        assert_close(out, ref, f"decode attention H={heads} KV={kv_heads} {dtype} partition={partition}")
+
+
+def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
+    block_size, width, head_dim = 8, 6, 64
+    seq_lens = [48, 9, 30]
+    kv_heads, dtype = 2, torch.float16
+    tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
+    q = randn(len(seq_lens), 8, head_dim, gen=gen, dtype=dtype)
+    lens = torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32)
+    out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, use_triton=True, partition=16)
+    assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
+
+
+def test_model_steps_with_kernels_match_references(monkeypatch, gen):
+    """The ops as the model wires them: prefill, then decode steps, with every op forced to Triton or to PyTorch."""
+    args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=100)
+    model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
+    prompts, tables = [[5, 17, 3, 9, 11], [42, 7]], [[3, 1], [2, 4]]
+
+    def run(triton: bool) -> torch.Tensor:
+        monkeypatch.setattr(ops, "_triton", lambda use_triton, x: triton)
+        cache = KVCache(args.n_layers, 5, 4, args.n_kv_heads, args.head_dim, torch.float32, DEVICE)
+        steps = [[Chunk(p, 0, t) for p, t in zip(prompts, tables)]]
+        steps += [[Chunk([1 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)]
+        batches = [Batch.build(chunks, 4, DEVICE) for chunks in steps]
+        assert [b.decode for b in batches] == [False, True, True]
+        with torch.inference_mode():
+            return torch.stack([model(b, cache) for b in batches])  # [3, 2, vocab]
+
+    assert_close(run(True), run(False), "model logits, kernels vs references", tol=1e-4)
