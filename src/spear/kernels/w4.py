@@ -37,6 +37,14 @@ SLICED_DECODE_MAX_M = 32  # w4_linear runs the decode kernel on 16-row slices up
 
 
 @triton.jit
+def _codes_f16(packed, j: tl.constexpr):
+    """Nibble j (code q) of each word as fp16, exactly, without the slow int → float conversion: the code
+    becomes the low mantissa bits of 1024 (0x6400), and subtracting 1024 leaves q."""
+    bits = ((packed >> (4 * j)) & 0xF) | 0x6400
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
               SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
     """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one interleaved block.
@@ -52,7 +60,7 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
         offs_k = kb + 16 * j + tl.arange(0, 16)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                      mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16, BM]: the slice of xᵀ
-        q = ((packed >> (4 * j)) & 0xF).to(tl.float16)  # [BN, 16]: columns kb + 16 j + i
+        q = _codes_f16(packed, j)  # [BN, 16]: columns kb + 16 j + i
         part += tl.dot(q, xt)
         xsum += tl.sum(xt.to(tl.float32), axis=0)
         if (j + 1) % SPG == 0:
@@ -68,66 +76,121 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 
 @triton.jit
 def _codes_f32(packed, j: tl.constexpr):
-    """Nibble j of each word as float32, without an int → float conversion: the 4 code bits become the
-    low mantissa bits of 2^23 (0x4B000000), and subtracting 2^23 leaves the code exactly."""
-    bits = ((packed >> (4 * j)) & 0xF) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True) - 8388608.0
+    """1 + q/16 in float32 for nibble j (code q) of each word, in two integer ops and no int → float
+    conversion: the code goes to the top 4 mantissa bits of 1.0 (0x3F800000), bits 19–22.
+
+    The offset 1 keeps the sum well conditioned: Σ (1 + q/16) x = Σ x + Σ q x / 16, both of the size of
+    Σ q x, so Σ q x = 16 (Σ (1 + q/16) x − Σ x) loses no accuracy worth counting in float32.
+    """
+    if 4 * j <= 19:
+        bits = (packed << (19 - 4 * j)) & 0x00780000
+    else:  # a logical shift: the int32 word's sign bit must not come along
+        bits = (packed.to(tl.uint32, bitcast=True) >> (4 * j - 19)).to(tl.int32, bitcast=True) & 0x00780000
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _w4_gemv(x_ptr, stride_xm, offs_r, mask_r, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
-             group_size, SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr,
+def _gemv_row(part, xs, codes, x_ptr, row, M, stride_xm, cols, mask_cols):
+    """part [BN, BKW] += codes · x[row, cols] (broadcast down the rows of W), xs [BKW] += x[row, cols]."""
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask_cols & (cols * 0 + row < M), other=0.0).to(tl.float32)  # [BKW]
+    return part + codes * x[None, :], xs + x
+
+
+@triton.jit
+def _gemv_span_end(acc, xsum, part, xs, s, z, PER_CHANNEL: tl.constexpr):
+    """Close a group span: Σ (q − z) s x = s (16 P − (16 + z) X) with P = Σ (1 + q/16) x, X = Σ x
+    (per-channel: s and z wait for the end of the loop)."""
+    if PER_CHANNEL:
+        return part, xsum + xs  # part started from acc
+    return acc + s * (16.0 * part - (16.0 + z) * xs[None, :]), xsum
+
+
+@triton.jit
+def _gemv_row_out(acc, xsum, s, z, offs_m, row, PER_CHANNEL: tl.constexpr):
+    """Row `row` of the result, placed in column `row` of a [BN, BM] yᵀ tile."""
+    y = tl.sum(acc, axis=1)  # [BN]
+    if PER_CHANNEL:
+        y = s * (16.0 * y - (16.0 + z) * tl.sum(xsum, axis=0))
+    return tl.where(offs_m[None, :] == row, y[:, None], 0.0)
+
+
+@triton.jit
+def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, group_size,
+             SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKW: tl.constexpr,
              ROWS: tl.constexpr):
-    """[ROWS, BN] = x[offs_r, k_lo:k_hi] · W_hat[offs_n, k_lo:k_hi]ᵀ for ROWS ≤ 4 rows: the GEMV main loop.
+    """The [BN, BM] yᵀ tile over columns k_lo:k_hi for M ≤ ROWS ≤ 4 rows of x: the GEMV main loop.
 
     Each step loads a wide [BN, BKW] tile of code words (BKW / 16 interleaved blocks) and multiplies
-    every nibble plane by the matching gathered slice of x with plain FMAs into a [ROWS, BN, BKW]
-    float32 accumulator: no tensor-core operand layout, no int → float conversion (_codes_f32).
-    Per group span: s (Σ q x − z Σ x); per-channel weights apply s and z once, after the loop.
+    every nibble plane by the matching gathered slice of x with plain FMAs, one 2-D float32
+    accumulator per row (a 3-D [ROWS, BN, BKW] one made the compiler shuffle the codes through shared
+    memory). No tensor-core operand layout and no int → float conversion (_codes_f32): three
+    instructions per weight and row.
     """
     offs_w = tl.arange(0, BKW)
-    col0 = 128 * (offs_w // 16) + offs_w % 16  # column of nibble 0 of each word, within the step
-    acc = tl.zeros((ROWS, BN, BKW), dtype=tl.float32)
-    xsum = tl.zeros((ROWS, BKW), dtype=tl.float32)  # per-channel: Σ x over the range
+    block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
+    col0 = block0 + offs_w % 16  # column of nibble 0 of each word
+    # Masks test whole 16-word / 16-column runs (K is a multiple of 64, k_hi of 128), so the compiler
+    # may vectorize the loads along a run.
+    acc0 = tl.zeros((BN, BKW), dtype=tl.float32)
+    acc1 = tl.zeros((BN, BKW), dtype=tl.float32)
+    acc2 = tl.zeros((BN, BKW), dtype=tl.float32)
+    acc3 = tl.zeros((BN, BKW), dtype=tl.float32)
+    xsum0 = tl.zeros((BKW,), dtype=tl.float32)  # per-channel: Σ x over the range, per row
+    xsum1 = tl.zeros((BKW,), dtype=tl.float32)
+    xsum2 = tl.zeros((BKW,), dtype=tl.float32)
+    xsum3 = tl.zeros((BKW,), dtype=tl.float32)
+    s = tl.zeros((BN, BKW), dtype=tl.float32)
+    z = tl.zeros((BN, BKW), dtype=tl.float32)
     for kb in range(k_lo, k_hi, BKW * 8):
-        words = kb // 8 + offs_w
+        words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
         packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
-                         mask=mask_n[:, None] & (words[None, :] < k_hi // 8), other=0)  # [BN, BKW] int32
+                         mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
         for span in tl.static_range(8 // SPG):
-            part = tl.zeros((ROWS, BN, BKW), dtype=tl.float32)
-            xs = tl.zeros((ROWS, BKW), dtype=tl.float32)
-            for jj in tl.static_range(SPG):
-                j = span * SPG + jj
-                cols = kb + col0 + 16 * j
-                x = tl.load(x_ptr + offs_r[:, None] * stride_xm + cols[None, :],
-                            mask=mask_r[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)  # [ROWS, BKW]
-                part += _codes_f32(packed, j)[None, :, :] * x[:, None, :]
-                xs += x
-            if PER_CHANNEL:
-                acc += part
-                xsum += xs
-            else:
+            if not PER_CHANNEL:
                 g = (kb + col0 + 16 * SPG * span) // group_size  # [BKW]
                 mask_g = mask_n[:, None] & (g[None, :] < G)
                 s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
-                acc += s[None, :, :] * (part - z[None, :, :] * xs[:, None, :])
-    y = tl.sum(acc, axis=2)  # [ROWS, BN]
+            if PER_CHANNEL:  # the span's sums go straight into the accumulators
+                part0, part1, part2, part3 = acc0, acc1, acc2, acc3
+            else:
+                part0 = tl.zeros((BN, BKW), dtype=tl.float32)
+                part1 = tl.zeros((BN, BKW), dtype=tl.float32)
+                part2 = tl.zeros((BN, BKW), dtype=tl.float32)
+                part3 = tl.zeros((BN, BKW), dtype=tl.float32)
+            xs0 = tl.zeros((BKW,), dtype=tl.float32)
+            xs1 = tl.zeros((BKW,), dtype=tl.float32)
+            xs2 = tl.zeros((BKW,), dtype=tl.float32)
+            xs3 = tl.zeros((BKW,), dtype=tl.float32)
+            for jj in tl.static_range(SPG):
+                j = span * SPG + jj
+                codes = _codes_f32(packed, j)  # [BN, BKW]: 1 + q/16
+                cols = tl.max_contiguous(tl.multiple_of(kb + col0 + 16 * j, 16), 16)  # runs of 16 columns
+                mask_cols = kb + block0 + 16 * j < K
+                part0, xs0 = _gemv_row(part0, xs0, codes, x_ptr, 0, M, stride_xm, cols, mask_cols)
+                if ROWS > 1:
+                    part1, xs1 = _gemv_row(part1, xs1, codes, x_ptr, 1, M, stride_xm, cols, mask_cols)
+                if ROWS > 2:
+                    part2, xs2 = _gemv_row(part2, xs2, codes, x_ptr, 2, M, stride_xm, cols, mask_cols)
+                    part3, xs3 = _gemv_row(part3, xs3, codes, x_ptr, 3, M, stride_xm, cols, mask_cols)
+            acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, PER_CHANNEL)
+            if ROWS > 1:
+                acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, PER_CHANNEL)
+            if ROWS > 2:
+                acc2, xsum2 = _gemv_span_end(acc2, xsum2, part2, xs2, s, z, PER_CHANNEL)
+                acc3, xsum3 = _gemv_span_end(acc3, xsum3, part3, xs3, s, z, PER_CHANNEL)
+    s_row = tl.zeros((BN,), dtype=tl.float32)  # per-channel s and z
+    z_row = tl.zeros((BN,), dtype=tl.float32)
     if PER_CHANNEL:
-        s = tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
-        y = s[None, :] * (y - z[None, :] * tl.sum(xsum, axis=1)[:, None])
-    return y
-
-
-@triton.jit
-def _rows_to_tile(y_rows, offs_r, offs_m, BN: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr):
-    """[ROWS, BN] → the decode kernel's [BN, BM] tile (yᵀ, rows ≥ ROWS zero)."""
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for r in tl.static_range(ROWS):
-        row = tl.sum(tl.where(offs_r[:, None] == r, y_rows, 0.0), axis=0)  # [BN]
-        acc += tl.where(offs_m[None, :] == r, row[:, None], 0.0)
-    return acc
+        s_row = tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
+        z_row = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
+    tile = _gemv_row_out(acc0, xsum0, s_row, z_row, offs_m, 0, PER_CHANNEL)
+    if ROWS > 1:
+        tile += _gemv_row_out(acc1, xsum1, s_row, z_row, offs_m, 1, PER_CHANNEL)
+    if ROWS > 2:
+        tile += _gemv_row_out(acc2, xsum2, s_row, z_row, offs_m, 2, PER_CHANNEL)
+        tile += _gemv_row_out(acc3, xsum3, s_row, z_row, offs_m, 3, PER_CHANNEL)
+    return tile
 
 
 @triton.jit
@@ -202,10 +265,8 @@ def _w4_decode_kernel(
         mask_n = offs_n < N
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
         if GEMV_ROWS > 0:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop
-            offs_r = tl.arange(0, GEMV_ROWS)
-            y_rows = _w4_gemv(x_ptr, stride_xm, offs_r, offs_r < M, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                              pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BKW, GEMV_ROWS)
-            acc = _rows_to_tile(y_rows, offs_r, offs_m, BN, BM, GEMV_ROWS)
+            acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
+                           K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS)
         else:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             for kb in range(pid_k * k_per_split, k_hi, 128):
@@ -280,7 +341,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
         g = offs_k // group_size
         s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
         z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
-        q = ((packed >> (4 * j)) & 0xF).to(tl.float16)
+        q = _codes_f16(packed, j)
         tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
 
@@ -348,6 +409,7 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
+TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
 
 def _m_bucket(m: int) -> int:
@@ -571,13 +633,17 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
 
 def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 16), timings: dict | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
-    graph capture): the decode kernel for M ≤ 16 (its GEMV loop only where M ≤ 4), the fused prefill kernel
+    graph capture; about 10 ms a candidate): the decode kernel for M ≤ 16 (its GEMV loop only where M ≤ 4), the fused prefill kernel
     above. Later calls with the same shape and M bucket use the fastest. Returns the choice per M; every
     candidate's median µs goes into `timings[m]` when given."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
-    from triton.testing import do_bench
 
+    from spear.kernels.timing import time_in_graph
+
+    # Timed in a CUDA graph over enough weight copies to overflow the L2 cache: HBM reads, no launch overhead.
+    copies = [w] + [PackedW4(w.qweight.clone(), w.scales.clone(), w.zeros.clone(), w.group_size, w.in_features)
+                    for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
     chosen = {}
     for m in ms:
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
@@ -588,8 +654,8 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 16), timings: dict | None = N
         measured = []
         for cfg in candidates:
             try:
-                call = functools.partial(run, x, w, cfg=cfg)
-                measured.append((do_bench(call, warmup=5, rep=20, return_mode="median") * 1e3, cfg))
+                calls = [functools.partial(run, x, copy, cfg=cfg) for copy in copies]
+                measured.append((time_in_graph(calls, reps=5), cfg))
             except (OutOfResources, CompilationError):  # e.g. out of shared memory: not a candidate
                 pass
         chosen[m] = _TUNED[_tune_key(w, m)] = min(measured, key=lambda t: t[0])[1]

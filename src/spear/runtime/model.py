@@ -206,13 +206,13 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True) -
     """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
     returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `tune`,
     time the decode kernel's configs once per distinct weight shape (a few seconds; kernels.w4.tune_w4)."""
-    from spear.kernels.w4 import tune_w4
-
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
     if not linears or linears[0].codes.device.type != "cuda" or linears[0].weight_hat.dtype != torch.float16:
         return 0
     packed = [m for m in linears if m.use_kernels(drop_dense)]
     if tune:
+        from spear.kernels.w4 import tune_w4
+
         shapes = {(m.packed.out_features, m.packed.in_features, m.packed.group_size): m.packed for m in packed}
         for w in shapes.values():
             tune_w4(w)

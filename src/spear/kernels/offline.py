@@ -1,0 +1,114 @@
+"""Compile the Triton kernels for a GPU on a machine without one (triton ships ptxas), and read their SASS.
+
+    python -m spear.kernels.offline        # every variant the host code launches; JSON on stdout
+
+The interpreter (TRITON_INTERPRET=1, what CI runs) executes a kernel as NumPy and never type-checks
+it the way the compiler does: a name bound to two shapes in the branches of a run-time `if`, for
+example, passes the interpreter and fails to compile on the GPU. `compile_for_gpu` runs the real
+compiler (frontend to cubin) for sm_90, so CI catches that; `loop_mix` counts the instructions of
+each loop in the SASS, which is how the decode kernel's instructions per weight are read off
+(bench/NOTES-kernels.md). Run it without TRITON_INTERPRET: under the interpreter `triton.jit` gives
+interpreted functions, which the compiler cannot take.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+H200 = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_gpu(kernel, pointers: dict[str, str], constexprs: dict[str, object], divisible_by_16: tuple[str, ...] = (),
+                    num_warps: int = 4, num_stages: int = 3, target: GPUTarget = H200):
+    """The compiled kernel (asm: ttir, ttgir, ptx, cubin). `pointers`: argument → Triton pointer type
+    ("*fp16"); `constexprs`: their values; every other argument is an int32. Pointers and the ints in
+    `divisible_by_16` carry the 16-divisibility hint the JIT gives such arguments at run time."""
+    fn = kernel  # a JITFunction: run without TRITON_INTERPRET
+    names = fn.arg_names
+    signature = {n: pointers[n] if n in pointers else "constexpr" if n in constexprs else "i32" for n in names}
+    hinted = [n for n in names if n in pointers or n in divisible_by_16]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+    source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+@dataclass
+class Loop:
+    start: int  # SASS address of the loop head
+    instructions: int  # per iteration
+    mix: list[tuple[str, int]]  # opcode → count per iteration, most frequent first
+
+
+def sass(compiled) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_mix(sass_text: str, min_instructions: int = 60) -> list[Loop]:
+    """The loops (backward branches) of at least `min_instructions`, with their opcode counts."""
+    code = [(int(a, 16), ins.strip()) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass_text, re.M)]
+    loops = []
+    for address, ins in code:
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < address:
+            body = [i for a, i in code if int(target.group(1), 16) <= a <= address]
+            if len(body) >= min_instructions:
+                ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", i).split()[0] for i in body)
+                loops.append(Loop(int(target.group(1), 16), len(body), ops.most_common()))
+    return loops
+
+
+F16, I32, F32 = "*fp16", "*i32", "*fp32"
+_DIVISIBLE = ("KW", "K", "N", "stride_xm", "stride_ym", "k_per_split", "ax_k_per_prog", "group_size", "stride_gm",
+              "stride_wn")
+
+
+def variants() -> dict[str, tuple]:
+    """name → (kernel, pointer types, constexprs, num_warps) for each kernel variant the host code launches."""
+    from spear.kernels import ec_epilogue, w4
+
+    f16 = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
+                            "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
+    decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "cnt_ptr": I32}
+    out = {}
+    for rows, ec, spg, per_channel in ((0, True, 8, True), (1, True, 8, True), (1, False, 8, True), (1, False, 2, False),
+                                       (2, True, 4, False), (4, True, 8, True)):
+        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=16, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
+                     BKW=64, PER_CHANNEL=per_channel)
+        name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}"
+        out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
+    out["ec_rank"] = (w4._ec_rank_kernel, f16, dict(GATED=True, R=32, H=16, BM=32, BK=64), 4)
+    out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
+    out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+                            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8), 4)
+    out["ec_epilogue"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "u_ptr": F32},
+                          dict(GATED=True, BLOCK_N=64, BLOCK_R=32, BLOCK_H=16), 4)
+    return out
+
+
+def main() -> None:
+    report = {}
+    for name, (kernel, pointers, constexprs, warps) in variants().items():
+        try:
+            compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps)
+            report[name] = {"ok": True, "loops": [vars(loop) for loop in loop_mix(sass(compiled))]}
+        except Exception as e:  # noqa: BLE001 — reported per variant
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
