@@ -30,6 +30,7 @@ import triton.language as tl
 from spear.kernels.pack import PackedEC, PackedW4
 
 DECODE_MAX_M = 16
+TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
 SLICED_DECODE_MAX_M = 32  # w4_linear runs the decode kernel on 16-row slices up to this many rows
 
 
@@ -75,34 +76,34 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 
 
 @triton.jit
-def _codes_f32(packed, j: tl.constexpr):
-    """1 + q/16 in float32 for nibble j (code q) of each word, in two integer ops and no int → float
-    conversion: the code goes to the top 4 mantissa bits of 1.0 (0x3F800000), bits 19–22.
-
-    The offset 1 keeps the sum well conditioned: Σ (1 + q/16) x = Σ x + Σ q x / 16, both of the size of
-    Σ q x, so Σ q x = 16 (Σ (1 + q/16) x − Σ x) loses no accuracy worth counting in float32.
-    """
-    if 4 * j <= 19:
-        bits = (packed << (19 - 4 * j)) & 0x00780000
-    else:  # a logical shift: the int32 word's sign bit must not come along
-        bits = (packed.to(tl.uint32, bitcast=True) >> (4 * j - 19)).to(tl.int32, bitcast=True) & 0x00780000
-    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+def _codes_denormal(half, jj: tl.constexpr):
+    """q · 2^(4 jj − 149) for nibble jj (0–3) of `half` (the word, or the word shifted right by 16): the
+    masked bits read as a float32 are a denormal whose value is the code times a power of two — one
+    AND per weight, no shift and no int → float conversion. FMA keeps denormal inputs (no flush to
+    zero), and x is pre-scaled by 2^(111 − 4 jj) (_x_scale) so every product is q x 2^-38, a normal float."""
+    return (half & (0xF << (4 * jj))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _gemv_row(part, xs, codes, x_ptr, row, M, stride_xm, cols, mask_cols):
-    """part [BN, BKW] += codes · x[row, cols] (broadcast down the rows of W), xs [BKW] += x[row, cols]."""
+def _x_scale(jj: tl.constexpr):
+    """2^(111 − 4 jj) as float32 (fp16 x ≤ 65504 < 2^16 stays finite after the scaling)."""
+    return tl.full((), (111 - 4 * jj + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_row(part, xs, codes, x_ptr, row, M, stride_xm, cols, mask_cols, scale):
+    """part [BN, BKW] += codes · (scale x[row, cols]) (broadcast down the rows of W), xs [BKW] += x[row, cols]."""
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask_cols & (cols * 0 + row < M), other=0.0).to(tl.float32)  # [BKW]
-    return part + codes * x[None, :], xs + x
+    return part + codes * (x * scale)[None, :], xs + x
 
 
 @triton.jit
 def _gemv_span_end(acc, xsum, part, xs, s, z, PER_CHANNEL: tl.constexpr):
-    """Close a group span: Σ (q − z) s x = s (16 P − (16 + z) X) with P = Σ (1 + q/16) x, X = Σ x
+    """Close a group span: Σ (q − z) s x = s (2^38 P − z X) with P = Σ q x 2^-38, X = Σ x
     (per-channel: s and z wait for the end of the loop)."""
     if PER_CHANNEL:
         return part, xsum + xs  # part started from acc
-    return acc + s * (16.0 * part - (16.0 + z) * xs[None, :]), xsum
+    return acc + s * (TWO_38 * part - z * xs[None, :]), xsum
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def _gemv_row_out(acc, xsum, s, z, offs_m, row, PER_CHANNEL: tl.constexpr):
     """Row `row` of the result, placed in column `row` of a [BN, BM] yᵀ tile."""
     y = tl.sum(acc, axis=1)  # [BN]
     if PER_CHANNEL:
-        y = s * (16.0 * y - (16.0 + z) * tl.sum(xsum, axis=0))
+        y = s * (TWO_38 * y - z * tl.sum(xsum, axis=0))
     return tl.where(offs_m[None, :] == row, y[:, None], 0.0)
 
 
@@ -123,8 +124,8 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     Each step loads a wide [BN, BKW] tile of code words (BKW / 16 interleaved blocks) and multiplies
     every nibble plane by the matching gathered slice of x with plain FMAs, one 2-D float32
     accumulator per row (a 3-D [ROWS, BN, BKW] one made the compiler shuffle the codes through shared
-    memory). No tensor-core operand layout and no int → float conversion (_codes_f32): three
-    instructions per weight and row.
+    memory). No tensor-core operand layout and no int → float conversion: a code is an AND away from a
+    denormal float (_codes_denormal), so a weight costs an AND and an FMA.
     """
     offs_w = tl.arange(0, BKW)
     block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
@@ -145,6 +146,7 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
         words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
         packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
                          mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
+        packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # nibbles 4–7 in bits 0–15
         for span in tl.static_range(8 // SPG):
             if not PER_CHANNEL:
                 g = (kb + col0 + 16 * SPG * span) // group_size  # [BKW]
@@ -164,15 +166,19 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
             xs3 = tl.zeros((BKW,), dtype=tl.float32)
             for jj in tl.static_range(SPG):
                 j = span * SPG + jj
-                codes = _codes_f32(packed, j)  # [BN, BKW]: 1 + q/16
+                if j < 4:
+                    codes = _codes_denormal(packed, j % 4)  # [BN, BKW]: q 2^(4 (j mod 4) − 149)
+                else:
+                    codes = _codes_denormal(packed_hi, j % 4)
+                scale = _x_scale(j % 4)
                 cols = tl.max_contiguous(tl.multiple_of(kb + col0 + 16 * j, 16), 16)  # runs of 16 columns
                 mask_cols = kb + block0 + 16 * j < K
-                part0, xs0 = _gemv_row(part0, xs0, codes, x_ptr, 0, M, stride_xm, cols, mask_cols)
+                part0, xs0 = _gemv_row(part0, xs0, codes, x_ptr, 0, M, stride_xm, cols, mask_cols, scale)
                 if ROWS > 1:
-                    part1, xs1 = _gemv_row(part1, xs1, codes, x_ptr, 1, M, stride_xm, cols, mask_cols)
+                    part1, xs1 = _gemv_row(part1, xs1, codes, x_ptr, 1, M, stride_xm, cols, mask_cols, scale)
                 if ROWS > 2:
-                    part2, xs2 = _gemv_row(part2, xs2, codes, x_ptr, 2, M, stride_xm, cols, mask_cols)
-                    part3, xs3 = _gemv_row(part3, xs3, codes, x_ptr, 3, M, stride_xm, cols, mask_cols)
+                    part2, xs2 = _gemv_row(part2, xs2, codes, x_ptr, 2, M, stride_xm, cols, mask_cols, scale)
+                    part3, xs3 = _gemv_row(part3, xs3, codes, x_ptr, 3, M, stride_xm, cols, mask_cols, scale)
             acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, PER_CHANNEL)
             if ROWS > 1:
                 acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, PER_CHANNEL)
@@ -381,12 +387,12 @@ def _w4_prefill_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 32
+    block_n: int = 16  # untuned defaults: the H200's most frequent pick (BENCHMARKS.md §4)
     split_k: int = 0  # 0: pick so that the grid fills the GPU
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     gemv_rows: int = 4  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
-    block_kw: int = 64  # GEMV loop: code words per row per step (a multiple of 16: 128 columns each)
+    block_kw: int = 128  # GEMV loop: code words per row per step (a multiple of 16: 128 columns each)
 
 
 @dataclass(frozen=True)
@@ -402,7 +408,7 @@ class PrefillConfig:
 DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ 16), then the GEMV loop (M ≤ 4)
     DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn in (32, 64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw)
-     for bn, bkw in ((16, 64), (16, 128), (32, 32), (32, 64), (64, 32)) for warps, stages in ((4, 2), (4, 3), (8, 3))]
+     for bn, bkw in ((16, 64), (16, 128), (16, 256), (32, 64), (32, 128)) for warps, stages in ((4, 2), (4, 3), (8, 3))]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
