@@ -115,7 +115,7 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         tinygemm = None
     t = time.perf_counter()
     timings: dict = {}
-    tuned = tune_w4(packed, (1, 16), timings)
+    tuned = tune_w4(packed, (1, 4, 16), timings)
     log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
     for m, measured in timings.items():  # the best of each main loop (do_bench, cold L2, launch included)
         best = {}

@@ -2,6 +2,8 @@
 
     python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 --json bench/results/profile_w4.json
     python bench/profile_step.py --tiny --json /tmp/profile.json                 # CPU: end-to-end check
+    python bench/profile_step.py --setting w4+ec15 --batch 8 --chunk 64 --json ...   # mixed steps: a 64-token
+                                                                                     # prefill beside 8 decodes
 
 Builds the engine on random weights like bench/decode.py, prefills, then runs `--steps` decode
 steps eagerly (no CUDA graph, so every kernel is seen) under torch.profiler and prints the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,6 +46,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--chunk", type=int, default=0,
+                   help="profile mixed steps: each step also prefills a new request of this many tokens")
     p.add_argument("--tiny", action="store_true", help="the tiny model, on whatever device there is")
     p.add_argument("--json", required=True)
     args = p.parse_args()
@@ -54,8 +59,8 @@ def main() -> None:
     dtype = torch.float16 if cuda else torch.float32
     fraction = EC_FRACTIONS.get(args.setting)
     model = random_model(MODELS[name], None if fraction is None else QuantConfig(4, -1), fraction or 0.0, 32, dtype, device)
-    config = EngineConfig(max_num_seqs=args.batch, max_model_len=prompt_tokens + args.steps + 8,
-                          policy=StaticChunkPolicy(args.batch * prompt_tokens), cuda_graphs=False)
+    config = EngineConfig(max_num_seqs=args.batch + args.steps + 1, max_model_len=max(args.chunk, prompt_tokens) + args.steps + 8,
+                          policy=StaticChunkPolicy(max(args.batch * prompt_tokens, args.chunk + args.batch)), cuda_graphs=False)
     engine = Engine(make_runner(model, config), NoText(), config)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True)
@@ -64,15 +69,29 @@ def main() -> None:
     engine.step()  # the prefill
     engine.step()  # one decode step to warm up
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    wall = []
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(args.steps):
+        for step in range(args.steps):
+            if args.chunk:  # a new request whose whole prompt is prefilled in this step, beside the decodes
+                engine.add_request(f"new{step}", torch.randint(model.args.vocab, (args.chunk,), generator=gen).tolist(),
+                                   SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
             engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            wall.append((time.perf_counter() - start) * 1e3)
     rows = sorted(prof.key_averages(), key=lambda e: op_time_us(e, cuda), reverse=True)
     top = [{"name": e.key, "calls_per_step": e.count / args.steps, "us_per_step": op_time_us(e, cuda) / args.steps}
            for e in rows[: args.top]]
-    write_json(args.json, {"model": name, "setting": args.setting, "batch": args.batch, "steps": args.steps,
-                           "device": str(device), "top": top})
-    print(f"{name} {args.setting} batch {args.batch}: {'device' if cuda else 'CPU'} time per decode step, eager")
+    kernels_us = sum(op_time_us(e, cuda) for e in prof.key_averages() if cuda and e.device_type.name == "CUDA") / args.steps
+    write_json(args.json, {"model": name, "setting": args.setting, "batch": args.batch, "chunk": args.chunk,
+                           "steps": args.steps, "device": str(device), "wall_ms_per_step": wall,
+                           "kernel_ms_per_step": kernels_us / 1e3, "top": top})
+    what = f"decode step + a {args.chunk}-token prefill" if args.chunk else "decode step"
+    print(f"{name} {args.setting} batch {args.batch}: {'device' if cuda else 'CPU'} time per {what}, eager; "
+          f"wall {sorted(wall)[len(wall) // 2]:.2f} ms (profiled), kernels {kernels_us / 1e3:.2f} ms")
     for row in top:
         print(f"{row['us_per_step']:10.1f} µs  {row['calls_per_step']:6.1f}×  {row['name'][:90]}")
 

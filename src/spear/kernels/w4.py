@@ -387,10 +387,10 @@ def _w4_prefill_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    block_n: int = 16  # untuned defaults: the H200's most frequent pick (BENCHMARKS.md §4)
+    block_n: int = 32  # untuned defaults: the H200's most frequent pick at M = 1 (BENCHMARKS.md §4)
     split_k: int = 0  # 0: pick so that the grid fills the GPU
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 8
+    num_stages: int = 3
     gemv_rows: int = 4  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
     block_kw: int = 128  # GEMV loop: code words per row per step (a multiple of 16: 128 columns each)
 
@@ -419,8 +419,9 @@ TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than th
 
 
 def _m_bucket(m: int) -> int:
-    """Tuning buckets: the GEMV rows (≤ 4), the rest of the decode kernel (≤ 16), then powers of two."""
-    return 4 if m <= 4 else DECODE_MAX_M if m <= DECODE_MAX_M else min(4096, 1 << (m - 1).bit_length())
+    """Tuning buckets: one row, the GEMV loop's rows (≤ 4; at 4 rows its FMAs may cost more than the dot
+    loop, so it is tuned apart from one row), the rest of the decode kernel (≤ 16), then powers of two."""
+    return 1 if m == 1 else 4 if m <= 4 else DECODE_MAX_M if m <= DECODE_MAX_M else min(4096, 1 << (m - 1).bit_length())
 
 
 def _tune_key(w: PackedW4, m: int) -> tuple:
@@ -637,7 +638,7 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     return y.view(*x.shape[:-1], w.out_features)
 
 
-def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 16), timings: dict | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
+def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16), timings: dict | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
     graph capture; about 10 ms a candidate): the decode kernel for M ≤ 16 (its GEMV loop only where M ≤ 4), the fused prefill kernel
     above. Later calls with the same shape and M bucket use the fastest. Returns the choice per M; every
