@@ -16,6 +16,9 @@ The EC is packed as the kernels read it (ec(x) = alpha · B (gamma(A x) ⊙ A x)
     A fp16 [R, K], alpha·B fp16 [N, R], gate W1 [H, R], b1 [H], W2 [R, H], b2 [R], with R and H
     zero-padded to tensor-core sizes (≥ 16, powers of two). Zero padding is exact: padded rank
     rows give u = 0 and padded hidden units feed W2's zero columns.
+
+Linears over the same input fuse into one launch (concat_w4, concat_ec): the weights' rows stack,
+the ECs go block-diagonal.
 """
 
 from __future__ import annotations
@@ -123,3 +126,47 @@ def pack_ec(ec: ErrorCompensator) -> PackedEC:
         W2[:r, :h] = ec.gate[2].weight.detach().half()
         b2[:r] = ec.gate[2].bias.detach().half()
     return PackedEC(A, B, W1, b1, W2, b2, rank=r, gated=ec.gate is not None)
+
+
+def concat_w4(parts: list[PackedW4]) -> PackedW4:
+    """Several weights over the same input as one [Σ N_i, K] weight: the rows are independent, so the
+    packed rows (codes, scales, zeros) simply stack."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.group_size, p.in_features) != (first.group_size, first.in_features):
+            raise SpearError(f"cannot concatenate W4 weights with group size / in_features {p.group_size}/{p.in_features} "
+                             f"and {first.group_size}/{first.in_features}")
+    qweight, scales, zeros = (torch.cat([getattr(p, name) for p in parts]) for name in ("qweight", "scales", "zeros"))
+    return PackedW4(qweight, scales, zeros, first.group_size, first.in_features)
+
+
+def concat_ec(ecs: list[PackedEC | None], out_features: list[int], in_features: int,
+              device: torch.device) -> PackedEC | None:
+    """The ECs of linears over the same input (out_features[i] rows each) as one block-diagonal EC.
+
+    Module i gets its own rank columns: A = [A_1; A_2; ...], B = diag(B_1, B_2, ...) (rows without an EC
+    are zero), and the gate runs per block: W1 = diag(W1_i) [Σ H_i, Σ R_i], b1 = [b1_i], W2 = diag(W2_i),
+    b2 = [b2_i], so gamma(u) restricted to block i is gamma_i(u_i). An ungated EC in a gated fusion has
+    zero gate blocks: 1 + tanh(0) = 1. R and H are zero-padded to powers of two ≥ 16 as pack_ec does.
+    None when no module has an EC; ungated when none is gated.
+    """
+    if all(ec is None for ec in ecs):
+        return None
+    gated = any(ec is not None and ec.gated for ec in ecs)
+    ranks = [0 if ec is None else ec.rank for ec in ecs]  # the padded rank columns are zero: drop them
+    hiddens = [ec.W1.shape[0] if ec is not None and ec.gated else 0 for ec in ecs]
+    R, H = _pow2_at_least_16(sum(ranks)), _pow2_at_least_16(max(sum(hiddens), 1))
+    shapes = ((R, in_features), (sum(out_features), R), (H, R), (H,), (R, H), (R,))
+    A, B, W1, b1, W2, b2 = (torch.zeros(shape, dtype=torch.float16, device=device) for shape in shapes)
+    n0 = r0 = h0 = 0
+    for ec, n, r, h in zip(ecs, out_features, ranks, hiddens):
+        if ec is not None:
+            A[r0 : r0 + r] = ec.A[:r]
+            B[n0 : n0 + n, r0 : r0 + r] = ec.B[:, :r]
+            if h:
+                W1[h0 : h0 + h, r0 : r0 + r] = ec.W1[:, :r]
+                b1[h0 : h0 + h] = ec.b1
+                W2[r0 : r0 + r, h0 : h0 + h] = ec.W2[:r]
+                b2[r0 : r0 + r] = ec.b2[:r]
+        n0, r0, h0 = n0 + n, r0 + r, h0 + h
+    return PackedEC(A, B, W1, b1, W2, b2, rank=sum(ranks), gated=gated)

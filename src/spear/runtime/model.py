@@ -7,6 +7,7 @@ write, decode attention, SiLU * up. The residual stream is carried beside the su
 outputs, vLLM-style: each norm first adds the previous sub-layer's output to it.
 `build_runtime_model` reuses a transformers model's modules (SpearLinear layers stay the
 same objects, ECs included); `random_model` builds one of a real shape for benchmarks.
+Once packed for the kernels, q/k/v and gate/up each run as one W4 launch (FusedLinear).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from torch import nn
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
+from spear.kernels.pack import PackedW4, concat_ec, concat_w4
+from spear.kernels.reference import w4_linear_ref
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
@@ -110,18 +113,67 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, self.weight, self.eps, residual)
 
 
+class FusedLinear(nn.Module):
+    """Packed SpearLinears over the same input as one W4 launch: y = [y_1 | y_2 | ...] from the stacked
+    weight (concat_w4), the concatenated bias and the block-diagonal EC (concat_ec): exact.
+
+    The parts are re-pointed at their rows of the stacked weight, so it is held once."""
+
+    def __init__(self, parts: list[SpearLinear]):
+        super().__init__()
+        self.sizes = [m.packed.out_features for m in parts]
+        self.packed = concat_w4([m.packed for m in parts])
+        device = self.packed.qweight.device
+        self.packed_ec = concat_ec([m.packed_ec for m in parts], self.sizes, self.packed.in_features, device)
+        self.bias = None
+        if any(m.bias is not None for m in parts):
+            self.bias = torch.cat([torch.zeros(n, dtype=torch.float16, device=device) if m.bias is None else m.bias.half()
+                                   for m, n in zip(parts, self.sizes)])
+        start = 0
+        for m, n in zip(parts, self.sizes):
+            w = self.packed
+            m.packed = PackedW4(w.qweight[start : start + n], w.scales[start : start + n], w.zeros[start : start + n],
+                                w.group_size, w.in_features)
+            start += n
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        qweight = fn(self.packed.qweight)  # int32: only a move changes it; the packed dtypes are fixed
+        w, device = self.packed, qweight.device
+        self.packed = PackedW4(qweight, w.scales.to(device), w.zeros.to(device), w.group_size, w.in_features)
+        self.packed_ec = None if self.packed_ec is None else self.packed_ec.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs, as views of one [..., Σ N_i] result."""
+        if x.dtype == torch.float16:  # the kernels (CUDA, or the Triton interpreter on CPU)
+            from spear.kernels.w4 import w4_linear
+
+            y = w4_linear(x, self.packed, self.packed_ec, self.bias)
+        else:
+            y = w4_linear_ref(x, self.packed, self.packed_ec, self.bias)
+        return y.split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
+        return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, wq: nn.Module, wk: nn.Module, wv: nn.Module, wo: nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.wqkv: FusedLinear | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, batch: Batch, mask: torch.Tensor | None,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
-        q = self.wq(x).view(T, self.n_heads, self.head_dim)  # [T, H, D]
-        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
-        v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(T, self.n_kv_heads, self.head_dim)
         q = rope_write_kv(q, k, v, batch.positions, inv_freq, *kv, batch.slots)  # rotated; k (rotated), v cached
         return self.wo(paged_attention(q, *kv, batch, mask).reshape(T, -1))
 
@@ -130,9 +182,11 @@ class FeedForward(nn.Module):
     def __init__(self, w_gate: nn.Module, w_up: nn.Module, w_down: nn.Module):
         super().__init__()
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
+        self.w_gate_up: FusedLinear | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(silu_mul(self.w_gate(x), self.w_up(x)))
+        gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
+        return self.w_down(silu_mul(gate, up))
 
 
 class Block(nn.Module):
@@ -202,18 +256,46 @@ def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transforme
     return model
 
 
-def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True) -> int:
+def _packed(parts: list[nn.Module]) -> bool:
+    """Whether the parts are packed SpearLinears that stack into one W4 weight."""
+    if not all(isinstance(m, SpearLinear) and m.packed is not None for m in parts):
+        return False
+    return len({(m.packed.in_features, m.packed.group_size) for m in parts}) == 1
+
+
+def fuse_projections(model: Transformer) -> int:
+    """Run each layer's q/k/v as one W4 launch (attention.wqkv) and gate/up as another
+    (feed_forward.w_gate_up), where all parts are packed SpearLinears; returns how many fusions.
+    The separate modules stay (their packed weights become views of the fused one)."""
+    count = 0
+    for layer in model.layers:
+        a, f = layer.attention, layer.feed_forward
+        if _packed([a.wq, a.wk, a.wv]):
+            a.wqkv = FusedLinear([a.wq, a.wk, a.wv])
+            count += 1
+        if _packed([f.w_gate, f.w_up]):
+            f.w_gate_up = FusedLinear([f.w_gate, f.w_up])
+            count += 1
+    return count
+
+
+def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, fuse: bool = True) -> int:
     """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
-    returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `tune`,
-    time the decode kernel's configs once per distinct weight shape (a few seconds; kernels.w4.tune_w4)."""
+    returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `fuse`
+    (a Transformer), q/k/v and gate/up become one launch each (fuse_projections). With `tune`, time the
+    decode kernel's configs once per distinct weight shape, fused ones included (a few seconds;
+    kernels.w4.tune_w4)."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
     if not linears or linears[0].codes.device.type != "cuda" or linears[0].weight_hat.dtype != torch.float16:
         return 0
     packed = [m for m in linears if m.use_kernels(drop_dense)]
+    if fuse and isinstance(model, Transformer):
+        fuse_projections(model)
     if tune:
         from spear.kernels.w4 import tune_w4
 
-        shapes = {(m.packed.out_features, m.packed.in_features, m.packed.group_size): m.packed for m in packed}
+        weights = [m.packed for m in packed] + [m.packed for m in model.modules() if isinstance(m, FusedLinear)]
+        shapes = {(w.out_features, w.in_features, w.group_size): w for w in weights}
         for w in shapes.values():
             tune_w4(w)
     return len(packed)

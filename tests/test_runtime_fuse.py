@@ -1,0 +1,121 @@
+"""Fused q/k/v and gate/up launches (kernels.pack.concat_w4 / concat_ec, runtime.model.FusedLinear) against
+the separate layers (CPU: TRITON_INTERPRET=1, set in conftest).
+
+The fused weight stacks the parts' rows and the fused EC is block-diagonal, so one launch must give
+the concatenation of the separate outputs up to fp16 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import SEED, assert_close, random_ec
+
+from spear.errors import SpearError
+from spear.kernels.pack import concat_ec, concat_w4, pack_ec, pack_w4
+from spear.kernels.reference import w4_linear_ref
+from spear.kernels.w4 import w4_linear
+from spear.layer import SpearLinear
+from spear.quant.record import QuantConfig, rtn_quantize
+from spear.runtime.kv_cache import Batch, Chunk, KVCache
+from spear.runtime.model import FusedLinear, ModelArgs, fuse_projections, random_model
+
+CPU = torch.device("cpu")
+K = 128
+SIZES = [128, 64, 64]  # q, k, v-like: out sizes must be multiples of 64
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(SEED)
+
+
+# (rank, gate_hidden) per part; None: no EC; gate_hidden 0: ungated
+EC_CASES = {
+    "gated-ranks": [(8, 8), (16, 4), (24, 20)],
+    "some-none": [(8, 8), None, (12, 8)],
+    "gated-ungated": [(8, 0), (16, 8), None],
+    "ungated": [(8, 0), None, (4, 0)],
+    "none": [None, None, None],
+}
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("case", EC_CASES)
+def test_fused_launch_equals_separate_layers(case, bias, m, gen):
+    specs = EC_CASES[case]
+    group = 32 if case == "gated-ranks" else -1
+    parts = [pack_w4(rtn_quantize(torch.randn(n, K, generator=gen), QuantConfig(4, group))) for n in SIZES]
+    ecs = [None if s is None else pack_ec(random_ec(n, K, s[0], gen, gate_hidden=s[1])) for n, s in zip(SIZES, specs)]
+    biases = [(torch.randn(n, generator=gen) * 0.1).half() if bias and i != 1 else None for i, n in enumerate(SIZES)]
+    x = torch.randn(m, K, generator=gen).half()
+
+    fused_w, fused_ec = concat_w4(parts), concat_ec(ecs, SIZES, K, CPU)
+    fused_bias = None
+    if bias:  # the second part has no bias: zeros there
+        fused_bias = torch.cat([torch.zeros(n, dtype=torch.float16) if b is None else b for b, n in zip(biases, SIZES)])
+    y = w4_linear(x, fused_w, fused_ec, fused_bias)
+    ref = torch.cat([w4_linear_ref(x, w, ec, b) for w, ec, b in zip(parts, ecs, biases)], dim=1)
+    assert y.shape == (m, sum(SIZES))
+    assert_close(y, ref, f"{case}, bias={bias}, M={m}")
+
+    if all(s is None for s in specs):
+        assert fused_ec is None
+    else:
+        R, H = fused_ec.padded_rank, fused_ec.W1.shape[0]
+        assert fused_ec.gated == any(s is not None and s[1] > 0 for s in specs)
+        assert fused_ec.rank == sum(s[0] for s in specs if s is not None)
+        assert R >= 16 and R & (R - 1) == 0 and H >= 16 and H & (H - 1) == 0
+        assert_close(w4_linear_ref(x, fused_w, fused_ec, fused_bias), ref, f"{case}: fused reference", rtol=1e-3)
+
+
+def test_concat_w4_rejects_mismatched_parts(gen):
+    a = pack_w4(rtn_quantize(torch.randn(64, K, generator=gen), QuantConfig(4, 32)))
+    b = pack_w4(rtn_quantize(torch.randn(64, K, generator=gen), QuantConfig(4, 64)))
+    c = pack_w4(rtn_quantize(torch.randn(64, 2 * K, generator=gen), QuantConfig(4, 32)))
+    for other in (b, c):
+        with pytest.raises(SpearError, match="cannot concatenate"):
+            concat_w4([a, other])
+
+
+def new_cache(model) -> KVCache:
+    a = model.args
+    return KVCache(a.n_layers, 8, 16, a.n_kv_heads, a.head_dim, model.dtype, model.device)
+
+
+@torch.no_grad()
+def logits(model, ids: list[int], prefill: int) -> torch.Tensor:
+    """Logits after a prefill of `prefill` tokens, then after each decode step: [1 + steps, vocab]."""
+    cache, table = new_cache(model), [2, 0, 5]
+    out = [model(Batch.build([Chunk(ids[:prefill], 0, table)], 16, CPU), cache)[0]]
+    for pos in range(prefill, len(ids)):
+        out.append(model(Batch.build([Chunk([ids[pos]], pos, table)], 16, CPU), cache)[0])
+    return torch.stack(out).float()
+
+
+def test_fused_model_matches_separate_layers(gen):
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64,
+                     attention_bias=True)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, kernels=False, seed=SEED % 1000)
+    first = model.layers[0].attention
+    assert first.wq.ec is None and first.wk.ec is not None and first.wv.ec is None  # ECs on every other linear
+    first.wq.ec = random_ec(first.wq.out_features, args.dim, 4, gen, gate_hidden=0)  # an ungated EC beside a gated one
+    first.wv.bias = None  # a part without a bias
+    ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
+    ref = logits(model, ids, prefill=5)
+
+    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
+    assert all(m.use_kernels() for m in linears)  # use_kernels(model) is CUDA-only: pack each one here
+    qweight = first.wq.packed.qweight
+    assert fuse_projections(model) == 2 * args.n_layers
+    fused = first.wqkv
+    assert isinstance(fused, FusedLinear) and fused.sizes == [128, 64, 64]
+    assert fused.packed_ec is not None and fused.packed_ec.gated
+    assert first.wq.packed.qweight.data_ptr() == fused.packed.qweight.data_ptr()  # a view: held once
+    assert torch.equal(first.wq.packed.qweight, qweight)
+    assert torch.equal(first.wv.packed.qweight, fused.packed.qweight[192:])
+
+    out = logits(model, ids, prefill=5)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, f"fused vs separate logits: {err:.2e}; seed {SEED}"
