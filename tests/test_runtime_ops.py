@@ -53,6 +53,8 @@ def test_silu_mul_matches_reference(dtype, gen):
     for shape in ((3, 1000), (1, 1536), (5, 7)):
         gate, up = randn(*shape, gen=gen, dtype=dtype) * 4, randn(*shape, gen=gen, dtype=dtype)
         assert_close(ops.silu_mul(gate, up, use_triton=True), ops.silu_mul_ref(gate, up), f"silu_mul {shape} {dtype}")
+    gate, up = randn(3, 2 * 576, gen=gen, dtype=dtype).split(576, dim=-1)  # row-strided halves of a gate|up output
+    assert_close(ops.silu_mul(gate, up, use_triton=True), ops.silu_mul_ref(gate, up), f"silu_mul strided {dtype}")
 
 
 def nan_pools(num_blocks: int, block_size: int, kv: int, d: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -61,9 +63,15 @@ def nan_pools(num_blocks: int, block_size: int, kv: int, d: int, dtype: torch.dt
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (6, 2, 32), (8, 2, 80)])  # GQA 1, 3, 4; D 80: odd
-def test_rope_write_kv_matches_reference(dtype, heads, kv_heads, head_dim, gen):
+@pytest.mark.parametrize("fused", [False, True])  # q, k, v as row-strided views of one q|k|v GEMM output
+def test_rope_write_kv_matches_reference(dtype, heads, kv_heads, head_dim, fused, gen):
     T, num_blocks, block_size = 3, 5, 4
-    q, k, v = (randn(T, n, head_dim, gen=gen, dtype=dtype) for n in (heads, kv_heads, kv_heads))
+    if fused:
+        qkv = randn(T, (heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype)
+        q, k, v = (part.view(T, -1, head_dim) for part in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                      kv_heads * head_dim], dim=-1))
+    else:
+        q, k, v = (randn(T, n, head_dim, gen=gen, dtype=dtype) for n in (heads, kv_heads, kv_heads))
     positions = torch.tensor([0, 7, 3000], device=DEVICE)
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}

@@ -178,7 +178,9 @@ class Engine:
             if seq.prefilled:
                 rows.append(i)
         seqs = [work[i][0] for i in rows]
-        tokens = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs])
+        if len(rows) < len(work):  # sequences still mid-prompt have no token to sample
+            logits = logits[rows]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         outputs += [self._append(seq, token) for seq, token in zip(seqs, tokens)]
         self.last_step = StepStats(time.perf_counter() - start, num_decodes, sum(len(c.tokens) for _, c in work[num_decodes:]))
         self.num_steps += 1

@@ -263,6 +263,15 @@ def _packed(parts: list[nn.Module]) -> bool:
     return len({(m.packed.in_features, m.packed.group_size) for m in parts}) == 1
 
 
+def _fused_parts(module: nn.Module) -> list[nn.Module]:
+    """The linears a fused launch replaced in this Attention or FeedForward (none otherwise)."""
+    if isinstance(module, Attention) and module.wqkv is not None:
+        return [module.wq, module.wk, module.wv]
+    if isinstance(module, FeedForward) and module.w_gate_up is not None:
+        return [module.w_gate, module.w_up]
+    return []
+
+
 def fuse_projections(model: Transformer) -> int:
     """Run each layer's q/k/v as one W4 launch (attention.wqkv) and gate/up as another
     (feed_forward.w_gate_up), where all parts are packed SpearLinears; returns how many fusions.
@@ -294,7 +303,9 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
     if tune:
         from spear.kernels.w4 import tune_w4
 
-        weights = [m.packed for m in packed] + [m.packed for m in model.modules() if isinstance(m, FusedLinear)]
+        fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
+        parts = {id(p) for m in model.modules() for p in _fused_parts(m)}  # they no longer launch on their own
+        weights = [m.packed for m in packed if id(m) not in parts] + [m.packed for m in fused]
         shapes = {(w.out_features, w.in_features, w.group_size): w for w in weights}
         for w in shapes.values():
             tune_w4(w)

@@ -108,23 +108,32 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @_jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr):
+    """Row t, columns of block j: out[t] = silu(gate[t]) * up[t] (gate and up may be strided row views)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + t * stride_gate + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + t * stride_up + offs, mask=ok, other=0.0).to(tl.float32)
     y = g / (1 + tl.exp(-g)) * u  # silu(g) = g * sigmoid(g)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + t * n + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, n] with unit stride along n (a view when it can be: the halves of a fused GEMM's output)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
-    """gate, up [..., n] -> silu(gate) * up [..., n]."""
+    """gate, up [..., n] -> silu(gate) * up [..., n] (contiguous)."""
     if not _triton(use_triton, gate):
         return silu_mul_ref(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    block = 1024
-    _silu_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block)
+    g2, u2 = _rows(gate), _rows(up)
+    rows, n = g2.shape
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = min(1024, _next_pow2(n))
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block)
     return out
 
 
@@ -164,7 +173,7 @@ def _rope_row(src_ptr, dst_ptr, cos, sin, i, ok, HALF: tl.constexpr):
 
 @_jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
-                          H, KV, block_size, stride_pool_block, stride_pool_offset,
+                          H, KV, block_size, stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Program (t, j): j < H rotates query head j of token t; j >= H rotates key head j - H and stores it,
     and the token's value head, at the token's slot."""
@@ -175,14 +184,14 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
     cos, sin = tl.cos(theta), tl.sin(theta)
     D: tl.constexpr = 2 * HALF
     if j < H:
-        _rope_row(q_ptr + (t * H + j) * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF)
+        _rope_row(q_ptr + t * stride_qt + j * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF)
     else:
         kv = j - H
         slot = tl.load(slots_ptr + t)
         dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
-        _rope_row(k_ptr + (t * KV + kv) * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
+        _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
         for half in tl.static_range(2):  # v as it is, in two halves
-            val = tl.load(v_ptr + (t * KV + kv) * D + half * HALF + i, mask=ok)
+            val = tl.load(v_ptr + t * stride_vt + kv * D + half * HALF + i, mask=ok)
             tl.store(v_pool_ptr + dst + half * HALF + i, val, mask=ok)
 
 
@@ -196,11 +205,13 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     T, H, D = q.shape
     KV = k.shape[1]
     _check_pools(k_pool, v_pool, D)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    q_out = torch.empty_like(q)
+    # Each token's heads must be contiguous; tokens may be strided (q, k, v as views of a fused q|k|v GEMM output).
+    q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _rope_write_kv_kernel[(T, H + KV)](
         q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, H, KV, k_pool.shape[1],
-        k_pool.stride(0), k_pool.stride(1), HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1)
+        k_pool.stride(0), k_pool.stride(1), q.stride(0), k.stride(0), v.stride(0),
+        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1)
     return q_out
 
 

@@ -21,9 +21,11 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """One token per row of logits [B, V]; rows with temperature 0 are greedy."""
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not rows:  # all greedy: argmax over the logits as they are (no float32 copy)
+        return logits.argmax(dim=-1).tolist()
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
         device = logits.device
         sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
