@@ -1,5 +1,5 @@
 """Fused q/k/v and gate/up launches (kernels.pack.concat_w4 / concat_ec, runtime.model.FusedLinear) against
-the separate layers (CPU: TRITON_INTERPRET=1, set in conftest).
+the separate layers (on the GPU where there is one; on CPU through TRITON_INTERPRET=1, set in conftest).
 
 The fused weight stacks the parts' rows and the fused EC is block-diagonal, so one launch must give
 the concatenation of the separate outputs up to fp16 rounding.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import SEED, assert_close, random_ec
+from test_kernels import DEVICE, SEED, assert_close, random_ec
 
 from spear.errors import SpearError
 from spear.kernels.pack import concat_ec, concat_w4, pack_ec, pack_w4
@@ -20,7 +20,6 @@ from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
 from spear.runtime.model import FusedLinear, ModelArgs, fuse_projections, random_model
 
-CPU = torch.device("cpu")
 K = 128
 SIZES = [128, 64, 64]  # q, k, v-like: out sizes must be multiples of 64
 
@@ -46,15 +45,18 @@ EC_CASES = {
 def test_fused_launch_equals_separate_layers(case, bias, m, gen):
     specs = EC_CASES[case]
     group = 32 if case == "gated-ranks" else -1
-    parts = [pack_w4(rtn_quantize(torch.randn(n, K, generator=gen), QuantConfig(4, group))) for n in SIZES]
-    ecs = [None if s is None else pack_ec(random_ec(n, K, s[0], gen, gate_hidden=s[1])) for n, s in zip(SIZES, specs)]
-    biases = [(torch.randn(n, generator=gen) * 0.1).half() if bias and i != 1 else None for i, n in enumerate(SIZES)]
-    x = torch.randn(m, K, generator=gen).half()
+    parts = [pack_w4(rtn_quantize(torch.randn(n, K, generator=gen), QuantConfig(4, group))).to(DEVICE) for n in SIZES]
+    ecs = [None if s is None else pack_ec(random_ec(n, K, s[0], gen, gate_hidden=s[1])).to(DEVICE)
+           for n, s in zip(SIZES, specs)]
+    biases = [(torch.randn(n, generator=gen) * 0.1).half().to(DEVICE) if bias and i != 1 else None
+              for i, n in enumerate(SIZES)]
+    x = torch.randn(m, K, generator=gen).half().to(DEVICE)
 
-    fused_w, fused_ec = concat_w4(parts), concat_ec(ecs, SIZES, K, CPU)
+    fused_w, fused_ec = concat_w4(parts), concat_ec(ecs, SIZES, K, DEVICE)
     fused_bias = None
     if bias:  # the second part has no bias: zeros there
-        fused_bias = torch.cat([torch.zeros(n, dtype=torch.float16) if b is None else b for b, n in zip(biases, SIZES)])
+        fused_bias = torch.cat([torch.zeros(n, dtype=torch.float16, device=DEVICE) if b is None else b
+                                for b, n in zip(biases, SIZES)])
     y = w4_linear(x, fused_w, fused_ec, fused_bias)
     ref = torch.cat([w4_linear_ref(x, w, ec, b) for w, ec, b in zip(parts, ecs, biases)], dim=1)
     assert y.shape == (m, sum(SIZES))
@@ -88,19 +90,20 @@ def new_cache(model) -> KVCache:
 def logits(model, ids: list[int], prefill: int) -> torch.Tensor:
     """Logits after a prefill of `prefill` tokens, then after each decode step: [1 + steps, vocab]."""
     cache, table = new_cache(model), [2, 0, 5]
-    out = [model(Batch.build([Chunk(ids[:prefill], 0, table)], 16, CPU), cache)[0]]
+    out = [model(Batch.build([Chunk(ids[:prefill], 0, table)], 16, DEVICE), cache)[0]]
     for pos in range(prefill, len(ids)):
-        out.append(model(Batch.build([Chunk([ids[pos]], pos, table)], 16, CPU), cache)[0])
+        out.append(model(Batch.build([Chunk([ids[pos]], pos, table)], 16, DEVICE), cache)[0])
     return torch.stack(out).float()
 
 
 def test_fused_model_matches_separate_layers(gen):
     args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64,
                      attention_bias=True)
-    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, kernels=False, seed=SEED % 1000)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, device=DEVICE, kernels=False,
+                         seed=SEED % 1000)
     first = model.layers[0].attention
     assert first.wq.ec is None and first.wk.ec is not None and first.wv.ec is None  # ECs on every other linear
-    first.wq.ec = random_ec(first.wq.out_features, args.dim, 4, gen, gate_hidden=0)  # an ungated EC beside a gated one
+    first.wq.ec = random_ec(first.wq.out_features, args.dim, 4, gen, gate_hidden=0).to(DEVICE)  # ungated beside gated
     first.wv.bias = None  # a part without a bias
     ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
     ref = logits(model, ids, prefill=5)

@@ -467,6 +467,7 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
