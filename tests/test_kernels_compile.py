@@ -41,3 +41,12 @@ def test_gemv_main_loop_stays_in_registers(report):
     assert ops["FFMA"] == weights_per_thread, main["mix"]
     assert not any(op.startswith(("BAR", "STS", "LDS")) for op in ops), main["mix"]
     assert main["instructions"] / weights_per_thread < 6, main["mix"]
+
+
+def test_grouped_gemv_scales_once_per_block(report):
+    """Grouped weights (here g = 32) apply s and z once per row and 128-column block after summing the
+    span over the block's words, instead of loading them per word (11.4 instructions per weight before)."""
+    loops = report["decode rows=1 ec=False spg=2 per_channel=False"]["loops"]
+    main = max(loops, key=lambda loop: dict(loop["mix"]).get("FFMA", 0))
+    assert main["instructions"] / (32 * 64 * 8 // 128) < 8, main["mix"]
+    assert dict(main["mix"]).get("LDG.E.U16", 0) < 32, main["mix"]  # s and z per block (per word: 128 loads)

@@ -98,12 +98,19 @@ def _gemv_row(part, xs, codes, x_ptr, row, M, stride_xm, cols, mask_cols, scale)
 
 
 @triton.jit
-def _gemv_span_end(acc, xsum, part, xs, s, z, PER_CHANNEL: tl.constexpr):
-    """Close a group span: Σ (q − z) s x = s (2^38 P − z X) with P = Σ q x 2^-38, X = Σ x
-    (per-channel: s and z wait for the end of the loop)."""
-    if PER_CHANNEL:
-        return part, xsum + xs  # part started from acc
-    return acc + s * (TWO_38 * part - z * xs[None, :]), xsum
+def _gemv_span_end(acc, xsum, part, xs, s, z, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """Close a group span: Σ (q − z) s x = s (2^38 P − z X) with P = Σ q x 2^-38, X = Σ x.
+
+    Per-channel: s and z wait for the end of the loop. Grouped: the span of each of the step's NB
+    blocks is one group, so P and X are first summed over the block's 16 words and s, z ([BN, NB],
+    one per row and block) act once per block, not once per word."""
+    if PER_CHANNEL:  # (an if/else, not an early return: the compiler type-checks the code after a return too)
+        acc, xsum = part, xsum + xs  # part started from acc
+    else:
+        p = tl.sum(tl.reshape(part, (BN, NB, 16)), axis=2)  # [BN, NB]
+        x = tl.sum(tl.reshape(xs, (NB, 16)), axis=1)  # [NB]
+        acc += s * (TWO_38 * p - z * x[None, :])
+    return acc, xsum
 
 
 @triton.jit
@@ -132,16 +139,19 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     col0 = block0 + offs_w % 16  # column of nibble 0 of each word
     # Masks test whole 16-word / 16-column runs (K is a multiple of 64, k_hi of 128), so the compiler
     # may vectorize the loads along a run.
-    acc0 = tl.zeros((BN, BKW), dtype=tl.float32)
-    acc1 = tl.zeros((BN, BKW), dtype=tl.float32)
-    acc2 = tl.zeros((BN, BKW), dtype=tl.float32)
-    acc3 = tl.zeros((BN, BKW), dtype=tl.float32)
+    NB: tl.constexpr = BKW // 16  # 128-column blocks per step
+    ACC: tl.constexpr = NB + (BKW - NB) * PER_CHANNEL  # per-channel: per word; grouped: per row and block
+    # (not `BKW if PER_CHANNEL else NB`: the compiler's constexpr wrapper is always truthy there)
+    acc0 = tl.zeros((BN, ACC), dtype=tl.float32)
+    acc1 = tl.zeros((BN, ACC), dtype=tl.float32)
+    acc2 = tl.zeros((BN, ACC), dtype=tl.float32)
+    acc3 = tl.zeros((BN, ACC), dtype=tl.float32)
     xsum0 = tl.zeros((BKW,), dtype=tl.float32)  # per-channel: Σ x over the range, per row
     xsum1 = tl.zeros((BKW,), dtype=tl.float32)
     xsum2 = tl.zeros((BKW,), dtype=tl.float32)
     xsum3 = tl.zeros((BKW,), dtype=tl.float32)
-    s = tl.zeros((BN, BKW), dtype=tl.float32)
-    z = tl.zeros((BN, BKW), dtype=tl.float32)
+    s = tl.zeros((BN, ACC), dtype=tl.float32)
+    z = tl.zeros((BN, ACC), dtype=tl.float32)
     for kb in range(k_lo, k_hi, BKW * 8):
         words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
         packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
@@ -149,7 +159,7 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
         packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # nibbles 4–7 in bits 0–15
         for span in tl.static_range(8 // SPG):
             if not PER_CHANNEL:
-                g = (kb + col0 + 16 * SPG * span) // group_size  # [BKW]
+                g = (kb + 128 * tl.arange(0, NB) + 16 * SPG * span) // group_size  # [NB]: the span's group per block
                 mask_g = mask_n[:, None] & (g[None, :] < G)
                 s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
@@ -179,12 +189,12 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
                 if ROWS > 2:
                     part2, xs2 = _gemv_row(part2, xs2, codes, x_ptr, 2, M, stride_xm, cols, mask_cols, scale)
                     part3, xs3 = _gemv_row(part3, xs3, codes, x_ptr, 3, M, stride_xm, cols, mask_cols, scale)
-            acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, PER_CHANNEL)
+            acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, PER_CHANNEL, BN, NB)
             if ROWS > 1:
-                acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, PER_CHANNEL)
+                acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, PER_CHANNEL, BN, NB)
             if ROWS > 2:
-                acc2, xsum2 = _gemv_span_end(acc2, xsum2, part2, xs2, s, z, PER_CHANNEL)
-                acc3, xsum3 = _gemv_span_end(acc3, xsum3, part3, xs3, s, z, PER_CHANNEL)
+                acc2, xsum2 = _gemv_span_end(acc2, xsum2, part2, xs2, s, z, PER_CHANNEL, BN, NB)
+                acc3, xsum3 = _gemv_span_end(acc3, xsum3, part3, xs3, s, z, PER_CHANNEL, BN, NB)
     s_row = tl.zeros((BN,), dtype=tl.float32)  # per-channel s and z
     z_row = tl.zeros((BN,), dtype=tl.float32)
     if PER_CHANNEL:
