@@ -166,6 +166,9 @@ def main() -> None:
     p.add_argument("--min-chunk", type=int, default=16, help="SLO policy: the fallback chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=185.0, help="seconds after which no new run starts")
+    p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=[],
+                   help="token buckets for mixed steps as CUDA-graph pieces (EngineConfig.mixed_graph_tokens), "
+                        "e.g. 64 128 256 512 1024; default: mixed steps run eagerly")
     p.add_argument("--tiny", action="store_true", help="a tiny model, short runs (CPU end-to-end check)")
     p.add_argument("--json", default="bench/results/slo_experiment.json")
     args = p.parse_args()
@@ -183,7 +186,8 @@ def main() -> None:
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     model_args = MODELS["tiny" if tiny else "llama2-7b"]
     quant = QuantConfig(bits=4, group_size=-1)
-    base = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_input + args.max_output)
+    base = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_input + args.max_output,
+                        mixed_graph_tokens=tuple(args.mixed_graph_tokens))
     work = make_workload(args, model_args.vocab)
     policies = [(f"static{c}", None, StaticChunkPolicy(c)) for c in args.static_chunks]
     slo_max_chunk = max(args.static_chunks)

@@ -193,3 +193,21 @@ def test_graph_padded_decode_batch_matches_eager(tiny):
     torch.testing.assert_close(padded[:3], eager)
     torch.testing.assert_close(runner.cache.k[:, 1:], k_eager[:, 1:])  # the dummies wrote to the null block only
     torch.testing.assert_close(runner.cache.v[:, 1:], v_eager[:, 1:])
+
+
+def test_mixed_step_pieces_match_the_eager_model(tiny):
+    """Mixed steps through runner.MixedStepGraphs (run eagerly here: on CUDA each piece is a CUDA graph) give the
+    eager model's tokens, with the token count padded to the bucket and padding written to the null block."""
+    requests = {"short": (prompt(5, 1), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+                "long": (prompt(45, 2), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))}
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, policy=StaticChunkPolicy(16))
+    eager = run(build_engine(tiny.model, tiny.tokenizer, config), requests)
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128, max_num_seqs=4,
+                                                                   policy=StaticChunkPolicy(16), mixed_graph_tokens=(8, 32)))
+    assert sorted(engine.runner.mixed) == [8, 32]
+    calls = []
+    for pieces in engine.runner.mixed.values():
+        original = pieces.run
+        pieces.run = lambda batch, n, original=original: calls.append(batch.tokens.shape[0]) or original(batch, n)
+    assert run(engine, requests) == eager
+    assert calls and max(calls) <= 32  # the prefill chunks (16 tokens + decodes) went through the pieces

@@ -37,6 +37,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
     policy: SchedulerPolicy = field(default_factory=StaticChunkPolicy)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
+    # Token-count buckets for mixed steps (prefill chunks beside decodes) replayed as CUDA-graph pieces
+    # between attentions (runner.MixedStepGraphs); empty: mixed steps run eagerly. Not yet measured on
+    # the GPU, so off by default.
+    mixed_graph_tokens: tuple[int, ...] = ()
     seed: int = 0  # the generator of requests without their own seed
 
 
@@ -79,7 +83,7 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     blocks = config.num_kv_blocks or config.max_num_seqs * cdiv(max_len, config.block_size) + 1
     args = model.args
     cache = KVCache(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.head_dim, model.dtype, model.device)
-    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs)
+    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, config.mixed_graph_tokens)
 
 
 def build_engine(hf_model: nn.Module, tokenizer, config: EngineConfig | None = None) -> Engine:

@@ -167,15 +167,16 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.wqkv: FusedLinear | None = None  # set by fuse_projections
 
-    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor, batch: Batch, mask: torch.Tensor | None,
+    def project(self, x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
         T = x.shape[0]
         q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(T, self.n_kv_heads, self.head_dim)
-        q = rope_write_kv(q, k, v, batch.positions, inv_freq, *kv, batch.slots)  # rotated; k (rotated), v cached
-        return self.wo(paged_attention(q, *kv, batch, mask).reshape(T, -1))
+        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots)
+
 
 
 class FeedForward(nn.Module):
@@ -199,8 +200,20 @@ class Block(nn.Module):
                 mask: torch.Tensor | None, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this block's FFN output, the residual stream before it); their sum is the
         block's output, formed by the next norm. The first block gets residual None (x is the stream)."""
-        h, residual = self.attention_norm(x, residual)  # residual += x
-        h, residual = self.ffn_norm(self.attention(h, inv_freq, batch, mask, kv), residual)  # residual += attention
+        q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
+        return self.after_attention(paged_attention(q, *kv, batch, mask).reshape(q.shape[0], -1), residual)
+
+    # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,
+                         positions: torch.Tensor, slots: torch.Tensor,
+                         kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (rotated queries [T, H, D], residual); this block's keys and values are cached."""
+        h, residual = self.attention_norm(x, residual)
+        return self.attention.project(h, inv_freq, positions, slots, kv), residual
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention output [T, H * D], residual) -> (FFN output, residual), as forward returns them."""
+        h, residual = self.ffn_norm(self.attention.wo(attn), residual)
         return self.feed_forward(h), residual
 
 
@@ -229,8 +242,11 @@ class Transformer(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, self.rope.inv_freq, batch, mask, cache.layer(i))
-        last = batch.last_index  # [B]
-        h, _ = self.norm(x[last], residual[last])  # the last FFN's add, fused into the final norm
+        return self.logits(x, residual, batch.last_index)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+        """[B, vocab] at the rows `last_index` of the last block's (x, residual)."""
+        h, _ = self.norm(x[last_index], residual[last_index])  # the last FFN's add, fused into the final norm
         return self.head(h)
 
 

@@ -1,9 +1,15 @@
-"""Executes one engine step on the model: eagerly, or decode-only steps replayed from CUDA graphs.
+"""Executes one engine step on the model: eagerly, or replayed from CUDA graphs.
 
 On CUDA (and `EngineConfig.cuda_graphs`), one graph per batch-size bucket (1, 2, 4, ...,
 up to max_num_seqs) is captured at start-up over static input tensors: decode batches are
 padded to their bucket with dummy sequences that write to the null block, and block
-tables are padded to the longest a sequence can have. Everything else runs eagerly.
+tables are padded to the longest a sequence can have.
+
+Mixed steps (prefill chunks beside decodes) run eagerly, which is host-bound (about 1,000 kernel
+launches from Python for a 7B model), unless `mixed_graph_tokens` lists token-count buckets: then
+`MixedStepGraphs` replays the model in pieces between attentions from CUDA graphs (the pieces
+are token-parallel, so padding tokens are harmless: they write to the null block) and runs only
+the varlen attention eagerly, as vLLM's piecewise graphs do.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
+from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv, paged_attention
 from spear.runtime.model import Transformer
 
 
@@ -37,19 +43,89 @@ class DecodeGraph:
         return self.logits
 
 
+class MixedStepGraphs:
+    """A step of up to `tokens` tokens (any mix of prefill chunks and decodes, at most `max_seqs` sequences)
+    as L + 1 pieces over static buffers: piece 0 is the embedding and block 0 up to its attention, piece i
+    is block i − 1 after its attention and block i up to its own, piece L the last block after attention,
+    the final norm and the head. Attention runs eagerly between pieces on the real (unpadded) batch.
+
+    With `capture` (CUDA) each piece is a CUDA graph; without, the pieces run eagerly on the same static
+    buffers (how CPU tests check the padding and the buffer plumbing)."""
+
+    def __init__(self, model: Transformer, cache: KVCache, tokens: int, max_seqs: int, capture: bool):
+        self.model, self.cache, self.tokens, self.max_seqs = model, cache, tokens, max_seqs
+        n = len(model.layers)
+        self.inputs = torch.zeros(3 * tokens + max_seqs, dtype=torch.long, device=cache.device)  # one copy per step
+        self.token_ids, self.positions, self.slots, self.last_index = self.inputs.split([tokens] * 3 + [max_seqs])
+        self.q: list[torch.Tensor | None] = [None] * n  # each block's rotated queries (a piece's output)
+        self.residual: list[torch.Tensor | None] = [None] * n
+        self.attn: list[torch.Tensor | None] = [None] * n  # each block's attention output (the next piece's input)
+        self.logits: torch.Tensor | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        for i in range(n + 1):  # eager first: allocates the attention buffers, warms up kernels and scratch
+            self._piece(i)
+            if i < n:
+                self.attn[i] = torch.zeros(tokens, self.q[i].shape[1] * self.q[i].shape[2], dtype=self.q[i].dtype,
+                                           device=cache.device)
+        if capture:
+            pool = torch.cuda.graph_pool_handle()
+            for i in range(n + 1):  # replayed in capture order, so the pieces may share one pool
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._piece(i)
+                self.graphs.append(graph)
+
+    def _piece(self, i: int) -> None:
+        model, n = self.model, len(self.model.layers)
+        if i == 0:
+            x, residual = model.embed(self.token_ids), None
+        else:
+            x, residual = model.layers[i - 1].after_attention(self.attn[i - 1], self.residual[i - 1])
+        if i < n:
+            self.q[i], self.residual[i] = model.layers[i].before_attention(
+                x, residual, model.rope.inv_freq, self.positions, self.slots, self.cache.layer(i))
+        else:
+            self.logits = model.logits(x, residual, self.last_index)
+
+    def run(self, batch: Batch, num_seqs: int) -> torch.Tensor:
+        """Logits [num_seqs, vocab] for the real batch (T ≤ tokens tokens, num_seqs ≤ max_seqs sequences)."""
+        T = batch.tokens.shape[0]
+        pad_tokens, pad_seqs = self.tokens - T, self.max_seqs - num_seqs
+        zeros = batch.tokens.new_zeros
+        # padding tokens: token 0 at position 0 in slot 0 (the null block); padding heads read row 0
+        self.inputs.copy_(torch.cat([batch.tokens, zeros(pad_tokens), batch.positions, zeros(pad_tokens),
+                                     batch.slots, zeros(pad_tokens), batch.last_index, zeros(pad_seqs)]))
+        mask = batch.attention_mask(self.cache.block_size)
+        for i in range(len(self.model.layers) + 1):
+            if self.graphs:
+                self.graphs[i].replay()
+            else:
+                self._piece(i)
+            if i < len(self.model.layers):
+                out = paged_attention(self.q[i][:T], *self.cache.layer(i), batch, mask)  # [T, H, D]
+                self.attn[i][:T].copy_(out.reshape(T, -1))
+        return self.logits[:num_seqs]
+
+
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: KVCache, max_model_len: int, max_num_seqs: int, cuda_graphs: bool):
+    def __init__(self, model: Transformer, cache: KVCache, max_model_len: int, max_num_seqs: int, cuda_graphs: bool,
+                 mixed_graph_tokens: tuple[int, ...] = ()):
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.table_width = cdiv(max_model_len, cache.block_size)
         self.graphs: dict[int, DecodeGraph] = {}
+        self.mixed: dict[int, MixedStepGraphs] = {}
         self.on_step: Callable[[list[Chunk]], None] | None = None  # sees each step's chunks first (TP: sends them)
-        if cuda_graphs and cache.device.type == "cuda":
-            with torch.inference_mode():
+        capture = cuda_graphs and cache.device.type == "cuda"
+        with torch.inference_mode():
+            if capture:
                 pool = torch.cuda.graph_pool_handle()
                 for size in sorted(graph_buckets(max_num_seqs), reverse=True):  # largest first: the pool fits all
                     self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, pool)
+            for tokens in sorted(mixed_graph_tokens, reverse=True):
+                self.mixed[tokens] = MixedStepGraphs(model, cache, tokens, max_num_seqs, capture)
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -59,7 +135,11 @@ class ModelRunner:
         size = next((s for s in sorted(self.graphs) if s >= len(chunks)), None)
         if size is not None and all(len(c.tokens) == 1 for c in chunks):
             return self.graphs[size].run(self.padded_batch(chunks, size))[: len(chunks)]
-        return self.model(Batch.build(chunks, self.cache.block_size, self.cache.device), self.cache)
+        batch = Batch.build(chunks, self.cache.block_size, self.cache.device)
+        tokens = next((t for t in sorted(self.mixed) if t >= batch.tokens.shape[0]), None)
+        if tokens is not None and not batch.decode and len(chunks) <= self.max_num_seqs:
+            return self.mixed[tokens].run(batch, len(chunks))
+        return self.model(batch, self.cache)
 
     def padded_batch(self, chunks: list[Chunk], size: int) -> Batch:
         """The batch in a graph's static shapes: `size` rows (dummies write to the null block), full-width tables."""
