@@ -5,7 +5,9 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 
 * decode (M ≤ 16), one launch. The grid is 1-D: its first num_ax programs compute partial
   u = A x over slices of K and store them in a float32 workspace; the remaining programs
-  stream the int4 weight (split-K when N alone gives too few programs). The last program
+  stream the int4 weight (split-K when N alone gives too few programs), with one of two main
+  loops: for up to 4 rows a GEMV loop (plain FMAs on codes turned into denormal floats by one
+  AND each, `_w4_gemv`), else tensor-core dots on 16-column slices (`_w4_block`). The last program
   to finish an output tile (a per-tile arrival counter) sums the splits' partials in split
   order, waits for the u-programs (an arrival counter they bump), sums their partial u in
   program order, applies the gate in rank space and adds (alpha·B)_tile g in registers,
