@@ -4,6 +4,8 @@
     python bench/profile_step.py --tiny --json /tmp/profile.json                 # CPU: end-to-end check
     python bench/profile_step.py --setting w4+ec15 --batch 8 --chunk 64 --json ...   # mixed steps: a 64-token
                                                                                      # prefill beside 8 decodes
+    ... --chunk 64 --mixed-graph-tokens 128     # the same, the mixed steps replayed as CUDA-graph pieces
+                                                # (compare the wall time; kernels inside graphs may not be listed)
 
 Builds the engine on random weights like bench/decode.py, prefills, then runs `--steps` decode
 steps eagerly (no CUDA graph, so every kernel is seen) under torch.profiler and prints the
@@ -48,6 +50,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--chunk", type=int, default=0,
                    help="profile mixed steps: each step also prefills a new request of this many tokens")
+    p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=[],
+                   help="run mixed steps as CUDA-graph pieces with these token buckets (EngineConfig.mixed_graph_tokens)")
     p.add_argument("--tiny", action="store_true", help="the tiny model, on whatever device there is")
     p.add_argument("--json", required=True)
     args = p.parse_args()
@@ -60,7 +64,8 @@ def main() -> None:
     fraction = EC_FRACTIONS.get(args.setting)
     model = random_model(MODELS[name], None if fraction is None else QuantConfig(4, -1), fraction or 0.0, 32, dtype, device)
     config = EngineConfig(max_num_seqs=args.batch + args.steps + 1, max_model_len=max(args.chunk, prompt_tokens) + args.steps + 8,
-                          policy=StaticChunkPolicy(max(args.batch * prompt_tokens, args.chunk + args.batch)), cuda_graphs=False)
+                          policy=StaticChunkPolicy(max(args.batch * prompt_tokens, args.chunk + args.batch)),
+                          cuda_graphs=bool(args.mixed_graph_tokens), mixed_graph_tokens=tuple(args.mixed_graph_tokens))
     engine = Engine(make_runner(model, config), NoText(), config)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True)
@@ -90,7 +95,8 @@ def main() -> None:
                            "steps": args.steps, "device": str(device), "wall_ms_per_step": wall,
                            "kernel_ms_per_step": kernels_us / 1e3, "top": top})
     what = f"decode step + a {args.chunk}-token prefill" if args.chunk else "decode step"
-    print(f"{name} {args.setting} batch {args.batch}: {'device' if cuda else 'CPU'} time per {what}, eager; "
+    how = f"mixed steps as graph pieces {args.mixed_graph_tokens}" if args.mixed_graph_tokens else "eager"
+    print(f"{name} {args.setting} batch {args.batch}: {'device' if cuda else 'CPU'} time per {what}, {how}; "
           f"wall {sorted(wall)[len(wall) // 2]:.2f} ms (profiled), kernels {kernels_us / 1e3:.2f} ms")
     for row in top:
         print(f"{row['us_per_step']:10.1f} µs  {row['calls_per_step']:6.1f}×  {row['name'][:90]}")
