@@ -9,9 +9,9 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   loops: for up to 4 rows a GEMV loop (plain FMAs on codes turned into denormal floats by one
   AND each, `_w4_gemv`), else tensor-core dots on 16-column slices (`_w4_block`). The last program
   to finish an output tile (a per-tile arrival counter) sums the splits' partials in split
-  order, waits for the u-programs (an arrival counter they bump), sums their partial u in
-  program order, applies the gate in rank space and adds (alpha·B)_tile g in registers,
-  then writes the output once. No float atomics: the result is bit-reproducible. The
+  order, waits for g = gamma(u) ⊙ u (the last u-program to arrive sums the partial u in
+  program order and applies the gate once, for all tiles) and adds (alpha·B)_tile g in
+  registers, then writes the output once. No float atomics: the result is bit-reproducible. The
   u-programs have the lowest ids, so they are dispatched first and the wait cannot
   deadlock. Each launch leaves its counters zeroed for the next one.
 * prefill (M > 32): the weight is dequantized once into scratch and multiplied by cuBLAS;
@@ -256,9 +256,11 @@ def _w4_decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
-    # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed
-    # order by the program that arrives last (no float atomics: the result is bit-reproducible).
-    # cnt_ptr: [0] u-programs arrived, [1] tiles that consumed u, [2 + n] splits arrived at tile n
+    # y_part [split_k, BM, N] and u_part [num_ax + 1, BM, R]: float32 partial sums, each summed in a fixed
+    # order by the program that arrives last (no float atomics: the result is bit-reproducible); the last
+    # u-program also applies the gate once and stores g = gamma(u) ⊙ u in u_part[num_ax] for every tile.
+    # cnt_ptr: [0] u-programs arrived (num_ax + 1 once g is stored), [1] tiles that read g,
+    # [2 + n] splits arrived at tile n
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
@@ -274,7 +276,16 @@ def _w4_decode_kernel(
             u += tl.dot(xk, tl.trans(ak))
         tl.store(u_part_ptr + pid * BM * R + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
         tl.debug_barrier()
-        tl.atomic_add(cnt_ptr, 1, sem="release")
+        arrived_u = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+        if arrived_u == num_ax - 1:  # the last u-program: g = gamma(u) ⊙ u once, for every tile
+            u = tl.zeros((BM, R), dtype=tl.float32)
+            for p in range(num_ax):  # in program order
+                u += tl.load(u_part_ptr + p * BM * R + offs_m[:, None] * R + offs_r[None, :],
+                             mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+            tl.store(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :], g, mask=mask_m[:, None])
+            tl.debug_barrier()
+            tl.atomic_xchg(cnt_ptr, num_ax + 1, sem="release")  # g is ready
     else:
         gid = pid - num_ax
         pid_n = gid // split_k
@@ -306,15 +317,12 @@ def _w4_decode_kernel(
         if last:
             g = tl.zeros((BM, R), dtype=tl.float32)
             if HAS_EC:
-                arrived_ax = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-                while arrived_ax < num_ax:
-                    arrived_ax = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+                ready = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+                while ready < num_ax + 1:  # until the last u-program has stored g
+                    ready = tl.atomic_add(cnt_ptr, 0, sem="acquire")
                 offs_r = tl.arange(0, R)
-                u = tl.zeros((BM, R), dtype=tl.float32)
-                for p in range(num_ax):  # in program order
-                    u += tl.load(u_part_ptr + p * BM * R + offs_m[:, None] * R + offs_r[None, :],
-                                 mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-                g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+                g = tl.load(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :],
+                            mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
                 tl.debug_barrier()
                 done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
                 if done == num_tiles - 1:  # the last reader of u: reset the counters for the next launch
@@ -511,10 +519,11 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     H = ec.W1.shape[0] if ec is not None else 16
     num_ax, ax_k = 0, AX_BLOCK
     if ec is not None:
-        num_ax = max(1, min(triton.cdiv(k, 1024), triton.cdiv(sms, 4)))  # ≤ 1024 columns of A each
+        num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
         num_ax = triton.cdiv(k, ax_k)
-    y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * DECODE_MAX_M * n, num_ax * DECODE_MAX_M * R, tiles)
+    y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * DECODE_MAX_M * n, (num_ax + 1) * DECODE_MAX_M * R,
+                                              tiles)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (num_ax + tiles * split_k,)
     _w4_decode_kernel[grid](
