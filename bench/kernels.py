@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from common import provenance, write_json
 
 from spear.compensate.ec import ErrorCompensator
-from spear.kernels.pack import PackedEC, PackedW4, pack_ec, pack_w4
+from spear.kernels.pack import PackedEC, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.timing import time_in_graph as time_graph
 from spear.kernels.w4 import tune_w4, w4_linear, w4_prefill_fused
@@ -104,8 +104,7 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
     loud_ec = pack_ec(random_ec(n, k, 32, b_std=2.0))  # an EC term the size of y: checks the fused EC itself
     copies_w4 = max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes()))
     copies_fp = max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k)))
-    w4s = [packed] + [PackedW4(packed.qweight.clone(), packed.scales.clone(), packed.zeros.clone(), packed.group_size,
-                               packed.in_features) for _ in range(copies_w4 - 1)]
+    w4s = [packed] + [packed.clone() for _ in range(copies_w4 - 1)]
     fps = [w_fp] + [w_fp.clone() for _ in range(copies_fp - 1)]
     try:
         tinygemm = [int4pack(w_fp)]

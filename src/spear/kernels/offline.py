@@ -35,7 +35,7 @@ def compile_for_gpu(kernel, pointers: dict[str, str], constexprs: dict[str, obje
     `divisible_by_16` carry the 16-divisibility hint the JIT gives such arguments at run time."""
     fn = kernel  # a JITFunction: run without TRITON_INTERPRET
     names = fn.arg_names
-    signature = {n: pointers[n] if n in pointers else "constexpr" if n in constexprs else "i32" for n in names}
+    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     hinted = [n for n in names if n in pointers or n in divisible_by_16]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
@@ -59,7 +59,7 @@ def sass(compiled) -> str:
 
 def loop_mix(sass_text: str, min_instructions: int = 60) -> list[Loop]:
     """The loops (backward branches) of at least `min_instructions`, with their opcode counts."""
-    code = [(int(a, 16), ins.strip()) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass_text, re.M)]
+    code = [(int(a, 16), ins.strip()) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(.*?);", sass_text, re.MULTILINE)]
     loops = []
     for address, ins in code:
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", ins)

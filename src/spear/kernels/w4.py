@@ -325,7 +325,7 @@ def _w4_decode_kernel(
                             mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
                 tl.debug_barrier()
                 done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
-                if done == num_tiles - 1:  # the last reader of u: reset the counters for the next launch
+                if done == num_tiles - 1:  # the last reader of g: reset the counters for the next launch
                     tl.atomic_xchg(cnt_ptr + 1, 0)
                     tl.atomic_xchg(cnt_ptr, 0)
             _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
@@ -487,7 +487,7 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -671,8 +671,7 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16), timings: dict | None 
     from spear.kernels.timing import time_in_graph
 
     # Timed in a CUDA graph over enough weight copies to overflow the L2 cache: HBM reads, no launch overhead.
-    copies = [w] + [PackedW4(w.qweight.clone(), w.scales.clone(), w.zeros.clone(), w.group_size, w.in_features)
-                    for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
+    copies = [w] + [w.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
     chosen = {}
     for m in ms:
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)

@@ -15,6 +15,7 @@ is causal within a prefill chunk and attends to every cached earlier token.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import torch
@@ -104,6 +105,7 @@ class Batch:
     def build(cls, chunks: list[Chunk], block_size: int, device: torch.device, table_width: int | None = None) -> Batch:
         width = table_width or max(len(c.block_table) for c in chunks)
         S = max(len(c.tokens) for c in chunks)
+        # each field as a flat list (the [B, ·] ones row after row)
         tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index = ([] for _ in range(8))
         seq_lens = []
         for b, c in enumerate(chunks):
@@ -113,17 +115,16 @@ class Batch:
             tokens += c.tokens
             positions += pos
             slots += [table[p // block_size] * block_size + p % block_size for p in pos]
-            tables.append(table)
+            tables += table
             pad = S - len(pos)
-            query_pos.append(pos + [0] * pad)
-            padded_index.append(list(range(first, first + len(pos))) + [0] * pad)
+            query_pos += pos + [0] * pad
+            padded_index += list(range(first, first + len(pos))) + [0] * pad
             flat_index += range(b * S, b * S + len(pos))
             last_index.append(len(tokens) - 1)
             seq_lens.append(pos[-1] + 1)
         # One host → device copy for the whole batch (a copy per field cost ~10 µs each per step).
-        parts = (tokens, positions, slots, sum(tables, []), sum(query_pos, []), sum(padded_index, []), flat_index,
-                 last_index, seq_lens)
-        storage = torch.tensor(sum(parts, []), dtype=torch.long, device=device)
+        parts = (tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index, seq_lens)
+        storage = torch.tensor(list(itertools.chain(*parts)), dtype=torch.long, device=device)
         B, T = len(chunks), len(tokens)
         views = storage.split([len(part) for part in parts])
         shapes = ((T,), (T,), (T,), (B, width), (B, S), (B, S), (T,), (B,), (B,))

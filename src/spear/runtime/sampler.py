@@ -26,12 +26,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         return logits.argmax(dim=-1).tolist()
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
-    if rows:
-        device = logits.device
-        sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
-        sub = top_k_top_p(sub, torch.tensor([params[i].top_k for i in rows], device=device),
-                          torch.tensor([params[i].top_p for i in rows], device=device))
-        probs = sub.softmax(dim=-1)
-        for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    device = logits.device
+    sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
+    sub = top_k_top_p(sub, torch.tensor([params[i].top_k for i in rows], device=device),
+                      torch.tensor([params[i].top_p for i in rows], device=device))
+    probs = sub.softmax(dim=-1)
+    for j, i in enumerate(rows):
+        tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return tokens.tolist()
