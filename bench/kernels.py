@@ -28,7 +28,7 @@ from spear.compensate.ec import ErrorCompensator
 from spear.kernels.pack import PackedEC, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.timing import time_in_graph as time_graph
-from spear.kernels.w4 import tune_w4, w4_linear, w4_prefill_fused
+from spear.kernels.w4 import DECODE_KERNEL_MAX_M, tune_w4, w4_decode, w4_linear, w4_prefill, w4_prefill_fused
 from spear.quant.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer
@@ -38,7 +38,7 @@ MODELS = {
     "13b": [("qkvo", 5120, 5120), ("gate_up", 13824, 5120), ("down", 5120, 13824)],
     "70b": [("q_o", 8192, 8192), ("k_v", 1024, 8192), ("gate_up", 28672, 8192), ("down", 8192, 28672)],
 }
-MS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 RANKS = [16, 32, 64]
 L2_FLUSH_BYTES = 256 << 20  # weight bytes per timed graph: several times the H200's 50 MB L2
 
@@ -114,7 +114,8 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         tinygemm = None
     t = time.perf_counter()
     timings: dict = {}
-    tuned = tune_w4(packed, (1, 4, 16), timings)
+    decode_ms = sorted({1, 4, 16} | {m for m in ms if m <= DECODE_KERNEL_MAX_M})
+    tuned = tune_w4(packed, tuple(decode_ms), timings)
     log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
     for m, measured in timings.items():  # the best of each main loop (do_bench, cold L2, launch included)
         best = {}
@@ -141,7 +142,12 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         for r, ec in ecs.items():
             us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec, x=x: w4_linear(x, w, ec) for w in w4s])
         us["w4_ec_r32_naive"] = time_graph([lambda w=w, x=x: naive_ec(x, w4_linear(x, w), ecs[32]) for w in w4s])
-        if m > 16:
+        if 16 < m <= DECODE_KERNEL_MAX_M:  # both sides of w4_linear's switch (DECODE_PATH_MAX_M)
+            us["w4_decode_kernel"] = time_graph([lambda w=w, x=x: w4_decode(x, w) for w in w4s])
+            us["w4_dequant_cublas"] = time_graph([lambda w=w, x=x: w4_prefill(x, w) for w in w4s])
+            us["w4_ec_r32_decode_kernel"] = time_graph([lambda w=w, x=x: w4_decode(x, w, ecs[32]) for w in w4s])
+            us["w4_ec_r32_dequant_cublas"] = time_graph([lambda w=w, x=x: w4_prefill(x, w, ecs[32]) for w in w4s])
+        if m > DECODE_KERNEL_MAX_M:
             us["w4_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w) for w in w4s])
             us["w4_ec_r32_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w, ecs[32]) for w in w4s])
         row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3
@@ -195,12 +201,14 @@ def summary(result: dict, bandwidth: float, log) -> None:
     for shape, rows in result["shapes"].items():
         for row in rows:
             us = row["us"]
-            if row["M"] not in (1, 16, 1024, 4096):
+            if row["M"] not in (1, 16, 64, 128, 1024, 4096):
                 continue
             pt = us.get("torch_int4_g128", math.nan)
             log(f"{shape:<14} {row['M']:>5} {us['fp16_cublas']:8.1f} {pt:8.1f} {us['w4']:8.1f} {us['w4_ec_r32']:8.1f} "
                 f"{us['w4_ec_r32_naive']:8.1f} {us['w4_ec_r32'] / us['w4']:6.2f} "
-                f"{100 * row['w4_gbps'] * 1e9 / bandwidth:6.0f}% {pt / us['w4']:6.2f}")
+                f"{100 * row['w4_gbps'] * 1e9 / bandwidth:6.0f}% {pt / us['w4']:6.2f}"
+                + (f"   decode kernel {us['w4_decode_kernel']:.1f} / dequant+cuBLAS {us['w4_dequant_cublas']:.1f}"
+                   if "w4_decode_kernel" in us else ""))
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
     packed = pack_w4(random_w4(n, k, group, gen, sym=group != 32)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE) if with_ec else None
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
-    for m, split_k in ((1, 1), (3, 2), (16, 3)):
+    for m, split_k in ((1, 1), (3, 2), (16, 3), (40, 2), (100, 1)):  # row tiles 16, 16, 16, 64, 128
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, split_k=split_k, gemv_rows=0), out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
@@ -182,7 +182,8 @@ def test_rank_kernel_matches_reference(gen):
 
 
 def test_dispatch_by_rows_and_the_shared_layer(gen):
-    """w4_linear picks decode, sliced decode or prefill by M; SpearLinear.use_kernels routes through it on CUDA."""
+    """w4_linear picks the decode kernel or the prefill path by M; SpearLinear.use_kernels routes through it on
+    CUDA."""
     n, k = 128, 192
     record = random_w4(n, k, 64, gen)
     layer = SpearLinear(record, bias=torch.randn(n, generator=gen), dtype=torch.float16)
@@ -190,7 +191,7 @@ def test_dispatch_by_rows_and_the_shared_layer(gen):
     assert layer.use_kernels()
     layer.to(DEVICE)  # the packed tensors follow the module
     w, ec, bias = layer.packed, layer.packed_ec, layer.bias.half()
-    for m in (1, 17, 40):  # 2, 34 and 80 rows: decode, sliced decode, prefill
+    for m in (1, 17, 40, 70):  # 2, 34, 80 and 140 rows: the decode kernel (row tiles 16, 64, 128), prefill
         x = torch.randn(2, m, k, generator=gen).half().to(DEVICE)  # leading dims are flattened
         ref = w4_linear_ref(x.reshape(-1, k), w, ec, bias).view(2, m, n)
         assert_close(w4_linear(x, w, ec, bias), ref, f"dispatch m={m}")

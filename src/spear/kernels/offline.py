@@ -84,11 +84,12 @@ def variants() -> dict[str, tuple]:
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "cnt_ptr": I32}
     out = {}
-    for rows, ec, spg, per_channel in ((0, True, 8, True), (1, True, 8, True), (1, False, 8, True), (1, False, 2, False),
-                                       (2, True, 4, False), (4, True, 8, True)):
-        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=16, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
+    for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
+                                           (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
+                                           (0, True, 8, True, 64), (0, True, 2, False, 128)):
+        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=bm, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
                      BKW=64, PER_CHANNEL=per_channel)
-        name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}"
+        name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     out["ec_rank"] = (w4._ec_rank_kernel, f16, dict(GATED=True, R=32, H=16, BM=32, BK=64), 4)
     out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)

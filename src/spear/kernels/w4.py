@@ -3,7 +3,8 @@ g = gamma(A x) ⊙ A x (see reference.py for the specification, pack.py for the 
 
 Two regimes behind `w4_linear`, picked by the number of rows M:
 
-* decode (M ≤ 16), one launch. The grid is 1-D: its first num_ax programs compute partial
+* decode (M ≤ DECODE_KERNEL_MAX_M = 128 rows, all in one [BN, BM] tile column: BM is the power of two
+  ≥ max(16, M)), one launch. The grid is 1-D: its first num_ax programs compute partial
   u = A x over slices of K and store them in a float32 workspace; the remaining programs
   stream the int4 weight (split-K when N alone gives too few programs), with one of two main
   loops: for up to 4 rows a GEMV loop (plain FMAs on codes turned into denormal floats by one
@@ -14,7 +15,7 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   registers, then writes the output once. No float atomics: the result is bit-reproducible. The
   u-programs have the lowest ids, so they are dispatched first and the wait cannot
   deadlock. Each launch leaves its counters zeroed for the next one.
-* prefill (M > 32): the weight is dequantized once into scratch and multiplied by cuBLAS;
+* prefill (M > DECODE_PATH_MAX_M): the weight is dequantized once into scratch and multiplied by cuBLAS;
   the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
   y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
   epilogue) is kept as `w4_prefill_fused`; it measured 3–9× slower than cuBLAS.
@@ -31,9 +32,11 @@ import triton.language as tl
 
 from spear.kernels.pack import PackedEC, PackedW4
 
-DECODE_MAX_M = 16
+DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
+# w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
+# dequantize + cuBLAS (the fp16 weight written and read again, twice the fp16 GEMM's traffic).
+DECODE_PATH_MAX_M = 128
 TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
-SLICED_DECODE_MAX_M = 32  # w4_linear runs the decode kernel on 16-row slices up to this many rows
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -52,28 +55,30 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
               SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
     """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one interleaved block.
 
-    Per group span (SPG slices of 16 columns): Σ (q − z) s x = s (Σ q x − z Σ x), so the inner
-    loop is shift, mask, convert and a tensor-core dot; the scale and zero act once per span.
+    The zero points are integers (≤ 15), so q − z is exact in fp16 and costs what the 1024 trick's
+    subtraction cost anyway: the slice of codes (1024 + q, from OR-ing the code into 0x6400) minus
+    (1024 + z) is q − z. Per group span (SPG slices of 16 columns) the tensor-core dots sum
+    Σ (q − z) x and the scale acts once: acc += s · Σ (q − z) x. No Σ x correction term.
     """
     packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
                      mask=mask_n[:, None], other=0)  # [BN, 16] int32
     part = tl.zeros((BN, BM), dtype=tl.float32)
-    xsum = tl.zeros((BM,), dtype=tl.float32)
+    biased_z = tl.zeros((BN,), dtype=tl.float16)
     for j in tl.static_range(8):
+        g = (kb + 16 * (j - j % SPG)) // group_size  # the span's group (from its first column: K pads to 128)
+        mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (the span may be all padding)
+        if j % SPG == 0:
+            biased_z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0) + 1024.0  # [BN] fp16, exact
         offs_k = kb + 16 * j + tl.arange(0, 16)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                      mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16, BM]: the slice of xᵀ
-        q = _codes_f16(packed, j)  # [BN, 16]: columns kb + 16 j + i
+        bits = ((packed >> (4 * j)) & 0xF) | 0x6400  # 1024 + q as fp16 bits
+        q = bits.to(tl.int16).to(tl.float16, bitcast=True) - biased_z[:, None]  # [BN, 16]: q − z
         part += tl.dot(q, xt)
-        xsum += tl.sum(xt.to(tl.float32), axis=0)
         if (j + 1) % SPG == 0:
-            g = (kb + 16 * (j + 1 - SPG)) // group_size
-            mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (the span may be all padding)
             s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
-            acc += s[:, None] * (part - z[:, None] * xsum[None, :])
+            acc += s[:, None] * part
             part = tl.zeros((BN, BM), dtype=tl.float32)
-            xsum = tl.zeros((BM,), dtype=tl.float32)
     return acc
 
 
@@ -440,8 +445,14 @@ TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than th
 
 def _m_bucket(m: int) -> int:
     """Tuning buckets: one row, the GEMV loop's rows (≤ 4; at 4 rows its FMAs may cost more than the dot
-    loop, so it is tuned apart from one row), the rest of the decode kernel (≤ 16), then powers of two."""
-    return 1 if m == 1 else 4 if m <= 4 else DECODE_MAX_M if m <= DECODE_MAX_M else min(4096, 1 << (m - 1).bit_length())
+    loop, so it is tuned apart from one row), then the decode kernel's row tiles (16, 32, 64, 128) and
+    powers of two up to 4096."""
+    return 1 if m == 1 else 4 if m <= 4 else min(4096, _row_tile(m))
+
+
+def _row_tile(m: int) -> int:
+    """The decode kernel's BM for m rows: the power of two ≥ max(16, m) (16: the tensor-core dot's minimum)."""
+    return max(16, 1 << (m - 1).bit_length())
 
 
 def _tune_key(w: PackedW4, m: int) -> tuple:
@@ -499,11 +510,13 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
               cfg: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] for x [M, K] with M ≤ 16, in one launch (see the module docstring); into `out` if given."""
+    """y [M, N] for x [M, K] with M ≤ DECODE_KERNEL_MAX_M, in one launch (see the module docstring); into `out`
+    if given."""
     m, k = x.shape
     n = w.out_features
-    if m > DECODE_MAX_M:
-        raise ValueError(f"the decode kernel takes at most {DECODE_MAX_M} rows, got {m}")
+    if m > DECODE_KERNEL_MAX_M:
+        raise ValueError(f"the decode kernel takes at most {DECODE_KERNEL_MAX_M} rows, got {m}")
+    bm = _row_tile(m)
     cfg = cfg or _TUNED.get(_tune_key(w, m), DecodeConfig())
     kw = w.qweight.shape[1]
     blocks = kw // 16
@@ -522,8 +535,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
         num_ax = triton.cdiv(k, ax_k)
-    y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * DECODE_MAX_M * n, (num_ax + 1) * DECODE_MAX_M * R,
-                                              tiles)
+    y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * bm * n, (num_ax + 1) * bm * R, tiles)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (num_ax + tiles * split_k,)
     _w4_decode_kernel[grid](
@@ -533,7 +545,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
-        BM=DECODE_MAX_M, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
+        BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -645,37 +657,37 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Phase-adaptive dispatch by rows: the decode kernel (per 16 rows, up to SLICED_DECODE_MAX_M), else the
-    prefill path."""
+    """Phase-adaptive dispatch by rows: the decode kernel up to DECODE_PATH_MAX_M rows, else the prefill path."""
     x2 = _flatten(x)
     if x2.dtype != torch.float16:
         raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
-    m = x2.shape[0]
-    if m > SLICED_DECODE_MAX_M:
+    if x2.shape[0] > DECODE_PATH_MAX_M:
         y = w4_prefill(x2, w, ec, bias)
-    else:  # the decode kernel per 16 rows: up to 32 rows it beats dequantize + GEMM (H200, BENCHMARKS.md §4)
-        y = torch.empty(m, w.out_features, dtype=x2.dtype, device=x2.device)
-        for start in range(0, m, DECODE_MAX_M):
-            w4_decode(x2[start : start + DECODE_MAX_M], w, ec, bias, out=y[start : start + DECODE_MAX_M])
+    else:
+        y = w4_decode(x2, w, ec, bias)
     return y.view(*x.shape[:-1], w.out_features)
 
 
-def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16), timings: dict | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
+def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings: dict | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
-    graph capture; about 10 ms a candidate): the decode kernel for M ≤ 16 (its GEMV loop only where M ≤ 4), the fused prefill kernel
-    above. Later calls with the same shape and M bucket use the fastest. Returns the choice per M; every
-    candidate's median µs goes into `timings[m]` when given."""
+    graph capture; about 10 ms a candidate): the decode kernel up to DECODE_KERNEL_MAX_M rows (its GEMV loop
+    only where M ≤ 4), the fused prefill kernel above. Later calls with the same shape and M bucket use the
+    fastest. Returns the choice per M. With `timings`, every bucket is timed again and every candidate's
+    median µs goes into `timings[m]`; without, buckets tuned before keep their choice (an engine rebuilt in
+    the same process does not tune twice)."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     from spear.kernels.timing import time_in_graph
 
     # Timed in a CUDA graph over enough weight copies to overflow the L2 cache: HBM reads, no launch overhead.
+    chosen = {m: _TUNED[_tune_key(w, m)] for m in ms if timings is None and _tune_key(w, m) in _TUNED}
+    if len(chosen) == len(ms):
+        return chosen
     copies = [w] + [w.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
-    chosen = {}
-    for m in ms:
+    for m in (m for m in ms if m not in chosen):
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
-        if m <= DECODE_MAX_M:
+        if m <= DECODE_KERNEL_MAX_M:
             run, candidates = w4_decode, [c for c in DECODE_CANDIDATES if m <= 4 or c.gemv_rows == 0]
         else:
             run, candidates = w4_prefill_fused, PREFILL_CANDIDATES
