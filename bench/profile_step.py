@@ -51,7 +51,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=0,
                    help="profile mixed steps: each step also prefills a new request of this many tokens")
     p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=[],
-                   help="run mixed steps as CUDA-graph pieces with these token buckets (EngineConfig.mixed_graph_tokens)")
+                   help="run mixed steps as CUDA-graph pieces with these token buckets (EngineConfig.mixed_graph_tokens), "
+                        "decode steps as CUDA graphs; default (none, or 0): every step eager")
     p.add_argument("--tiny", action="store_true", help="the tiny model, on whatever device there is")
     p.add_argument("--json", required=True)
     args = p.parse_args()
@@ -63,9 +64,10 @@ def main() -> None:
     dtype = torch.float16 if cuda else torch.float32
     fraction = EC_FRACTIONS.get(args.setting)
     model = random_model(MODELS[name], None if fraction is None else QuantConfig(4, -1), fraction or 0.0, 32, dtype, device)
+    graph_tokens = tuple(t for t in args.mixed_graph_tokens if t > 0)
     config = EngineConfig(max_num_seqs=args.batch + args.steps + 1, max_model_len=max(args.chunk, prompt_tokens) + args.steps + 8,
                           policy=StaticChunkPolicy(max(args.batch * prompt_tokens, args.chunk + args.batch)),
-                          cuda_graphs=bool(args.mixed_graph_tokens), mixed_graph_tokens=tuple(args.mixed_graph_tokens))
+                          cuda_graphs=bool(graph_tokens), mixed_graph_tokens=graph_tokens)
     engine = Engine(make_runner(model, config), NoText(), config)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True)
@@ -95,7 +97,7 @@ def main() -> None:
                            "steps": args.steps, "device": str(device), "wall_ms_per_step": wall,
                            "kernel_ms_per_step": kernels_us / 1e3, "top": top})
     what = f"decode step + a {args.chunk}-token prefill" if args.chunk else "decode step"
-    how = f"mixed steps as graph pieces {args.mixed_graph_tokens}" if args.mixed_graph_tokens else "eager"
+    how = f"mixed steps as graph pieces {list(graph_tokens)}" if graph_tokens else "eager"
     print(f"{name} {args.setting} batch {args.batch}: {'device' if cuda else 'CPU'} time per {what}, {how}; "
           f"wall {sorted(wall)[len(wall) // 2]:.2f} ms (profiled), kernels {kernels_us / 1e3:.2f} ms")
     for row in top:

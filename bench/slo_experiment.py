@@ -148,6 +148,11 @@ def print_table(runs: list[dict]) -> None:
               f"{s['output_token_throughput']:>7.0f} {'-' if chunk is None else f'{chunk:.0f}':>6}")
 
 
+def graph_tokens(flag: list[int] | None) -> tuple[int, ...] | None:
+    """--mixed-graph-tokens as EngineConfig.mixed_graph_tokens: absent, the engine's default; no values or 0, off."""
+    return None if flag is None else tuple(t for t in flag if t > 0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--densities", nargs="+", choices=sorted(DENSITIES), default=list(DENSITIES))
@@ -166,9 +171,9 @@ def main() -> None:
     p.add_argument("--min-chunk", type=int, default=16, help="SLO policy: the fallback chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=185.0, help="seconds after which no new run starts")
-    p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=[],
-                   help="token buckets for mixed steps as CUDA-graph pieces (EngineConfig.mixed_graph_tokens), "
-                        "e.g. 64 128 256 512 1024; default: mixed steps run eagerly")
+    p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=None,
+                   help="token buckets for mixed steps as CUDA-graph pieces (EngineConfig.mixed_graph_tokens); "
+                        "default: the engine's (64 ... 1024 on CUDA); none or 0: mixed steps run eagerly")
     p.add_argument("--tiny", action="store_true", help="a tiny model, short runs (CPU end-to-end check)")
     p.add_argument("--json", default="bench/results/slo_experiment.json")
     args = p.parse_args()
@@ -187,7 +192,7 @@ def main() -> None:
     model_args = MODELS["tiny" if tiny else "llama2-7b"]
     quant = QuantConfig(bits=4, group_size=-1)
     base = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_input + args.max_output,
-                        mixed_graph_tokens=tuple(args.mixed_graph_tokens))
+                        mixed_graph_tokens=graph_tokens(args.mixed_graph_tokens))
     work = make_workload(args, model_args.vocab)
     policies = [(f"static{c}", None, StaticChunkPolicy(c)) for c in args.static_chunks]
     slo_max_chunk = max(args.static_chunks)

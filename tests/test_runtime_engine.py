@@ -7,7 +7,13 @@ import torch
 
 from spear.errors import SpearError
 from spear.runtime.detokenizer import Detokenizer
-from spear.runtime.engine import Engine, EngineConfig, build_engine
+from spear.runtime.engine import (
+    MIXED_GRAPH_TOKENS,
+    Engine,
+    EngineConfig,
+    build_engine,
+    mixed_buckets,
+)
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
 
@@ -179,7 +185,7 @@ def test_graph_padded_decode_batch_matches_eager(tiny):
 
     model = build_runtime_model(tiny.model)
     runner = make_runner(model, EngineConfig(max_model_len=64, max_num_seqs=4, num_kv_blocks=12))
-    assert runner.graphs == {} and runner.table_width == 4  # CPU: eager
+    assert runner.graphs == {} and runner.mixed == {} and runner.table_width == 4  # CPU: eager
     tables = [[3, 7], [5], [9, 2, 4]]
     prompts = [prompt(20, 1), prompt(9, 2), prompt(33, 3)]
     runner.forward([Chunk(p, 0, t) for p, t in zip(prompts, tables)])
@@ -211,3 +217,10 @@ def test_mixed_step_pieces_match_the_eager_model(tiny):
         pieces.run = lambda batch, n, original=original: calls.append(batch.tokens.shape[0]) or original(batch, n)
     assert run(engine, requests) == eager
     assert calls and max(calls) <= 32  # the prefill chunks (16 tokens + decodes) went through the pieces
+
+
+def test_mixed_graph_buckets_stop_at_the_first_that_holds_a_step():
+    assert MIXED_GRAPH_TOKENS == (64, 128, 256, 512, 1024)
+    assert mixed_buckets(32 * 4096) == MIXED_GRAPH_TOKENS
+    assert mixed_buckets(544) == MIXED_GRAPH_TOKENS  # 32 decodes beside a 512-token chunk
+    assert mixed_buckets(200) == (64, 128, 256) and mixed_buckets(64) == (64,) and mixed_buckets(5) == (64,)

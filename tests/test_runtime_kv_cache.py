@@ -41,7 +41,7 @@ def test_write_then_gather_round_trips():
     batch = Batch.build([Chunk(list(range(n)), 0, t) for n, t in zip(lengths, tables)], bs, CPU)
     k, v = torch.randn(sum(lengths), kv, d), torch.randn(sum(lengths), kv, d)
     write_kv(k_pool, v_pool, batch.slots, k, v)
-    got_k, got_v = gather_kv(k_pool, batch.block_tables), gather_kv(v_pool, batch.block_tables)  # [B, 12, kv, d]
+    got_k, got_v = gather_kv(k_pool, batch.prefill_tables), gather_kv(v_pool, batch.prefill_tables)  # [B, 12, kv, d]
     assert torch.equal(got_k[0, :11], k[:11]) and torch.equal(got_k[1, :6], k[11:])
     assert torch.equal(got_v[0, :11], v[:11]) and torch.equal(got_v[1, :6], v[11:])
     assert k_pool[0].abs().sum() == 0  # padding entries point at the untouched null block
@@ -69,7 +69,7 @@ def test_chunked_prefill_equals_full_prefill_with_a_batched_decode():
             return torch.cat([xs[i][s:e] for i, s, e in spans])
 
         write_kv(k_pool, v_pool, batch.slots, cat(k), cat(v))
-        return paged_attention(cat(q), k_pool, v_pool, batch, batch.attention_mask(bs))
+        return paged_attention(cat(q), k_pool, v_pool, batch)
 
     # sequence 0 prefills in chunks of 5, 5, 2 beside sequence 1's prefill, then both decode one token together
     outs = [run([(0, 0, 5), (1, 0, 6)]), run([(0, 5, 10)]), run([(0, 10, 12)]), run([(0, 12, 13), (1, 6, 7)])]
@@ -77,3 +77,38 @@ def test_chunked_prefill_equals_full_prefill_with_a_batched_decode():
     got1 = torch.cat([outs[0][5:], outs[3][1:]])
     torch.testing.assert_close(got0, reference_attention(q[0], k[0], v[0]))
     torch.testing.assert_close(got1, reference_attention(q[1], k[1], v[1]))
+
+
+def test_mixed_batch_splits_one_token_chunks_from_longer_ones():
+    """Decodes at several context lengths and table widths, a one-token prefill piece and two longer chunks in one
+    step: each token's attention equals dense causal attention over its own sequence."""
+    bs, h, kv, d = 4, 4, 2, 8
+    # (cached tokens before this step, new tokens, block table): the tables run past what is used, as the engine's
+    spans = [(9, 1, [3, 8, 1, 6, 11]), (0, 6, [2, 5, 12]), (2, 1, [7, 14]), (0, 1, [4]), (5, 4, [9, 10, 13, 15]),
+             (16, 1, [16, 17, 18, 19, 20, 21, 22])]
+    k_pool, v_pool = torch.zeros(24, bs, kv, d), torch.zeros(24, bs, kv, d)
+    q = [torch.randn(n + new, h, d) for n, new, _ in spans]
+    k = [torch.randn(n + new, kv, d) for n, new, _ in spans]
+    v = [torch.randn(n + new, kv, d) for n, new, _ in spans]
+    cached = Batch.build([Chunk([0] * n, 0, t) for n, _, t in spans if n], bs, CPU)
+    write_kv(k_pool, v_pool, cached.slots, torch.cat([x[:n] for x, (n, _, _) in zip(k, spans) if n]),
+             torch.cat([x[:n] for x, (n, _, _) in zip(v, spans) if n]))
+
+    batch = Batch.build([Chunk([0] * new, n, t) for n, new, t in spans], bs, CPU)
+    assert not batch.decode and batch.decode_index.tolist() == [0, 7, 8, 13]  # the one-token chunks' tokens
+    assert batch.block_tables.shape == (4, 5) and batch.seq_lens.tolist() == [10, 3, 1, 17]  # W: the most used blocks
+    assert batch.prefill_tables.tolist() == [[2, 5, 0], [9, 10, 13]] and batch.mask.shape == (2, 1, 6, 12)
+
+    def new(xs):
+        return torch.cat([x[n:] for x, (n, _, _) in zip(xs, spans)])
+
+    write_kv(k_pool, v_pool, batch.slots, new(k), new(v))
+    got = paged_attention(new(q), k_pool, v_pool, batch)
+    want = new([reference_attention(*xs) for xs in zip(q, k, v)])
+    torch.testing.assert_close(got, want)
+
+
+def test_decode_batch_keeps_the_graph_table_width():
+    batch = Batch.build([Chunk([1], 4, [3, 2]), Chunk([0], 0, [])], 4, CPU, table_width=6)  # a real row and a dummy
+    assert batch.decode and batch.mask is None
+    assert batch.block_tables.tolist() == [[3, 2, 0, 0, 0, 0], [0] * 6] and batch.slots.tolist() == [8, 0]

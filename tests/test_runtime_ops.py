@@ -137,19 +137,23 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
 
 
 def test_model_steps_with_kernels_match_references(monkeypatch, gen):
-    """The ops as the model wires them: prefill, then decode steps, with every op forced to Triton or to PyTorch."""
+    """The ops as the model wires them: prefill, mixed steps (a one-token prefill piece among decodes, then a longer
+    chunk beside them), then a decode step, with every op forced to Triton or to PyTorch."""
     args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=100)
     model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
-    prompts, tables = [[5, 17, 3, 9, 11], [42, 7]], [[3, 1], [2, 4]]
+    prompts, tables = [[5, 17, 3, 9, 11], [42, 7], [8, 6, 2]], [[3, 1], [2, 4], [5, 6]]
 
-    def run(triton: bool) -> torch.Tensor:
+    def run(triton: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(ops, "_triton", lambda use_triton, x: triton)
-        cache = KVCache(args.n_layers, 5, 4, args.n_kv_heads, args.head_dim, torch.float32, DEVICE)
-        steps = [[Chunk(p, 0, t) for p, t in zip(prompts, tables)]]
-        steps += [[Chunk([1 + i], len(p) + i, t) for p, t in zip(prompts, tables)] for i in range(2)]
+        cache = KVCache(args.n_layers, 7, 4, args.n_kv_heads, args.head_dim, torch.float32, DEVICE)
+        decodes = [[Chunk([1 + i], len(p) + i, t) for p, t in zip(prompts[:2], tables)] for i in range(3)]
+        steps = [[Chunk(p, 0, t) for p, t in zip(prompts[:2], tables)],
+                 decodes[0] + [Chunk(prompts[2][:1], 0, tables[2])], decodes[1] + [Chunk(prompts[2][1:], 1, tables[2])],
+                 decodes[2] + [Chunk([4], 3, tables[2])]]
         batches = [Batch.build(chunks, 4, DEVICE) for chunks in steps]
-        assert [b.decode for b in batches] == [False, True, True]
+        assert [b.decode for b in batches] == [False, True, False, True]
         with torch.inference_mode():
-            return torch.stack([model(b, cache) for b in batches])  # [3, 2, vocab]
+            return [model(b, cache) for b in batches]  # [B, vocab] each
 
-    assert_close(run(True), run(False), "model logits, kernels vs references", tol=1e-4)
+    for i, (got, ref) in enumerate(zip(run(True), run(False))):
+        assert_close(got, ref, f"model logits of step {i}, kernels vs references", tol=1e-4)

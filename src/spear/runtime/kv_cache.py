@@ -5,12 +5,14 @@ A sequence's token at position p lives in block `table[p // block_size]` at offs
 block: never allocated, it is where padding rows (CUDA-graph buckets) write and what
 padded block-table entries point at, so padding never touches a live sequence.
 
-The new K/V reach their slots through spear.runtime.ops.rope_write_kv (with RoPE). A pure
-decode batch (one new token per sequence: what the CUDA graphs capture) attends with
-ops.paged_decode_attention (a Triton flash-decoding kernel on CUDA). Other batches (prefill,
-mixed chunks) gather each sequence's blocks by its block table and run
-scaled_dot_product_attention with an explicit mask (key position <= query position), which
-is causal within a prefill chunk and attends to every cached earlier token.
+The new K/V reach their slots through spear.runtime.ops.rope_write_kv (with RoPE). Attention
+splits a step's chunks once, when the Batch is built: every one-token chunk (a decode, or a
+one-token prefill piece: the same query) takes ops.paged_decode_attention (a Triton
+flash-decoding kernel on CUDA) over its own block table, with no gather; the longer chunks
+gather their blocks (the tables cut to the blocks they use) and run
+scaled_dot_product_attention with an explicit mask (key position <= query position), which is
+causal within a chunk and attends to every cached earlier token. A pure decode batch (what the
+CUDA graphs capture) is the first kind alone.
 """
 
 from __future__ import annotations
@@ -87,48 +89,69 @@ class Chunk:
 
 @dataclass
 class Batch:
-    """One forward over the paged cache: B sequences, T new tokens in all, S the longest chunk."""
+    """One forward over the paged cache: B sequences, T new tokens in all.
+
+    Attention rows: the Bd one-token chunks (decode kernel) and the Bp longer ones, padded to S (the
+    longest of them) for SDPA. A decode batch (every chunk one token) is Bd = B rows in chunk order."""
 
     tokens: torch.Tensor  # [T] the chunks' tokens, concatenated
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] cache slot each token's K/V goes to
-    block_tables: torch.Tensor  # [B, M] padded with the null block
-    query_pos: torch.Tensor  # [B, S] position of each query; padding queries get 0 and are discarded
-    padded_index: torch.Tensor  # [B, S] index into T of each query (padding: 0)
-    flat_index: torch.Tensor  # [T] index into B*S of each token
     last_index: torch.Tensor  # [B] index into T of each sequence's last token
-    seq_lens: torch.Tensor  # [B] each sequence's length with this step's tokens (last position + 1)
-    decode: bool = False  # every chunk is one token (T == B): attention takes the decode kernel
-    storage: torch.Tensor | None = None  # the one int64 buffer every field above is a view of
+    block_tables: torch.Tensor  # [Bd, W] the one-token chunks' tables, padded with the null block
+    seq_lens: torch.Tensor  # [Bd] their lengths with this step's token (its position + 1)
+    decode_index: torch.Tensor  # [Bd] index into T of their tokens
+    prefill_tables: torch.Tensor  # [Bp, M] the longer chunks' tables, cut to the blocks they use, padded
+    query_pos: torch.Tensor  # [Bp, S] position of each query; padding queries get 0 and are discarded
+    padded_index: torch.Tensor  # [Bp, S] index into T of each query (padding: 0)
+    out_index: torch.Tensor  # [T] index into the Bd decode outputs then the Bp * S padded ones, per token
+    mask: torch.Tensor | None = None  # [Bp, 1, S, M * block_size] key position <= query position (None: decode)
+    decode: bool = False  # every chunk is one token (T == B): attention is the decode kernel alone
+    storage: torch.Tensor | None = None  # the one int64 buffer every index field above is a view of
 
     @classmethod
     def build(cls, chunks: list[Chunk], block_size: int, device: torch.device, table_width: int | None = None) -> Batch:
-        width = table_width or max(len(c.block_table) for c in chunks)
-        S = max(len(c.tokens) for c in chunks)
-        # each field as a flat list (the [B, ·] ones row after row)
-        tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index = ([] for _ in range(8))
-        seq_lens = []
-        for b, c in enumerate(chunks):
-            table = c.block_table + [NULL_BLOCK] * (width - len(c.block_table))
-            pos = list(range(c.start, c.start + len(c.tokens)))
-            first = len(tokens)
+        """`table_width`: W, the one-token chunks' table width (CUDA graphs' static shape); default the most
+        blocks one of them uses. The longer chunks' tables are cut to the blocks they use."""
+        tokens, positions, slots, last_index = [], [], [], []
+        ones, longs = [], []  # (first token's index into T, table, start, end) per chunk
+        for c in chunks:
+            end, used = c.start + len(c.tokens), cdiv(c.start + len(c.tokens), block_size)
+            table = c.block_table[:used] + [NULL_BLOCK] * (used - len(c.block_table))  # dummy chunks have no blocks
+            (ones if len(c.tokens) == 1 else longs).append((len(tokens), table, c.start, end))
             tokens += c.tokens
-            positions += pos
-            slots += [table[p // block_size] * block_size + p % block_size for p in pos]
-            tables += table
-            pad = S - len(pos)
-            query_pos += pos + [0] * pad
-            padded_index += list(range(first, first + len(pos))) + [0] * pad
-            flat_index += range(b * S, b * S + len(pos))
+            positions += range(c.start, end)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
             last_index.append(len(tokens) - 1)
-            seq_lens.append(pos[-1] + 1)
+        W = table_width or max((len(table) for _, table, _, _ in ones), default=0)
+        M = max((len(table) for _, table, _, _ in longs), default=0)
+        S = max((end - start for _, _, start, end in longs), default=0)
+        # each [·, ·] field as a flat list, row after row
+        tables, seq_lens, decode_index, prefill_tables, query_pos, padded_index = ([] for _ in range(6))
+        out_index = [0] * len(tokens)
+        for j, (first, table, start, end) in enumerate(ones):
+            tables += table + [NULL_BLOCK] * (W - len(table))
+            seq_lens.append(end)
+            decode_index.append(first)
+            out_index[first] = j
+        for i, (first, table, start, end) in enumerate(longs):
+            prefill_tables += table + [NULL_BLOCK] * (M - len(table))
+            pad = S - (end - start)
+            query_pos += list(range(start, end)) + [0] * pad
+            padded_index += list(range(first, first + end - start)) + [0] * pad
+            out_index[first : first + end - start] = range(len(ones) + i * S, len(ones) + i * S + end - start)
         # One host → device copy for the whole batch (a copy per field cost ~10 µs each per step).
-        parts = (tokens, positions, slots, tables, query_pos, padded_index, flat_index, last_index, seq_lens)
+        parts = (tokens, positions, slots, last_index, tables, seq_lens, decode_index, prefill_tables, query_pos,
+                 padded_index, out_index)
         storage = torch.tensor(list(itertools.chain(*parts)), dtype=torch.long, device=device)
-        B, T = len(chunks), len(tokens)
-        views = storage.split([len(part) for part in parts])
-        shapes = ((T,), (T,), (T,), (B, width), (B, S), (B, S), (T,), (B,), (B,))
-        return cls(*(view.view(shape) for view, shape in zip(views, shapes)), decode=S == 1, storage=storage)
+        B, T, Bd, Bp = len(chunks), len(tokens), len(ones), len(longs)
+        shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,))
+        views = [view.view(shape) for view, shape in zip(storage.split([len(part) for part in parts]), shapes)]
+        batch = cls(*views, decode=not longs, storage=storage)
+        if longs:  # once per step, for every layer
+            key_pos = torch.arange(M * block_size, device=device)
+            batch.mask = (key_pos <= batch.query_pos[..., None])[:, None]
+        return batch
 
     def copy_(self, other: Batch) -> None:
         """Copy another batch of the same shapes into this one's tensors (static CUDA-graph inputs)."""
@@ -138,11 +161,6 @@ class Batch:
         for f in fields(self):
             if f.name != "storage" and isinstance(getattr(self, f.name), torch.Tensor):
                 getattr(self, f.name).copy_(getattr(other, f.name))
-
-    def attention_mask(self, block_size: int) -> torch.Tensor:
-        """[B, 1, S, M * block_size]: key position <= query position."""
-        key_pos = torch.arange(self.block_tables.shape[1] * block_size, device=self.query_pos.device)
-        return (key_pos <= self.query_pos[..., None])[:, None]
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -156,15 +174,16 @@ def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return pool[block_tables].flatten(1, 2)
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch,
-                    mask: torch.Tensor | None) -> torch.Tensor:
-    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D].
-
-    `mask` is batch.attention_mask (unused, and may be None, for a decode batch)."""
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]."""
     if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
         return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens)
-    k = gather_kv(k_pool, batch.block_tables).transpose(1, 2)  # [B, KV, K, D]
-    v = gather_kv(v_pool, batch.block_tables).transpose(1, 2)
-    qp = q[batch.padded_index].transpose(1, 2)  # [B, H, S, D]
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=True)  # [B, H, S, D]
-    return out.transpose(1, 2).flatten(0, 1)[batch.flat_index]
+    k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2)  # [Bp, KV, M * block_size, D]
+    v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2)
+    qp = q[batch.padded_index].transpose(1, 2)  # [Bp, H, S, D]
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask, enable_gqa=True)  # [Bp, H, S, D]
+    out = out.transpose(1, 2).flatten(0, 1)  # [Bp * S, H, D]
+    if batch.decode_index.numel():  # the one-token chunks (a shape: no sync)
+        decoded = paged_decode_attention(q[batch.decode_index], k_pool, v_pool, batch.block_tables, batch.seq_lens)
+        out = torch.cat([decoded, out])  # [Bd + Bp * S, H, D]
+    return out[batch.out_index]

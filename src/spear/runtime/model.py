@@ -197,11 +197,11 @@ class Block(nn.Module):
         self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor, batch: Batch,
-                mask: torch.Tensor | None, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this block's FFN output, the residual stream before it); their sum is the
         block's output, formed by the next norm. The first block gets residual None (x is the stream)."""
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
-        return self.after_attention(paged_attention(q, *kv, batch, mask).reshape(q.shape[0], -1), residual)
+        return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual)
 
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,
@@ -238,10 +238,9 @@ class Transformer(nn.Module):
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
         """Logits [B, vocab] at each sequence's last new token; the chunks' K/V land in the cache."""
         x = self.embed(batch.tokens)  # [T, dim]
-        mask = None if batch.decode else batch.attention_mask(cache.block_size)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, self.rope.inv_freq, batch, mask, cache.layer(i))
+            x, residual = layer(x, residual, self.rope.inv_freq, batch, cache.layer(i))
         return self.logits(x, residual, batch.last_index)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:

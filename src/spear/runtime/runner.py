@@ -5,11 +5,11 @@ up to max_num_seqs) is captured at start-up over static input tensors: decode ba
 padded to their bucket with dummy sequences that write to the null block, and block
 tables are padded to the longest a sequence can have.
 
-Mixed steps (prefill chunks beside decodes) run eagerly, which is host-bound (about 1,000 kernel
-launches from Python for a 7B model), unless `mixed_graph_tokens` lists token-count buckets: then
-`MixedStepGraphs` replays the model in pieces between attentions from CUDA graphs (the pieces
-are token-parallel, so padding tokens are harmless: they write to the null block) and runs only
-the varlen attention eagerly, as vLLM's piecewise graphs do.
+Mixed steps (prefill chunks beside decodes) would run eagerly, which is host-bound (about 1,000
+kernel launches from Python for a 7B model); with `mixed_graph_tokens` (token-count buckets; the
+engine's default on CUDA) `MixedStepGraphs` replays the model in pieces between attentions from
+CUDA graphs (the pieces are token-parallel, so padding tokens are harmless: they write to the
+null block) and runs only the varlen attention eagerly, as vLLM's piecewise graphs do.
 """
 
 from __future__ import annotations
@@ -95,14 +95,13 @@ class MixedStepGraphs:
         # padding tokens: token 0 at position 0 in slot 0 (the null block); padding heads read row 0
         self.inputs.copy_(torch.cat([batch.tokens, zeros(pad_tokens), batch.positions, zeros(pad_tokens),
                                      batch.slots, zeros(pad_tokens), batch.last_index, zeros(pad_seqs)]))
-        mask = batch.attention_mask(self.cache.block_size)
         for i in range(len(self.model.layers) + 1):
             if self.graphs:
                 self.graphs[i].replay()
             else:
                 self._piece(i)
             if i < len(self.model.layers):
-                out = paged_attention(self.q[i][:T], *self.cache.layer(i), batch, mask)  # [T, H, D]
+                out = paged_attention(self.q[i][:T], *self.cache.layer(i), batch)  # [T, H, D]
                 self.attn[i][:T].copy_(out.reshape(T, -1))
         return self.logits[:num_seqs]
 
