@@ -91,7 +91,9 @@ def step_summary(steps: list[tuple]) -> dict:
     mixed = [s for s in steps if s[2] and s[3]]  # decodes beside a prefill chunk: the steps a policy sizes
     return {"steps": len(steps), "mixed_steps": len(mixed),
             "mean_mixed_chunk": float(np.mean([s[3] for s in mixed])) if mixed else None,
-            "step_ms": percentiles([s[1] for s in steps]), "mixed_step_ms": percentiles([s[1] for s in mixed])}
+            "step_ms": percentiles([s[1] for s in steps]), "mixed_step_ms": percentiles([s[1] for s in mixed]),
+            "trace": {"columns": ["end_s", "ms", "decodes", "prefill_tokens"],
+                      "rows": [(round(e, 4), round(1e3 * t, 2), d, p) for e, t, d, p in steps]}}
 
 
 def plot(runs: list[dict], slos: list[float], path: Path) -> None:
@@ -173,7 +175,7 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=185.0, help="seconds after which no new run starts")
     p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=None,
                    help="token buckets for mixed steps as CUDA-graph pieces (EngineConfig.mixed_graph_tokens); "
-                        "default: the engine's (64 ... 1024 on CUDA); none or 0: mixed steps run eagerly")
+                        "default: the engine's (16 ... 1024 on CUDA); none or 0: mixed steps run eagerly")
     p.add_argument("--tiny", action="store_true", help="a tiny model, short runs (CPU end-to-end check)")
     p.add_argument("--json", default="bench/results/slo_experiment.json")
     args = p.parse_args()
@@ -194,6 +196,7 @@ def main() -> None:
     base = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_input + args.max_output,
                         mixed_graph_tokens=graph_tokens(args.mixed_graph_tokens))
     work = make_workload(args, model_args.vocab)
+    warmup = Workload(work.arrivals[:8], work.prompts[:8], [min(o, 32) for o in work.output_tokens[:8]])
     policies = [(f"static{c}", None, StaticChunkPolicy(c)) for c in args.static_chunks]
     slo_max_chunk = max(args.static_chunks)
     runs, tables, skipped = [], {}, []
@@ -226,6 +229,8 @@ def main() -> None:
               flush=True)
         runs_here = policies + [(f"slo{s:g}ms", s, SLOPolicy(table, s, args.min_chunk, slo_max_chunk))
                                 for s in args.itl_slos_ms]
+        # Warm-up (not recorded): the first steps of a process compile Triton kernel specializations.
+        drive(Engine(runner, NoText(), replace(base, policy=StaticChunkPolicy(slo_max_chunk))), warmup)
         engine = None
         for name, slo, policy in runs_here:
             if time.perf_counter() - start > args.time_limit:

@@ -220,7 +220,7 @@ def test_mixed_step_pieces_match_the_eager_model(tiny):
 
 
 def test_mixed_graph_buckets_stop_at_the_first_that_holds_a_step():
-    assert MIXED_GRAPH_TOKENS == (64, 128, 256, 512, 1024)
+    assert MIXED_GRAPH_TOKENS == (16, 32, 64, 128, 256, 512, 1024)
     assert mixed_buckets(32 * 4096) == MIXED_GRAPH_TOKENS
     assert mixed_buckets(544) == MIXED_GRAPH_TOKENS  # 32 decodes beside a 512-token chunk
-    assert mixed_buckets(200) == (64, 128, 256) and mixed_buckets(64) == (64,) and mixed_buckets(5) == (64,)
+    assert mixed_buckets(200) == (16, 32, 64, 128, 256) and mixed_buckets(16) == (16,) and mixed_buckets(5) == (16,)

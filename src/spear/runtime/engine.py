@@ -27,7 +27,9 @@ from spear.runtime.sampler import sample
 from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
 
 DEFAULT_MAX_MODEL_LEN = 4096
-MIXED_GRAPH_TOKENS = (64, 128, 256, 512, 1024)
+# Powers of two: the W4 kernels' row tile is the power of two ≥ the rows (kernels.w4._row_tile), so a bucket
+# between two powers would cost as much as the larger one.
+MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spear.errors import SpearError
 from spear.runtime.ops import paged_decode_attention
@@ -174,6 +175,12 @@ def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return pool[block_tables].flatten(1, 2)
 
 
+# Not cuDNN: torch 2.11 sends masked SDPA to cuDNN first on sm_90, and cuDNN builds an execution plan for
+# every new (batch, query, key) shape, 40–60 ms each; a mixed step's shapes change every step (measured on
+# the H200: bimodal mixed steps of ~10 and ~55 ms).
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch) -> torch.Tensor:
     """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]."""
     if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
@@ -181,7 +188,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2)  # [Bp, KV, M * block_size, D]
     v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2)
     qp = q[batch.padded_index].transpose(1, 2)  # [Bp, H, S, D]
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask, enable_gqa=True)  # [Bp, H, S, D]
+    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask, enable_gqa=True)  # [Bp, H, S, D]
     out = out.transpose(1, 2).flatten(0, 1)  # [Bp * S, H, D]
     if batch.decode_index.numel():  # the one-token chunks (a shape: no sync)
         decoded = paged_decode_attention(q[batch.decode_index], k_pool, v_pool, batch.block_tables, batch.seq_lens)
