@@ -201,6 +201,34 @@ def test_graph_padded_decode_batch_matches_eager(tiny):
     torch.testing.assert_close(runner.cache.v[:, 1:], v_eager[:, 1:])
 
 
+def test_mixed_step_as_token_rows_matches_the_chunked_step(tiny):
+    """runner.token_rows: a mixed step (decodes beside prefill chunks, one starting mid-prompt) as one-token
+    rows in a graph's padded static shapes, run eagerly (on CUDA: a replayed decode-step graph), gives the
+    chunked step's logits and the same K/V in every live block."""
+    from spear.runtime.engine import make_runner
+    from spear.runtime.kv_cache import Chunk
+    from spear.runtime.model import build_runtime_model
+    from spear.runtime.runner import token_rows
+
+    model = build_runtime_model(tiny.model)
+    runner = make_runner(model, EngineConfig(max_model_len=64, max_num_seqs=4, num_kv_blocks=12))
+    tables = [[3, 7], [5], [9, 2, 4]]
+    prompts = [prompt(20, 1), prompt(9, 2), prompt(33, 3)]
+    runner.forward([Chunk(prompts[0], 0, tables[0]), Chunk(prompts[1], 0, tables[1]), Chunk(prompts[2][:17], 0, tables[2])])
+    step = [Chunk([prompts[0][-1]], 20, tables[0]), Chunk(prompts[2][17:], 17, tables[2]), Chunk([prompts[1][-1]], 9, tables[1])]
+    k, v = runner.cache.k.clone(), runner.cache.v.clone()
+    chunked = runner.forward(step)  # eager on CPU
+    k_chunked, v_chunked = runner.cache.k.clone(), runner.cache.v.clone()
+    runner.cache.k.copy_(k)
+    runner.cache.v.copy_(v)
+    rows, last = token_rows(step)
+    assert len(rows) == 18 and last == [0, 16, 17]
+    padded = model(runner.padded_batch(rows, 32), runner.cache)  # [32, vocab]
+    torch.testing.assert_close(padded[last], chunked, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.cache.k[:, 1:], k_chunked[:, 1:])  # padding rows wrote to the null block only
+    torch.testing.assert_close(runner.cache.v[:, 1:], v_chunked[:, 1:])
+
+
 def test_mixed_step_pieces_match_the_eager_model(tiny):
     """Mixed steps through runner.MixedStepGraphs (run eagerly here: on CUDA each piece is a CUDA graph) give the
     eager model's tokens, with the token count padded to the bucket and padding written to the null block."""
@@ -224,3 +252,5 @@ def test_mixed_graph_buckets_stop_at_the_first_that_holds_a_step():
     assert mixed_buckets(32 * 4096) == MIXED_GRAPH_TOKENS
     assert mixed_buckets(544) == MIXED_GRAPH_TOKENS  # 32 decodes beside a 512-token chunk
     assert mixed_buckets(200) == (16, 32, 64, 128, 256) and mixed_buckets(16) == (16,) and mixed_buckets(5) == (16,)
+    assert mixed_buckets(544, above=128) == (256, 512, 1024)  # smaller steps replay a whole-step graph
+    assert mixed_buckets(100, above=128) == ()

@@ -45,6 +45,10 @@ class EngineConfig:
     # on CUDA with cuda_graphs (cut by mixed_buckets), else empty. On the H200 a step of 8 decodes and a
     # 64-token chunk took 16.3 ms wall for 16.3 ms of kernels this way (43 ms eager: host-bound).
     mixed_graph_tokens: tuple[int, ...] | None = None
+    # Steps of up to this many tokens (decodes and prefill-chunk tokens together) replay one CUDA graph of the
+    # whole step, every token a query row of the decode-attention kernel (runner.token_rows); mixed-graph
+    # pieces take only larger steps. 0: whole-step graphs for pure decode steps only.
+    row_graph_tokens: int = 128
     seed: int = 0  # the generator of requests without their own seed
 
 
@@ -90,14 +94,17 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     mixed = config.mixed_graph_tokens
     if mixed is None:
         graphs = config.cuda_graphs and model.device.type == "cuda"
-        mixed = mixed_buckets(min(config.max_num_seqs * max_len, (blocks - 1) * config.block_size)) if graphs else ()
-    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, mixed)
+        most = min(config.max_num_seqs * max_len, (blocks - 1) * config.block_size)
+        mixed = mixed_buckets(most, above=config.row_graph_tokens) if graphs else ()
+    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, mixed, config.row_graph_tokens)
 
 
-def mixed_buckets(max_step_tokens: int) -> tuple[int, ...]:
+def mixed_buckets(max_step_tokens: int, above: int = 0) -> tuple[int, ...]:
     """MIXED_GRAPH_TOKENS up to the first that holds `max_step_tokens` (a step carries at most every running
-    sequence's whole context, and no more than the KV cache holds)."""
-    return MIXED_GRAPH_TOKENS[: sum(b < max_step_tokens for b in MIXED_GRAPH_TOKENS) + 1]
+    sequence's whole context, and no more than the KV cache holds), without those of `above` tokens or fewer
+    (steps that small replay a whole-step graph)."""
+    buckets = MIXED_GRAPH_TOKENS[: sum(b < max_step_tokens for b in MIXED_GRAPH_TOKENS) + 1]
+    return tuple(b for b in buckets if b > above) if max_step_tokens > above else ()
 
 
 def build_engine(hf_model: nn.Module, tokenizer, config: EngineConfig | None = None) -> Engine:

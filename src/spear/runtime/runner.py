@@ -14,6 +14,7 @@ null block) and runs only the varlen attention eagerly, as vLLM's piecewise grap
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -108,7 +109,7 @@ class MixedStepGraphs:
 
 class ModelRunner:
     def __init__(self, model: Transformer, cache: KVCache, max_model_len: int, max_num_seqs: int, cuda_graphs: bool,
-                 mixed_graph_tokens: tuple[int, ...] = ()):
+                 mixed_graph_tokens: tuple[int, ...] = (), row_graph_tokens: int = 0):
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len
@@ -121,7 +122,7 @@ class ModelRunner:
         with torch.inference_mode():
             if capture:
                 pool = torch.cuda.graph_pool_handle()
-                for size in sorted(graph_buckets(max_num_seqs), reverse=True):  # largest first: the pool fits all
+                for size in sorted(graph_buckets(max(max_num_seqs, row_graph_tokens)), reverse=True):  # largest first
                     self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, pool)
             for tokens in sorted(mixed_graph_tokens, reverse=True):
                 self.mixed[tokens] = MixedStepGraphs(model, cache, tokens, max_num_seqs, capture)
@@ -131,9 +132,11 @@ class ModelRunner:
         """Logits [B, vocab] at the last token of each chunk; their K/V land in the cache."""
         if self.on_step is not None:
             self.on_step(chunks)
-        size = next((s for s in sorted(self.graphs) if s >= len(chunks)), None)
-        if size is not None and all(len(c.tokens) == 1 for c in chunks):
-            return self.graphs[size].run(self.padded_batch(chunks, size))[: len(chunks)]
+        rows, last = token_rows(chunks)
+        size = next((s for s in sorted(self.graphs) if s >= len(rows)), None)
+        if size is not None:  # a decode step, or a mixed step small enough to run as one (token_rows)
+            logits = self.graphs[size].run(self.padded_batch(rows, size))
+            return logits[: len(rows)] if len(rows) == len(chunks) else logits[torch.tensor(last, device=logits.device)]
         batch = Batch.build(chunks, self.cache.block_size, self.cache.device)
         tokens = next((t for t in sorted(self.mixed) if t >= batch.tokens.shape[0]), None)
         if tokens is not None and not batch.decode and len(chunks) <= self.max_num_seqs:
@@ -144,6 +147,17 @@ class ModelRunner:
         """The batch in a graph's static shapes: `size` rows (dummies write to the null block), full-width tables."""
         padded = chunks + [Chunk([0], 0, [])] * (size - len(chunks))
         return Batch.build(padded, self.cache.block_size, self.cache.device, self.table_width)
+
+
+def token_rows(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
+    """Every token of the step as its own one-token chunk, and the row of each chunk's last token.
+
+    A token at position p of a prefill chunk is then a decode query over keys 0 .. p: its chunk's earlier
+    tokens write their K/V in the same layer before attention reads, so this is causal attention within the
+    chunk, by the decode kernel. A mixed step of a few dozen tokens thus replays a decode step's CUDA graph
+    whole, instead of running attention eagerly between graph pieces (host-bound)."""
+    rows = [Chunk([token], c.start + i, c.block_table) for c in chunks for i, token in enumerate(c.tokens)]
+    return rows, [n - 1 for n in itertools.accumulate(len(c.tokens) for c in chunks)]
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
