@@ -30,8 +30,13 @@ except ImportError:  # triton is a dev extra: without it every op runs its refer
     triton = None
 
 
-def _jit(fn):
-    return fn if triton is None else triton.jit(fn)
+def _jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """triton.jit where triton is installed. `do_not_specialize`: integer arguments that change from step to
+    step (a mixed step's table width); Triton would otherwise compile a variant the first time one of them
+    is 1 or a multiple of 16 — hundreds of ms in the middle of serving (measured: 650–780 ms steps)."""
+    if fn is None:
+        return lambda f: _jit(f, do_not_specialize=do_not_specialize)
+    return fn if triton is None else triton.jit(fn, do_not_specialize=list(do_not_specialize))
 
 
 PARTITION = 256  # tokens per flash-decoding partition (a multiple of BLOCK_N)
@@ -232,7 +237,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     return out[:, :, 0]  # [B, H, D]
 
 
-@_jit
+@_jit(do_not_specialize=("num_partitions", "stride_table"))
 def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, m_ptr, l_ptr, acc_ptr,
                                    scale, H, num_partitions, block_size, stride_table,
                                    stride_pool_block, stride_pool_offset,
@@ -277,7 +282,7 @@ def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, se
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
 
 
-@_jit
+@_jit(do_not_specialize=("num_partitions",))
 def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, seq_lens_ptr, out_ptr, num_partitions,
                                  D: tl.constexpr, PARTITION: tl.constexpr):
     """Program (b, h): merge the partitions that saw keys (all of them at least one):
