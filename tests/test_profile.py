@@ -35,6 +35,16 @@ def test_profile_measures_the_grid():
     assert table.predict(3, 8) is not None
 
 
+def test_profile_never_runs_more_sequences_than_the_engine():
+    """At max_num_seqs decodes, a prefill point measures max_num_seqs - 1 decodes beside the chunk."""
+    runner = tiny_runner()
+    seen = []
+    forward = runner.forward
+    runner.forward = lambda chunks: seen.append((len(chunks), sum(len(c.tokens) for c in chunks))) or forward(chunks)
+    profile(runner, [4], [0, 8], decode_context=8, warmup=0, repeats=1)
+    assert sorted(set(seen)) == [(4, 4), (4, 11)]  # 4 decodes; 3 decodes + 8 prompt tokens
+
+
 def test_profile_prefill_only_row():
     table = profile(tiny_runner(), [0, 1], [0, 8], decode_context=8, warmup=0, repeats=1)
     assert table.seconds[0][0] is None and table.seconds[0][1] is not None  # no step at (0, 0)

@@ -170,6 +170,8 @@ def profile(runner: ModelRunner, batch_sizes=DEFAULT_BATCH_SIZES, prefill_tokens
     Run it before serving: the synthetic sequences write K/V into the cache's blocks
     (garbage for timing only) without the engine's allocator knowing.
     Point (0 decodes, 0 prefill tokens) is no step at all and is left unmeasured.
+    A point with a prefill chunk and max_num_seqs decodes measures max_num_seqs − 1 decodes beside it (the
+    engine's most).
     Decoding sequences sit at `decode_context` tokens (default: 256, at most a quarter of the context).
     """
     if decode_context is None:
@@ -196,6 +198,8 @@ def profile(runner: ModelRunner, batch_sizes=DEFAULT_BATCH_SIZES, prefill_tokens
     def step_seconds(b: int, p: int) -> float | None:
         if b == 0 and p == 0:
             return None
+        if p:  # the engine never runs more than max_num_seqs sequences: a prompt displaces a decode
+            b = min(b, runner.max_num_seqs - 1)
         chunks = [Chunk([int(t)], decode_context, decode_tables[i]) for i, t in enumerate(torch.randint(vocab, (b,), generator=gen))]
         if p:
             chunks.append(Chunk(torch.randint(vocab, (p,), generator=gen).tolist(), 0, prefill_table))
