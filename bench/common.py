@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: the provenance block every results JSON carries."""
+"""Shared by the benchmark scripts: the provenance block every results JSON carries, and the copy bandwidth
+that GPU figures are read against."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -43,3 +45,26 @@ def write_json(path: str | Path, payload: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"provenance": provenance(), **payload}, indent=2))
     tmp.rename(path)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> dict[str, float]:
+    """A large device-to-device copy, bytes read + written per second, each way it can be measured:
+    `memcpy` (copies timed on the host around a sync; any device) and, on CUDA, `kernel_graph` (an
+    elementwise copy kernel, dst = src · 1, replayed in a CUDA graph). A copy captured in a graph becomes
+    a memcpy node on a copy engine (2.7 TB/s on the H200 against 4.2), so it is not one of the ways.
+    The reference for "% of copy bandwidth" is the largest."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync()
+    ways = {"memcpy": 2 * nbytes * reps / (time.perf_counter() - start)}
+    if device.type == "cuda":
+        from spear.kernels.timing import time_in_graph
+
+        ways["kernel_graph"] = 2 * nbytes / (time_in_graph([lambda: torch.mul(src, 1, out=dst)], reps=reps) * 1e-6)
+    return ways

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from common import write_json
+from common import copy_bandwidth, write_json
 
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
@@ -64,19 +64,6 @@ class NoText:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    synchronize(device)
-    return 2 * nbytes * reps / (time.perf_counter() - start)
 
 
 def weight_bytes(model: Transformer) -> int:
@@ -169,7 +156,7 @@ def run(args: argparse.Namespace) -> None:
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     quant = QuantConfig(bits=args.bits, group_size=args.group_size)
-    bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+    bandwidth = max(copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20)).values())
     if rank == 0:
         print(f"{device} copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)", flush=True)
     rows = []

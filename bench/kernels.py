@@ -22,13 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from common import provenance, write_json
+from common import copy_bandwidth, provenance, write_json
 
 from spear.compensate.ec import ErrorCompensator
 from spear.kernels.pack import PackedEC, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.timing import time_in_graph as time_graph
-from spear.kernels.w4 import DECODE_KERNEL_MAX_M, tune_w4, w4_decode, w4_linear, w4_prefill, w4_prefill_fused
+from spear.kernels.w4 import (
+    DECODE_KERNEL_MAX_M,
+    tune_w4,
+    w4_decode,
+    w4_linear,
+    w4_prefill,
+    w4_prefill_fused,
+)
 from spear.quant.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer
@@ -41,24 +48,6 @@ MODELS = {
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 RANKS = [16, 32, 64]
 L2_FLUSH_BYTES = 256 << 20  # weight bytes per timed graph: several times the H200's 50 MB L2
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:
-    """Device-to-device copy, bytes read + written per second, two ways: cudaMemcpy timed by events
-    (no graph: a memcpy node in a CUDA graph goes to a copy engine, measured at 2.7 TB/s against 4.2), and
-    an elementwise kernel (dst = src · 1) in a graph. The reference for "% of copy bandwidth" is the larger."""
-    src = torch.randn(nbytes // 2, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    memcpy = 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3)
-    kernel = 2 * nbytes / (time_graph([lambda: torch.mul(src, 1, out=dst)], reps=10) * 1e-6)
-    return {"memcpy_events": memcpy, "kernel_graph": kernel}
 
 
 def random_ec(n: int, k: int, rank: int, b_std: float = 0.02) -> ErrorCompensator:
@@ -176,7 +165,7 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    copies = copy_bandwidth()
+    copies = copy_bandwidth(torch.device("cuda"))
     bandwidth = max(copies.values())
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (" + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items()) + ")")
     result = {"provenance": provenance(), "copy_bandwidth_Bps": bandwidth, "copy_bandwidth_ways_Bps": copies,
