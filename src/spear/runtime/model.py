@@ -138,9 +138,8 @@ class FusedLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        qweight = fn(self.packed.qweight)  # int32: only a move changes it; the packed dtypes are fixed
-        w, device = self.packed, qweight.device
-        self.packed = PackedW4(qweight, w.scales.to(device), w.zeros.to(device), w.group_size, w.in_features)
+        device = fn(self.packed.qweight).device  # int32: only a move changes it; the packed dtypes are fixed
+        self.packed = self.packed.to(device)
         self.packed_ec = None if self.packed_ec is None else self.packed_ec.to(device)
         self.bias = None if self.bias is None else self.bias.to(device)
         return self
