@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -134,8 +135,59 @@ def test_feedback_moves_predictions_toward_measured():
     assert policy.correction == pytest.approx(1.5, rel=0.01)
 
 
+def simulate(policy: SLOPolicy, table: LatencyTable, ratios: list[float], num_decodes: int = 8) -> list[float]:
+    """Step seconds when every step decodes `num_decodes` beside the policy's chunk and runs `ratio` x the table."""
+    seconds = []
+    for ratio in ratios:
+        chunk = policy.prefill_budget(num_decodes, 0, 10_000)
+        seconds.append(table.predict(num_decodes, chunk) * ratio)
+        policy.observe(StepStats(seconds[-1], num_decodes, chunk))
+    return seconds
+
+
+def p99(values: list[float]) -> float:
+    return sorted(values)[int(0.99 * (len(values) - 1))]
+
+
+def test_noisy_steps_keep_the_p99_within_the_slo():
+    """Measured / predicted spreads ±15% (lognormal) around a 1.2x slower device: size for the tail, not the mean."""
+    table = synthetic(base_ms=4.0)
+    rng = random.Random(0)
+    ratios = [1.2 * rng.lognormvariate(0.0, 0.15) for _ in range(3000)]
+    tail = SLOPolicy(table, 16.0)
+    mean_only = SLOPolicy(table, 16.0, window=10_000, min_samples=10_000)  # the moving average throughout
+    tail_ms = [s * 1e3 for s in simulate(tail, table, ratios)[64:]]
+    mean_ms = [s * 1e3 for s in simulate(mean_only, table, ratios)[64:]]
+    assert p99(tail_ms) <= 16.0 < p99(mean_ms)
+    assert 1.2 < mean_only.correction < 1.3 < tail.correction < 1.2 * 1.5  # mean vs tail of the ratios
+    assert 16 < tail.prefill_budget(8, 0, 10_000) < mean_only.prefill_budget(8, 0, 10_000), "smaller, real chunks"
+
+
+def test_steady_steps_keep_the_full_chunk():
+    table = synthetic()
+    policy = SLOPolicy(table, 16.0)
+    fresh = policy.prefill_budget(8, 0, 10_000)
+    simulate(policy, table, [1.0] * 200)
+    assert policy.correction == pytest.approx(1.0)
+    assert policy.prefill_budget(8, 0, 10_000) == fresh > 256
+
+
+def test_window_forgets_a_slow_burst_and_shrugs_off_one_outlier():
+    table = synthetic()
+    policy = SLOPolicy(table, 16.0)
+    simulate(policy, table, [1.0] * 64)
+    simulate(policy, table, [10.0])
+    assert policy.correction == pytest.approx(1.0), "one outlier in a full window sits above the quantile"
+    simulate(policy, table, [2.0] * 8)
+    assert policy.correction == pytest.approx(2.0)
+    simulate(policy, table, [1.0] * 64)
+    assert policy.correction == pytest.approx(1.0) and len(policy._ratios) == 64
+
+
 def test_invalid_settings():
-    for kwargs in ({"itl_slo_ms": 0}, {"min_chunk": 0}, {"min_chunk": 64, "max_chunk": 32}, {"headroom": 1.0}):
+    for kwargs in ({"itl_slo_ms": 0}, {"min_chunk": 0}, {"min_chunk": 64, "max_chunk": 32}, {"headroom": 1.0},
+                   {"quantile": 0.0}, {"quantile": 1.5}, {"window": 0}, {"min_samples": 0},
+                   {"window": 16, "min_samples": 32}):
         with pytest.raises(SpearError):
             SLOPolicy(synthetic(), **{"itl_slo_ms": 16.0, **kwargs})
 
