@@ -94,7 +94,7 @@ def variants() -> dict[str, tuple]:
     out["ec_rank"] = (w4._ec_rank_kernel, f16, dict(GATED=True, R=32, H=16, BM=32, BK=64), 4)
     out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
     out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-                            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8), 4)
+                            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True), 4)
     out["ec_epilogue"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "u_ptr": F32},
                           dict(GATED=True, BLOCK_N=64, BLOCK_R=32, BLOCK_H=16), 4)
     return out

@@ -52,22 +52,25 @@ def _codes_f16(packed, j: tl.constexpr):
 
 @triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
-              SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
-    """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one interleaved block.
+              biased_z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one interleaved block
+    (per-channel: without the scale, which _w4_dot_loop applies once at the end).
 
     The zero points are integers (≤ 15), so q − z is exact in fp16 and costs what the 1024 trick's
     subtraction cost anyway: the slice of codes (1024 + q, from OR-ing the code into 0x6400) minus
     (1024 + z) is q − z. Per group span (SPG slices of 16 columns) the tensor-core dots sum
-    Σ (q − z) x and the scale acts once: acc += s · Σ (q − z) x. No Σ x correction term.
+    Σ (q − z) x and the scale acts once: acc += s · Σ (q − z) x. No Σ x correction term. Per-channel,
+    `biased_z` (1024 + z) comes from the caller and the dots accumulate straight into acc.
     """
     packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
                      mask=mask_n[:, None], other=0)  # [BN, 16] int32
     part = tl.zeros((BN, BM), dtype=tl.float32)
-    biased_z = tl.zeros((BN,), dtype=tl.float16)
+    if PER_CHANNEL:
+        part = acc
     for j in tl.static_range(8):
         g = (kb + 16 * (j - j % SPG)) // group_size  # the span's group (from its first column: K pads to 128)
         mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (the span may be all padding)
-        if j % SPG == 0:
+        if not PER_CHANNEL and j % SPG == 0:
             biased_z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0) + 1024.0  # [BN] fp16, exact
         offs_k = kb + 16 * j + tl.arange(0, 16)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
@@ -75,10 +78,29 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
         bits = ((packed >> (4 * j)) & 0xF) | 0x6400  # 1024 + q as fp16 bits
         q = bits.to(tl.int16).to(tl.float16, bitcast=True) - biased_z[:, None]  # [BN, 16]: q − z
         part += tl.dot(q, xt)
-        if (j + 1) % SPG == 0:
+        if not PER_CHANNEL and (j + 1) % SPG == 0:
             s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
             acc += s[:, None] * part
             part = tl.zeros((BN, BM), dtype=tl.float32)
+    if PER_CHANNEL:
+        acc = part
+    return acc
+
+
+@triton.jit
+def _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
+                 group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns).
+    Per-channel, z is loaded once and s applied once, after the loop."""
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    biased_z = tl.zeros((BN,), dtype=tl.float16)
+    if PER_CHANNEL:
+        biased_z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0) + 1024.0
+    for kb in range(k_lo, k_hi, 128):
+        acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
+                        group_size, biased_z, SPG, BN, BM, PER_CHANNEL)
+    if PER_CHANNEL:
+        acc *= tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return acc
 
 
@@ -302,10 +324,8 @@ def _w4_decode_kernel(
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
                            K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS)
         else:
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for kb in range(pid_k * k_per_split, k_hi, 128):
-                acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW,
-                                G, group_size, SPG, BN, BM)
+            acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
+                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
             tile = offs_m[None, :] * N + offs_n[:, None]
@@ -381,7 +401,7 @@ def _w4_prefill_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):
     # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
@@ -396,10 +416,9 @@ def _w4_prefill_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros((BN, BM), dtype=tl.float32)  # yᵀ tile: the dequantized weight is the dot's first operand
-    for kb in range(0, KW * 8, 128):
-        acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW,
-                        G, group_size, SPG, BN, BM)
+    # yᵀ tile: the dequantized weight is the dot's first operand
+    acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
+                       group_size, SPG, BN, BM, PER_CHANNEL)
     g = tl.zeros((BM, R), dtype=tl.float32)
     if HAS_EC:
         offs_r = tl.arange(0, R)
@@ -586,6 +605,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
         BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
+        PER_CHANNEL=w.scales.shape[1] == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
