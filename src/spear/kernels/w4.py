@@ -449,10 +449,14 @@ class PrefillConfig:
 
 
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
-DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ 16), then the GEMV loop (M ≤ 4)
-    DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn in (32, 64, 128) for warps, stages in ((4, 3), (4, 4), (8, 3))
-] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw)
-     for bn, bkw in ((16, 64), (16, 128), (16, 256), (32, 64), (32, 128)) for warps, stages in ((4, 2), (4, 3), (8, 3))]
+# The H200's picks over the 7B/8B/13B/70B shapes (bench/results/kernels_h200*.json, sessions 3–4): every
+# winner, and the configs that came second or third most often; the 13 former candidates dropped never won
+# (each cost a compile and a timing at engine start-up: 227 s for a 7B engine on a fresh machine).
+DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M), then the GEMV loop (M ≤ 4)
+    DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in
+    ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4), (128, 8, 3))
+] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
+     ((32, 8, 3, 128), (32, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256))]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
