@@ -6,6 +6,7 @@
                                                                                      # prefill beside 8 decodes
     ... --chunk 64 --mixed-graph-tokens 128     # the same, the mixed steps replayed as CUDA-graph pieces
                                                 # (compare the wall time; kernels inside graphs may not be listed)
+    ... --chunk 64 --mixed-graph-tokens 128 --row-graph-tokens 128   # ... as one whole-step graph each
 
 Builds the engine on random weights like bench/decode.py, prefills, then runs `--steps` decode
 steps eagerly (no CUDA graph, so every kernel is seen) under torch.profiler and prints the
@@ -53,6 +54,9 @@ def main() -> None:
     p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=[],
                    help="run mixed steps as CUDA-graph pieces with these token buckets (EngineConfig.mixed_graph_tokens), "
                         "decode steps as CUDA graphs; default (none, or 0): every step eager")
+    p.add_argument("--row-graph-tokens", type=int, default=0,
+                   help="with --mixed-graph-tokens: steps of up to this many tokens replay one whole-step CUDA graph "
+                        "instead of the pieces (EngineConfig.row_graph_tokens); default 0: decode steps only")
     p.add_argument("--tiny", action="store_true", help="the tiny model, on whatever device there is")
     p.add_argument("--json", required=True)
     args = p.parse_args()
@@ -67,7 +71,8 @@ def main() -> None:
     graph_tokens = tuple(t for t in args.mixed_graph_tokens if t > 0)
     config = EngineConfig(max_num_seqs=args.batch + args.steps + 1, max_model_len=max(args.chunk, prompt_tokens) + args.steps + 8,
                           policy=StaticChunkPolicy(max(args.batch * prompt_tokens, args.chunk + args.batch)),
-                          cuda_graphs=bool(graph_tokens), mixed_graph_tokens=graph_tokens)
+                          cuda_graphs=bool(graph_tokens), mixed_graph_tokens=graph_tokens,
+                          row_graph_tokens=args.row_graph_tokens)
     engine = Engine(make_runner(model, config), NoText(), config)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True)
@@ -98,6 +103,8 @@ def main() -> None:
                            "kernel_ms_per_step": kernels_us / 1e3, "top": top})
     what = f"decode step + a {args.chunk}-token prefill" if args.chunk else "decode step"
     how = f"mixed steps as graph pieces {list(graph_tokens)}" if graph_tokens else "eager"
+    if graph_tokens and args.row_graph_tokens:
+        how += f", whole-step graphs up to {args.row_graph_tokens} tokens"
     print(f"{name} {args.setting} batch {args.batch}: {'device' if cuda else 'CPU'} time per {what}, {how}; "
           f"wall {sorted(wall)[len(wall) // 2]:.2f} ms (profiled), kernels {kernels_us / 1e3:.2f} ms")
     for row in top:

@@ -175,7 +175,8 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=185.0, help="seconds after which no new run starts")
     p.add_argument("--mixed-graph-tokens", type=int, nargs="*", default=None,
                    help="token buckets for mixed steps as CUDA-graph pieces (EngineConfig.mixed_graph_tokens); "
-                        "default: the engine's (16 ... 1024 on CUDA); none or 0: mixed steps run eagerly")
+                        "default: the engine's (on CUDA 256 ... 1024: steps of up to EngineConfig.row_graph_tokens = 128 "
+                        "replay a whole-step graph); none or 0: larger mixed steps run eagerly")
     p.add_argument("--tiny", action="store_true", help="a tiny model, short runs (CPU end-to-end check)")
     p.add_argument("--json", default="bench/results/slo_experiment.json")
     args = p.parse_args()

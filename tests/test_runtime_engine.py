@@ -254,3 +254,45 @@ def test_mixed_graph_buckets_stop_at_the_first_that_holds_a_step():
     assert mixed_buckets(200) == (16, 32, 64, 128, 256) and mixed_buckets(16) == (16,) and mixed_buckets(5) == (16,)
     assert mixed_buckets(544, above=128) == (256, 512, 1024)  # smaller steps replay a whole-step graph
     assert mixed_buckets(100, above=128) == ()
+
+
+@pytest.mark.parametrize("row_graph_tokens", [4, 0])
+def test_runner_picks_a_whole_step_graph_the_pieces_or_eager(tiny, row_graph_tokens):
+    """ModelRunner.forward with CPU stand-ins for its CUDA graphs (the padded batch run eagerly): decode steps, and
+    mixed steps of up to row_graph_tokens tokens as token rows, replay a whole-step graph; larger mixed steps take
+    the pieces where a bucket holds them, else run eagerly. The tokens are the eager engine's."""
+    from dataclasses import replace
+
+    from spear.runtime.runner import graph_buckets
+
+    requests = {"short": (prompt(5, 1), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+                "long": (prompt(45, 2), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))}
+    config = EngineConfig(max_model_len=128, max_num_seqs=4, policy=StaticChunkPolicy(16))
+    eager = run(build_engine(tiny.model, tiny.tokenizer, config), requests)
+    engine = build_engine(tiny.model, tiny.tokenizer,
+                          replace(config, mixed_graph_tokens=(16,), row_graph_tokens=row_graph_tokens))
+    runner, steps = engine.runner, []  # (chunks, tokens, path) per step
+
+    def took(path):
+        steps[-1] = (*steps[-1][:2], path)
+
+    class EagerGraph:
+        def __init__(self, size):
+            self.size = size
+
+        def run(self, batch):
+            assert batch.decode and batch.tokens.shape[0] == self.size  # one-token rows, padded to the bucket
+            took("graph")
+            return runner.model(batch, runner.cache)
+
+    runner.graphs = {s: EagerGraph(s) for s in graph_buckets(max(4, row_graph_tokens))}
+    pieces = runner.mixed[16]
+    pieces_run = pieces.run
+    pieces.run = lambda batch, n: took("pieces") or pieces_run(batch, n)
+    runner.on_step = lambda chunks: steps.append((len(chunks), sum(len(c.tokens) for c in chunks), "eager"))
+    assert run(engine, requests) == eager
+    for chunks, tokens, path in steps:
+        whole = chunks == tokens or tokens <= row_graph_tokens
+        assert path == ("graph" if whole else "pieces" if tokens <= 16 else "eager"), (chunks, tokens, path)
+    mixed_rows = (2, 3, "graph") if row_graph_tokens else (2, 3, "pieces")  # a decode beside the prompt's last 2
+    assert {(2, 16, "pieces"), (2, 17, "eager"), mixed_rows, (2, 2, "graph")} <= set(steps)

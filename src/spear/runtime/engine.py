@@ -34,7 +34,7 @@ MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 32  # running sequences at most (also the largest CUDA-graph bucket)
+    max_num_seqs: int = 32  # running sequences at most
     max_model_len: int | None = None  # tokens per sequence; None: the model's context, at most 4096
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
@@ -47,7 +47,8 @@ class EngineConfig:
     mixed_graph_tokens: tuple[int, ...] | None = None
     # Steps of up to this many tokens (decodes and prefill-chunk tokens together) replay one CUDA graph of the
     # whole step, every token a query row of the decode-attention kernel (runner.token_rows); mixed-graph
-    # pieces take only larger steps. 0: whole-step graphs for pure decode steps only.
+    # pieces take only larger steps. 0: whole-step graphs for pure decode steps only. The whole-step graphs'
+    # buckets run up to the first power of two ≥ max(max_num_seqs, row_graph_tokens).
     row_graph_tokens: int = 128
     seed: int = 0  # the generator of requests without their own seed
 

@@ -1,13 +1,15 @@
 """Executes one engine step on the model: eagerly, or replayed from CUDA graphs.
 
-On CUDA (and `EngineConfig.cuda_graphs`), one graph per batch-size bucket (1, 2, 4, ...,
-up to max_num_seqs) is captured at start-up over static input tensors: decode batches are
-padded to their bucket with dummy sequences that write to the null block, and block
-tables are padded to the longest a sequence can have.
+On CUDA (and `EngineConfig.cuda_graphs`), one graph of a whole step per row-count bucket (1, 2, 4, ...,
+up to the first power of two ≥ max(max_num_seqs, row_graph_tokens)) is captured at start-up over
+static input tensors, every row a one-token query of the decode-attention kernel: a decode step is
+one row per sequence, and a mixed step of up to `row_graph_tokens` tokens one row per token
+(`token_rows`). Steps are padded to their bucket with dummy rows that write to the null block, and
+block tables are padded to the longest a sequence can have.
 
-Mixed steps (prefill chunks beside decodes) would run eagerly, which is host-bound (about 1,000
-kernel launches from Python for a 7B model); with `mixed_graph_tokens` (token-count buckets; the
-engine's default on CUDA) `MixedStepGraphs` replays the model in pieces between attentions from
+Larger mixed steps (prefill chunks beside decodes) would run eagerly, which is host-bound (about
+1,000 kernel launches from Python for a 7B model); with `mixed_graph_tokens` (token-count buckets;
+the engine's default on CUDA) `MixedStepGraphs` replays the model in pieces between attentions from
 CUDA graphs (the pieces are token-parallel, so padding tokens are harmless: they write to the
 null block) and runs only the varlen attention eagerly, as vLLM's piecewise graphs do.
 """
@@ -24,7 +26,8 @@ from spear.runtime.model import Transformer
 
 
 class DecodeGraph:
-    """A captured decode step over `size` sequences with static inputs and output."""
+    """A captured step of `size` one-token rows (a decode step, or a small mixed step as `token_rows`) with
+    static inputs and output."""
 
     def __init__(self, model: Transformer, cache: KVCache, size: int, table_width: int, pool):
         self.inputs = Batch.build([Chunk([0], 0, [])] * size, cache.block_size, cache.device, table_width)  # all dummies
@@ -114,6 +117,7 @@ class ModelRunner:
         self.cache = cache
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.row_graph_tokens = row_graph_tokens
         self.table_width = cdiv(max_model_len, cache.block_size)
         self.graphs: dict[int, DecodeGraph] = {}
         self.mixed: dict[int, MixedStepGraphs] = {}
@@ -133,8 +137,9 @@ class ModelRunner:
         if self.on_step is not None:
             self.on_step(chunks)
         rows, last = token_rows(chunks)
-        size = next((s for s in sorted(self.graphs) if s >= len(rows)), None)
-        if size is not None:  # a decode step, or a mixed step small enough to run as one (token_rows)
+        whole = len(rows) == len(chunks) or len(rows) <= self.row_graph_tokens  # a decode step, or a small one
+        size = next((s for s in sorted(self.graphs) if s >= len(rows)), None) if whole else None
+        if size is not None:
             logits = self.graphs[size].run(self.padded_batch(rows, size))
             return logits[: len(rows)] if len(rows) == len(chunks) else logits[torch.tensor(last, device=logits.device)]
         batch = Batch.build(chunks, self.cache.block_size, self.cache.device)
@@ -160,9 +165,9 @@ def token_rows(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
     return rows, [n - 1 for n in itertools.accumulate(len(c.tokens) for c in chunks)]
 
 
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to the first power of two >= max_num_seqs."""
+def graph_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two >= max_rows."""
     sizes = [1]
-    while sizes[-1] < max_num_seqs:
+    while sizes[-1] < max_rows:
         sizes.append(sizes[-1] * 2)
     return sizes
