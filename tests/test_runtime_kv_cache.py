@@ -112,3 +112,11 @@ def test_decode_batch_keeps_the_graph_table_width():
     batch = Batch.build([Chunk([1], 4, [3, 2]), Chunk([0], 0, [])], 4, CPU, table_width=6)  # a real row and a dummy
     assert batch.decode and batch.mask is None
     assert batch.block_tables.tolist() == [[3, 2, 0, 0, 0, 0], [0] * 6] and batch.slots.tolist() == [8, 0]
+
+
+def test_copy_takes_the_mask_of_a_batch_of_the_same_shapes():
+    static = Batch.build([Chunk([0, 0, 0], 3, [1, 1]), Chunk([0], 4, [1, 1])], 4, CPU)  # the same shapes
+    batch = Batch.build([Chunk([5, 6, 7], 2, [3, 2]), Chunk([1], 4, [4, 6])], 4, CPU)
+    static.copy_(batch)
+    for name in ("tokens", "slots", "prefill_tables", "query_pos", "out_index", "mask"):
+        assert torch.equal(getattr(static, name), getattr(batch, name)), name

@@ -158,6 +158,8 @@ class Batch:
         """Copy another batch of the same shapes into this one's tensors (static CUDA-graph inputs)."""
         if self.storage is not None and other.storage is not None and self.storage.shape == other.storage.shape:
             self.storage.copy_(other.storage)  # the same layout: one copy
+            if self.mask is not None:  # built from query_pos, not a view of the storage
+                self.mask.copy_(other.mask)
             return
         for f in fields(self):
             if f.name != "storage" and isinstance(getattr(self, f.name), torch.Tensor):
