@@ -122,6 +122,9 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
                "check_rel_err": {"w4": rel_err(plain, ref),
                                  "w4_ec32": rel_err(w4_linear(x, packed, ecs[32]), w4_linear_ref(x, packed, ecs[32])),
                                  "ec_term": rel_err(w4_linear(x, packed, loud_ec).float() - plain.float(), ec_term_ref)}}
+        if m <= DECODE_KERNEL_MAX_M:
+            row["check_rel_err"]["w4_ec32_split"] = rel_err(w4_decode(x, packed, ecs[32], ec_split=True),
+                                                             w4_linear_ref(x, packed, ecs[32]))
         us = row["us"] = {}
         us["fp16_cublas"] = time_graph([lambda w=w, x=x: x @ w.t() for w in fps])
         if tinygemm is not None:

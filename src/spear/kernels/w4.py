@@ -14,7 +14,8 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   program order and applies the gate once, for all tiles) and adds (alpha·B)_tile g in
   registers, then writes the output once. No float atomics: the result is bit-reproducible. The
   u-programs have the lowest ids, so they are dispatched first and the wait cannot
-  deadlock. Each launch leaves its counters zeroed for the next one.
+  deadlock. Each launch leaves its counters zeroed for the next one. With `ec_split` (w4_decode) the
+  u-programs run in a launch of their own first, and the tiles load g without waiting.
 * prefill (M > DECODE_PATH_MAX_M): the weight is dequantized once into scratch and multiplied by cuBLAS;
   the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
   y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
