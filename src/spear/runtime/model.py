@@ -306,8 +306,8 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
     """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
     returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `fuse`
     (a Transformer), q/k/v and gate/up become one launch each (fuse_projections). With `tune`, time the
-    decode kernel's configs once per distinct weight shape, fused ones included (a few seconds;
-    kernels.w4.tune_w4)."""
+    decode kernel's configs once per distinct weight shape and row bucket, fused ones included (tens of
+    seconds on a fresh machine, where every candidate compiles first; kernels.w4.tune_w4)."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
     if not linears or linears[0].codes.device.type != "cuda" or linears[0].weight_hat.dtype != torch.float16:
         return 0
