@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def test_slo_experiment_tiny_runs_end_to_end(tmp_path, monkeypatch, capsys):
@@ -23,3 +24,15 @@ def test_slo_experiment_tiny_runs_end_to_end(tmp_path, monkeypatch, capsys):
     assert result["latency_tables"]["w4+ec38"]["prefill_tokens"] == [0, 16, 32, 64]
     assert (tmp_path / "slo.png").stat().st_size > 0
     assert "slo20ms" in capsys.readouterr().out.splitlines()[-1]
+
+    # bench/slo_trace.py reads the per-step trace back: every step counted once, the slowest listed first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from slo_trace import describe
+
+    run = result["runs"][0]
+    lines = describe(run, slowest=2)
+    counted = sum(int(line.split()[2]) for line in lines if line.lstrip().startswith("prefill"))
+    assert counted == run["steps"]["steps"] == len(run["steps"]["trace"]["rows"])
+    slow = [float(line.split(": ")[2].split(" ms")[0]) for line in lines if "slow:" in line]
+    assert len(slow) == 2 and slow[0] >= slow[1]
+    assert abs(slow[0] - max(r[1] for r in run["steps"]["trace"]["rows"])) <= 0.05  # printed to 0.1 ms
