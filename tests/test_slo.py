@@ -163,6 +163,31 @@ def test_noisy_steps_keep_the_p99_within_the_slo():
     assert 16 < tail.prefill_budget(8, 0, 10_000) < mean_only.prefill_budget(8, 0, 10_000), "smaller, real chunks"
 
 
+def test_few_sized_steps_take_a_lower_quantile_and_keep_the_p99_of_all_gaps():
+    """When most gaps come from decode-only steps, the P99 of all gaps tolerates slower sized steps: the
+    policy takes a lower quantile of their ratios (larger chunks) and the P99 over every gap stays within."""
+    table = synthetic(base_ms=4.0)
+    rng = random.Random(1)
+    policy, always = SLOPolicy(table, 16.0), SLOPolicy(table, 16.0)
+    gaps = []  # one per decode per step, as the ITL sees them
+    for step in range(6000):
+        ratio = 1.2 * rng.lognormvariate(0.0, 0.15)
+        if step % 6:  # five decode-only steps in six
+            seconds = table.predict(8, 0) * ratio
+            policy.observe(StepStats(seconds, 8, 0))
+        else:
+            chunk = policy.prefill_budget(8, 0, 10_000)
+            seconds = table.predict(8, chunk) * ratio
+            policy.observe(StepStats(seconds, 8, chunk))
+            always.observe(StepStats(table.predict(8, chunk) * ratio, 8, chunk))  # the same ratios, every step sized
+        if step >= 600:
+            gaps += [seconds * 1e3] * 8
+    assert 0.15 < policy.sized_share < 0.19 and always.sized_share == pytest.approx(1.0)
+    assert policy.correction < always.correction
+    assert policy.prefill_budget(8, 0, 10_000) > always.prefill_budget(8, 0, 10_000)
+    assert p99(gaps) <= 16.0
+
+
 def test_steady_steps_keep_the_full_chunk():
     table = synthetic()
     policy = SLOPolicy(table, 16.0)
@@ -187,6 +212,7 @@ def test_window_forgets_a_slow_burst_and_shrugs_off_one_outlier():
 def test_invalid_settings():
     for kwargs in ({"itl_slo_ms": 0}, {"min_chunk": 0}, {"min_chunk": 64, "max_chunk": 32}, {"headroom": 1.0},
                    {"quantile": 0.0}, {"quantile": 1.5}, {"window": 0}, {"min_samples": 0},
+                   {"itl_percentile": 1.0}, {"share_smoothing": 0.0},
                    {"window": 16, "min_samples": 32}):
         with pytest.raises(SpearError):
             SLOPolicy(synthetic(), **{"itl_slo_ms": 16.0, **kwargs})
