@@ -124,14 +124,20 @@ def plot(runs: list[dict], slos: list[float], path: Path) -> None:
 
     ax = bottom.subplots()
     width = 0.8 / len(policies)
+    top = 3 * max(slos)  # the scale that shows the SLO lines; taller bars are cut there and labelled
     for k, policy in enumerate(policies):
         p99 = [next((r["summary"]["itl_ms"]["p99"] for r in runs if r["density"] == d and r["policy"] == policy), 0)
                for d in densities]
-        ax.bar(np.arange(len(densities)) + k * width, p99, width, label=policy)
+        x = np.arange(len(densities)) + k * width
+        ax.bar(x, np.minimum(p99, top), width, label=policy)
+        for xi, value in zip(x, p99):
+            if value > top:
+                ax.text(xi, top, f"{value:.0f}", ha="center", va="bottom", fontsize=7)
     for slo in slos:
         ax.axhline(slo, color="red", linestyle="--", linewidth=0.8)
+    ax.set_ylim(0, top * 1.1)
     ax.set_xticks(np.arange(len(densities)) + 0.4 - width / 2, densities)
-    ax.set(ylabel="P99 ITL (ms)", title="P99 inter-token latency (dashed: ITL SLOs)")
+    ax.set(ylabel="P99 ITL (ms)", title=f"P99 inter-token latency (dashed: ITL SLOs; bars over {top:g} ms cut, labelled)")
     ax.legend(fontsize=7, ncol=len(policies))
     fig.savefig(path, dpi=100)
     plt.close(fig)
