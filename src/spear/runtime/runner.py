@@ -136,10 +136,11 @@ class ModelRunner:
         """Logits [B, vocab] at the last token of each chunk; their K/V land in the cache."""
         if self.on_step is not None:
             self.on_step(chunks)
-        rows, last = token_rows(chunks)
-        whole = len(rows) == len(chunks) or len(rows) <= self.row_graph_tokens  # a decode step, or a small one
-        size = next((s for s in sorted(self.graphs) if s >= len(rows)), None) if whole else None
-        if size is not None:
+        num_tokens = sum(len(c.tokens) for c in chunks)
+        whole = num_tokens == len(chunks) or num_tokens <= self.row_graph_tokens  # a decode step, or a small one
+        size = next((s for s in sorted(self.graphs) if s >= num_tokens), None) if whole else None
+        if size is not None:  # only then split the step into rows (a long prompt's chunk need not be)
+            rows, last = token_rows(chunks)
             logits = self.graphs[size].run(self.padded_batch(rows, size))
             return logits[: len(rows)] if len(rows) == len(chunks) else logits[torch.tensor(last, device=logits.device)]
         batch = Batch.build(chunks, self.cache.block_size, self.cache.device)
