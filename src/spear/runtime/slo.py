@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from spear.errors import SpearError
 from spear.runtime.latency import LatencyTable
 
@@ -110,7 +112,7 @@ class SLOPolicy:
         if len(self._ratios) < self.min_samples:
             self.correction = self._mean
         else:
-            self.correction = _quantile(sorted(self._ratios), self._gap_quantile())
+            self.correction = float(np.quantile(self._ratios, self._gap_quantile()))  # linear interpolation
 
     @property
     def sized_share(self) -> float:
@@ -122,11 +124,3 @@ class SLOPolicy:
         share = max(self.sized_share, 1e-3)
         return min(self.quantile, max(0.5, 1 - (1 - self.itl_percentile) / share))
 
-
-def _quantile(ordered: list[float], q: float) -> float:
-    """The q-quantile of sorted values, interpolating linearly between neighbours."""
-    pos = q * (len(ordered) - 1)
-    i = int(pos)
-    if i + 1 >= len(ordered):
-        return ordered[-1]
-    return ordered[i] + (pos - i) * (ordered[i + 1] - ordered[i])
