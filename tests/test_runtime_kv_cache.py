@@ -120,3 +120,19 @@ def test_copy_takes_the_mask_of_a_batch_of_the_same_shapes():
     static.copy_(batch)
     for name in ("tokens", "slots", "prefill_tables", "query_pos", "out_index", "mask"):
         assert torch.equal(getattr(static, name), getattr(batch, name)), name
+
+
+def test_attention_tiles_group_one_sequence_at_consecutive_positions():
+    """Rows of one sequence at consecutive positions share a tile (up to tile_rows, across a block boundary);
+    another sequence, a gap in positions, or a full tile starts a new one; padding rows group among themselves;
+    the tiles are padded to the slots, and more tiles than slots is an error."""
+    from spear.runtime.kv_cache import attention_tiles
+
+    a, b = [3, 1, 7], [2, 5]
+    rows = [Chunk([0], p, a) for p in (5, 6, 7, 8, 9)] + [Chunk([0], 4, b), Chunk([0], 6, b)] + [Chunk([0], 0, [])] * 3
+    batch = Batch.build(rows, 4, CPU, table_width=3, tile_rows=3, tile_slots=8)
+    assert batch.tiles.tolist() == [[0, 3], [3, 2], [5, 1], [6, 1], [7, 3], [0, 0], [0, 0], [0, 0]]
+    assert batch.tile_rows == 3 and Batch.build(rows, 4, CPU).tiles is None  # no tiles: a row each
+    ones = [(i, [1], p, p + 1) for i, p in enumerate(range(4))]
+    with pytest.raises(ValueError, match="2 attention tiles do not fit the 1 slots"):
+        attention_tiles(ones, 2, 1)

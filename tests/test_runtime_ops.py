@@ -136,6 +136,34 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
     assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA (16 rows a tile) and GQA 3 (4 rows a tile)
+def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, gen):
+    """A mixed step's tokens as rows: two prompts' chunks (rows at consecutive positions, grouped into tiles of
+    one sequence) and two decodes (tiles of one row), then padding tiles; each row sees keys up to its own
+    position, across partitions that start past some rows of a tile."""
+    block_size, width, head_dim, dtype = 8, 6, 32, torch.float16
+    seq_lens = [45, 20, 7, 30]  # the sequences' lengths after this step
+    new = [29, 20, 1, 1]  # this step's tokens of each: a later chunk, a whole prompt, two decodes
+    tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
+    rows = [(s, pos) for s, (n, k) in enumerate(zip(seq_lens, new)) for pos in range(n - k, n)]
+    tile_rows = ops.attention_tile_rows(heads // kv_heads)
+    tiles, first = [], 0
+    for k in new:
+        for lo in range(0, k, tile_rows):
+            tiles.append((first + lo, min(tile_rows, k - lo)))
+        first += k
+    tiles += [(0, 0)] * 3
+    row_tables = tables[[s for s, _ in rows]]  # each cut to the blocks its row uses, as kv_cache.Batch cuts them
+    used = torch.tensor([pos // block_size + 1 for _, pos in rows], device=DEVICE)
+    row_tables = row_tables.masked_fill(torch.arange(width, device=DEVICE) >= used[:, None], 0)
+    lens = torch.tensor([pos + 1 for _, pos in rows], device=DEVICE)
+    q = randn(len(rows), heads, head_dim, gen=gen, dtype=dtype)
+    ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, row_tables, lens)
+    out = ops.paged_decode_attention(q, k_pool, v_pool, row_tables, lens, use_triton=True, partition=16,
+                                     tiles=torch.tensor(tiles, device=DEVICE), tile_rows=tile_rows)
+    assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads}")
+
+
 def test_model_steps_with_kernels_match_references(monkeypatch, gen):
     """The ops as the model wires them: prefill, mixed steps (a one-token prefill piece among decodes, then a longer
     chunk beside them), then a decode step, with every op forced to Triton or to PyTorch."""
@@ -157,3 +185,34 @@ def test_model_steps_with_kernels_match_references(monkeypatch, gen):
 
     for i, (got, ref) in enumerate(zip(run(True), run(False))):
         assert_close(got, ref, f"model logits of step {i}, kernels vs references", tol=1e-4)
+
+
+def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, gen):
+    """runner.token_rows with attention tiles: a mixed step (a decode, a prompt's later chunk crossing a block
+    boundary, a new prompt) as one-token rows in padded static shapes, through the Triton kernels, gives the
+    logits of the chunked step through the references."""
+    from spear.runtime.runner import token_rows
+
+    args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=4, head_dim=16, n_layers=2, vocab=100)
+    model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
+    tables = [[3, 1, 7, 4], [2], [5, 6]]
+    prompts = [torch.randint(0, 100, (n,), generator=gen).tolist() for n in (27, 3, 6)]
+    cache = KVCache(args.n_layers, 8, 8, args.n_kv_heads, args.head_dim, torch.float32, DEVICE)
+    step = [Chunk([7], 3, tables[1]), Chunk(prompts[0][5:], 5, tables[0]), Chunk(prompts[2], 0, tables[2])]
+
+    def forward(triton: bool, batch: Batch) -> torch.Tensor:
+        monkeypatch.setattr(ops, "_triton", lambda use_triton, x: triton)
+        with torch.inference_mode():
+            return model(batch, cache)
+
+    forward(False, Batch.build([Chunk(prompts[0][:5], 0, tables[0]), Chunk(prompts[1], 0, tables[1])], 8, DEVICE))
+    k, v = cache.k.clone(), cache.v.clone()
+    chunked = forward(False, Batch.build(step, 8, DEVICE))
+    cache.k.copy_(k)
+    cache.v.copy_(v)
+    rows, last = token_rows(step)
+    tile_rows = ops.attention_tile_rows(1)
+    padded = Batch.build(rows + [Chunk([0], 0, [])] * (32 - len(rows)), 8, DEVICE, 4, tile_rows, tile_slots=9)
+    assert padded.tiles[:, 1].tolist() == [1, 16, 6, 6, 3, 0, 0, 0, 0]  # decode, chunk 16 + 6, prompt, padding
+    tiled = forward(True, padded)
+    assert_close(tiled[last], chunked, "mixed step as tiled token rows vs chunked", tol=1e-4)

@@ -106,14 +106,21 @@ class Batch:
     query_pos: torch.Tensor  # [Bp, S] position of each query; padding queries get 0 and are discarded
     padded_index: torch.Tensor  # [Bp, S] index into T of each query (padding: 0)
     out_index: torch.Tensor  # [T] index into the Bd decode outputs then the Bp * S padded ones, per token
+    # [NT, 2] (first row, row count) of the one-token chunks grouped into tiles of up to `tile_rows` rows of one
+    # sequence at consecutive positions (a prefill chunk's tokens as rows, runner.token_rows), which the
+    # attention kernel serves with one pass over their keys; padding tiles have count 0. None: a row a tile.
+    tiles: torch.Tensor | None = None
+    tile_rows: int = 1
     mask: torch.Tensor | None = None  # [Bp, 1, S, M * block_size] key position <= query position (None: decode)
     decode: bool = False  # every chunk is one token (T == B): attention is the decode kernel alone
     storage: torch.Tensor | None = None  # the one int64 buffer every index field above is a view of
 
     @classmethod
-    def build(cls, chunks: list[Chunk], block_size: int, device: torch.device, table_width: int | None = None) -> Batch:
+    def build(cls, chunks: list[Chunk], block_size: int, device: torch.device, table_width: int | None = None,
+              tile_rows: int = 1, tile_slots: int | None = None) -> Batch:
         """`table_width`: W, the one-token chunks' table width (CUDA graphs' static shape); default the most
-        blocks one of them uses. The longer chunks' tables are cut to the blocks they use."""
+        blocks one of them uses. The longer chunks' tables are cut to the blocks they use. `tile_rows` > 1:
+        group the one-token chunks into attention tiles (`tiles`), padded to `tile_slots` (a static shape)."""
         tokens, positions, slots, last_index = [], [], [], []
         ones, longs = [], []  # (first token's index into T, table, start, end) per chunk
         for c in chunks:
@@ -141,14 +148,17 @@ class Batch:
             query_pos += list(range(start, end)) + [0] * pad
             padded_index += list(range(first, first + end - start)) + [0] * pad
             out_index[first : first + end - start] = range(len(ones) + i * S, len(ones) + i * S + end - start)
+        tiles = attention_tiles(ones, tile_rows, tile_slots) if tile_rows > 1 else []
         # One host → device copy for the whole batch (a copy per field cost ~10 µs each per step).
         parts = (tokens, positions, slots, last_index, tables, seq_lens, decode_index, prefill_tables, query_pos,
-                 padded_index, out_index)
+                 padded_index, out_index, tiles)
         storage = torch.tensor(list(itertools.chain(*parts)), dtype=torch.long, device=device)
         B, T, Bd, Bp = len(chunks), len(tokens), len(ones), len(longs)
-        shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,))
+        shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,), (-1, 2))
         views = [view.view(shape) for view, shape in zip(storage.split([len(part) for part in parts]), shapes)]
-        batch = cls(*views, decode=not longs, storage=storage)
+        if not tiles:
+            views[-1] = None
+        batch = cls(*views, tile_rows=tile_rows if tiles else 1, decode=not longs, storage=storage)
         if longs:  # once per step, for every layer
             key_pos = torch.arange(M * block_size, device=device)
             batch.mask = (key_pos <= batch.query_pos[..., None])[:, None]
@@ -164,6 +174,28 @@ class Batch:
         for f in fields(self):
             if f.name != "storage" and isinstance(getattr(self, f.name), torch.Tensor):
                 getattr(self, f.name).copy_(getattr(other, f.name))
+
+
+def attention_tiles(ones: list[tuple[int, list[int], int, int]], tile_rows: int, tile_slots: int | None) -> list[int]:
+    """The one-token chunks (first, table, start, end), in order, as flat (first row, row count) tiles: a row
+    joins the tile before it while that holds fewer than `tile_rows` rows of the same table at the position
+    before (padding rows, all at position 0 of the null block, group among themselves); then (0, 0) up to
+    `tile_slots` tiles. The attention kernel reads a tile's table from its last row (the longest)."""
+    tiles: list[list[int]] = []
+    for row, (_, table, start, _) in enumerate(ones):
+        _, before, before_start, _ = ones[row - 1] if row else (0, None, 0, 0)
+        # the same sequence: the next position, and the table before it a prefix of this one's (which may
+        # have a block more); tables of distinct live sequences share no block
+        if tiles and tiles[-1][1] < tile_rows and (start == before_start + 1 and table[:len(before)] == before
+                                                   or table == before == [NULL_BLOCK]):
+            tiles[-1][1] += 1
+        else:
+            tiles.append([row, 1])
+    if tile_slots is not None:
+        if len(tiles) > tile_slots:
+            raise ValueError(f"{len(tiles)} attention tiles do not fit the {tile_slots} slots of the batch")
+        tiles += [[0, 0]] * (tile_slots - len(tiles))
+    return [x for tile in tiles for x in tile]
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -186,7 +218,8 @@ PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENT
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch) -> torch.Tensor:
     """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]."""
     if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
-        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens)
+        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, tiles=batch.tiles,
+                                      tile_rows=batch.tile_rows)
     k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2)  # [Bp, KV, M * block_size, D]
     v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2)
     qp = q[batch.padded_index].transpose(1, 2)  # [Bp, H, S, D]

@@ -237,49 +237,71 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     return out[:, :, 0]  # [B, H, D]
 
 
+def attention_tile_rows(group: int) -> int:
+    """Query rows per tile of the attention kernel for `group` query heads per KV head: as many as fill the
+    tensor-core dot's 16 rows (16 with MHA, 4 with 4-way GQA, 1 from 16-way up)."""
+    return max(1, 16 // _next_pow2(group))
+
+
 @_jit(do_not_specialize=("num_partitions", "stride_table"))
-def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, m_ptr, l_ptr, acc_ptr,
+def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
+                                   m_ptr, l_ptr, acc_ptr,
                                    scale, H, num_partitions, block_size, stride_table,
                                    stride_pool_block, stride_pool_offset,
-                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                   HAS_TILES: tl.constexpr, D: tl.constexpr,
                                    PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (b, kv, p): the GROUP query heads of KV head kv over keys [p * PARTITION, (p + 1) * PARTITION)
-    of sequence b, by online softmax. Writes the partition's running max m, sum l = Σ exp(s - m) and
-    acc = Σ exp(s - m) v (float32); a partition past the sequence's end writes m = -inf, l = 0 only."""
-    b, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start = p * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP  # head rows past the group are padding (tl.dot needs 16)
-    head = kv * GROUP + g  # [BLOCK_G]
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + (b * H + head)[:, None] * D + d[None, :], mask=g_ok[:, None], other=0.0)  # [BLOCK_G, D]
+    """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
+    BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
+    and the keys they read: a prefill chunk's tokens as rows), over keys [p * PARTITION, (p + 1) * PARTITION) by online
+    softmax; row r sees keys 0 .. seq_len_r - 1. Writes each (row, head)'s running max m, sum
+    l = Σ exp(s - m) and acc = Σ exp(s - m) v (float32) for the partition; a partition past a row's end
+    writes m = -inf, l = 0 only. Without tiles every row is a tile of its own (a decode step)."""
+    tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if HAS_TILES:
+        first = tl.load(tiles_ptr + 2 * tile)  # the tile's first row and its row count (0: a padding tile)
+        count = tl.load(tiles_ptr + 2 * tile + 1)
+    else:
+        first, count = tile, 1
+    if count > 0:
+        i = tl.arange(0, BLOCK_Q)  # dot row i: query row first + i // BLOCK_G, head kv * GROUP + i % BLOCK_G
+        r, g = i // BLOCK_G, i % BLOCK_G
+        ok = (r < count) & (g < GROUP)  # rows past the tile or the group are padding (tl.dot needs 16)
+        row = first + r
+        head = kv * GROUP + g
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (row * H + head)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
+        row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
+        last = first + count - 1  # the tile's last row sees the most keys, and its table has all their blocks
+        seq_len = tl.load(seq_lens_ptr + last)
+        start = p * PARTITION
+        end = tl.minimum(start + PARTITION, seq_len)
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):  # no steps past the end: an empty partition just writes (-inf, 0)
-        t = n0 + tl.arange(0, BLOCK_N)  # key positions
-        t_ok = t < end
-        block = tl.load(tables_ptr + b * stride_table + t // block_size, mask=t_ok, other=0)  # [BLOCK_N]
-        kv_off = block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D
-        k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)  # rescales what came before
-        prob = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(prob, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)  # prob in v's dtype
-        m = m_new
+        m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):  # no steps past the end: an empty partition just writes (-inf, 0)
+            t = n0 + tl.arange(0, BLOCK_N)  # key positions
+            t_ok = t < end
+            block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t_ok, other=0)  # [BLOCK_N]
+            kv_off = block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D
+            k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_Q, BLOCK_N]
+            s = tl.where(t[None, :] < row_len[:, None], s, float("-inf"))  # causal: row r sees keys < row_len_r
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
+            alpha = tl.exp(m - m_safe)  # rescales what came before
+            prob = tl.exp(s - m_safe[:, None])
+            l = l * alpha + tl.sum(prob, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)  # prob in v's dtype
+            m = m_new
 
-    row = (b * H + head) * num_partitions + p  # [BLOCK_G] into the [B, H, P] workspace
-    tl.store(m_ptr + row, m, mask=g_ok)
-    tl.store(l_ptr + row, l, mask=g_ok)
-    if start < seq_len:  # the combine never reads an empty partition's acc
-        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+        out = (row * H + head) * num_partitions + p  # [BLOCK_Q] into the [B, H, P] workspace
+        tl.store(m_ptr + out, m, mask=ok)
+        tl.store(l_ptr + out, l, mask=ok)
+        # the combine never reads a partition that starts past a row's end
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
 
 
 @_jit(do_not_specialize=("num_partitions",))
@@ -307,11 +329,15 @@ def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, seq_lens_ptr, out_ptr, n
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, *, use_triton: bool | None = None,
-                           partition: int = PARTITION) -> torch.Tensor:
-    """q [B, H, D] (each sequence's query at position seq_len - 1), pools [N, block_size, KV, D],
-    block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's dtype.
+                           partition: int = PARTITION, tiles: torch.Tensor | None = None,
+                           tile_rows: int = 1) -> torch.Tensor:
+    """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1), pools
+    [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
+    dtype. `tiles` [NT, 2] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
+    at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
+    a mixed step's prefill tokens as rows); None: every row alone.
 
-    Triton: grid (B, KV, cdiv(W * block_size, partition)) then (B, H): shapes alone set the grids and
+    Triton: grid (NT or B, KV, cdiv(W * block_size, partition)) then (B, H): shapes alone set the grids and
     the float32 workspace, so the launch can be captured in a CUDA graph.
     """
     if not _triton(use_triton, q):
@@ -328,11 +354,14 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     l = torch.empty_like(m)
     acc = torch.empty(B, H, num_partitions, D, dtype=torch.float32, device=q.device)
     group = H // KV
-    _paged_decode_partition_kernel[(B, KV, num_partitions)](
-        q, k_pool, v_pool, block_tables, seq_lens, m, l, acc, D**-0.5 if scale is None else scale, H, num_partitions,
+    block_g = _next_pow2(group)
+    rows = tile_rows if tiles is not None else 1
+    _paged_decode_partition_kernel[(tiles.shape[0] if tiles is not None else B, KV, num_partitions)](
+        q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc,
+        D**-0.5 if scale is None else scale, H, num_partitions,
         block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
-        GROUP=group, BLOCK_G=max(16, _next_pow2(group)), D=D, PARTITION=partition, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
+        D=D, PARTITION=partition, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     out = torch.empty_like(q)
     _paged_decode_combine_kernel[(B, H)](m, l, acc, seq_lens, out, num_partitions, D=D, PARTITION=partition,
                                          num_warps=1)

@@ -23,14 +23,17 @@ import torch
 
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv, paged_attention
 from spear.runtime.model import Transformer
+from spear.runtime.ops import attention_tile_rows
 
 
 class DecodeGraph:
     """A captured step of `size` one-token rows (a decode step, or a small mixed step as `token_rows`) with
     static inputs and output."""
 
-    def __init__(self, model: Transformer, cache: KVCache, size: int, table_width: int, pool):
-        self.inputs = Batch.build([Chunk([0], 0, [])] * size, cache.block_size, cache.device, table_width)  # all dummies
+    def __init__(self, model: Transformer, cache: KVCache, size: int, table_width: int, tile_rows: int, tile_slots: int,
+                 pool):
+        self.inputs = Batch.build([Chunk([0], 0, [])] * size, cache.block_size, cache.device, table_width,
+                                  tile_rows, tile_slots)  # all dummies
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up (lazy inits, autotuning) outside the capture
@@ -119,6 +122,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.row_graph_tokens = row_graph_tokens
         self.table_width = cdiv(max_model_len, cache.block_size)
+        # attention tiles: a prefill chunk's rows share one pass over their keys (kv_cache.attention_tiles)
+        self.tile_rows = attention_tile_rows(model.args.n_heads // model.args.n_kv_heads)
         self.graphs: dict[int, DecodeGraph] = {}
         self.mixed: dict[int, MixedStepGraphs] = {}
         self.on_step: Callable[[list[Chunk]], None] | None = None  # sees each step's chunks first (TP: sends them)
@@ -127,7 +132,8 @@ class ModelRunner:
             if capture:
                 pool = torch.cuda.graph_pool_handle()
                 for size in sorted(graph_buckets(max(max_num_seqs, row_graph_tokens)), reverse=True):  # largest first
-                    self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, pool)
+                    self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, self.tile_rows,
+                                                    self.tile_slots(size), pool)
             for tokens in sorted(mixed_graph_tokens, reverse=True):
                 self.mixed[tokens] = MixedStepGraphs(model, cache, tokens, max_num_seqs, capture)
 
@@ -150,9 +156,16 @@ class ModelRunner:
         return self.model(batch, self.cache)
 
     def padded_batch(self, chunks: list[Chunk], size: int) -> Batch:
-        """The batch in a graph's static shapes: `size` rows (dummies write to the null block), full-width tables."""
+        """The batch in a graph's static shapes: `size` rows (dummies write to the null block), full-width tables,
+        `tile_slots(size)` attention tiles."""
         padded = chunks + [Chunk([0], 0, [])] * (size - len(chunks))
-        return Batch.build(padded, self.cache.block_size, self.cache.device, self.table_width)
+        return Batch.build(padded, self.cache.block_size, self.cache.device, self.table_width, self.tile_rows,
+                           self.tile_slots(size))
+
+    def tile_slots(self, size: int) -> int:
+        """The most attention tiles `size` rows can need: each of at most max_num_seqs sequences starts a tile,
+        every tile_rows rows of a sequence another, and the padding rows need cdiv(pad, tile_rows)."""
+        return min(size, self.max_num_seqs + cdiv(size, self.tile_rows) + 1)
 
 
 def token_rows(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
