@@ -65,7 +65,7 @@ def test_serving_table_profiles_once_and_reuses(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"format": "spear-artifact"}))  # looks like an artifact
     first = serving_table(str(tmp_path), engine)
     assert (tmp_path / TABLE_FILE).is_file() and "profiling" in capsys.readouterr().err
-    assert first.batch_sizes == [1, 4, 6] and first.prefill_tokens == [0, 64, 128], "the grid the engine can run"
+    assert first.batch_sizes == [1, 4, 6] and first.prefill_tokens == [0, 16, 32, 48, 64, 96, 128], "the grid the engine can run"
     assert serving_table(str(tmp_path), engine) == first and "profiling" not in capsys.readouterr().err
     first.device = "another device"
     first.save(tmp_path / TABLE_FILE)

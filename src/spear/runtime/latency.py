@@ -29,7 +29,10 @@ from spear.runtime.runner import ModelRunner
 TABLE_FILE = "latency_table.json"
 FORMAT = "spear-latency-table"
 DEFAULT_BATCH_SIZES = (1, 4, 8, 16, 32)
-DEFAULT_PREFILL_TOKENS = (0, 64, 128, 256, 512)
+# Fine below 128: a step's cost jumps where its rows (decodes + prompt tokens) pass a W4 row tile (16, 32, 64,
+# 128) and where whole-step graphs give way to graph pieces (EngineConfig.row_graph_tokens); a coarse grid
+# interpolates across those jumps and the SLO policy's chunks land on the wrong side of them.
+DEFAULT_PREFILL_TOKENS = (0, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 @dataclass
