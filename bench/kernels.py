@@ -109,8 +109,7 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
     for m, measured in timings.items():  # the best of each main loop (do_bench, cold L2, launch included)
         best = {}
         for us, cfg in measured:
-            loop = "gemv" if cfg.gemv_rows and m <= cfg.gemv_rows else "wide" if cfg.wide else "dot"
-            best.setdefault(loop, (us, cfg))
+            best.setdefault("gemv" if cfg.gemv_rows and m <= cfg.gemv_rows else "dot", (us, cfg))
         log(f"  M={m} best per loop: " + "; ".join(f"{loop} {us:.1f} µs {cfg}" for loop, (us, cfg) in best.items()))
     rows = []
     for m in ms:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -96,21 +94,6 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
 
 
 @pytest.mark.parametrize("group", [-1, 32, 64, 128])
-def test_decode_wide_dot_loop_matches_reference(group, gen):
-    """DecodeConfig.wide: one K = 128 dot per block (the codes reshaped, xᵀ loaded in their order), with K = 576
-    padded to 640 (the last block half past the last group), split-K, and with and without an EC."""
-    n, k = 192, 640 if group == 128 else 576
-    packed = pack_w4(random_w4(n, k, group, gen, sym=group == 64)).to(DEVICE)
-    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
-    for m, split_k, block_n, with_ec in ((1, 1, 32, True), (16, 2, 64, False), (40, 3, 32, True), (100, 1, 64, False)):
-        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        cfg = DecodeConfig(block_n=block_n, split_k=split_k, gemv_rows=0, wide=True)
-        y = w4_decode(x, packed, ec if with_ec else None, None, cfg, out=poisoned(m, n))
-        ref = w4_linear_ref(x, packed, ec if with_ec else None)
-        assert_close(y, ref, f"wide m={m} g={group} split_k={split_k} ec={with_ec}")
-
-
-@pytest.mark.parametrize("group", [-1, 32, 64, 128])
 def test_decode_gemv_loop_matches_reference(group, gen):
     """The few-row GEMV main loop (DecodeConfig.gemv_rows) at 1–4 rows, one or several 128-column blocks per
     step (K = 576 pads to 640; 640 = 2.5 steps of 32 words: the last step is partial), and the dot loop above
@@ -190,9 +173,8 @@ def test_prefill_kernel_matches_reference(group, with_ec, gen):
     x = torch.randn(m, k, generator=gen).half().to(DEVICE)
     ref = w4_linear_ref(x, packed, ec, bias)
     assert_close(w4_prefill(x, packed, ec, bias, out=poisoned(m, n)), ref, f"prefill g={group} ec={with_ec}")
-    for cfg in (SMALL_PREFILL, replace(SMALL_PREFILL, wide=True)):
-        y = w4_prefill_fused(x, packed, ec, bias, cfg, out=poisoned(m, n))
-        assert_close(y, ref, f"fused prefill g={group} ec={with_ec} wide={cfg.wide}")
+    y = w4_prefill_fused(x, packed, ec, bias, SMALL_PREFILL, out=poisoned(m, n))
+    assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
 
 
 def test_dequantize_kernel_is_bit_exact(gen):

@@ -84,25 +84,21 @@ def variants() -> dict[str, tuple]:
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "cnt_ptr": I32}
     out = {}
-    for rows, ec, spg, per_channel, bm, wide in (
-            (0, True, 8, True, 16, False), (1, True, 8, True, 16, False), (1, False, 8, True, 16, False),
-            (1, False, 2, False, 16, False), (2, True, 4, False, 16, False), (4, True, 8, True, 16, False),
-            (0, True, 8, True, 64, False), (0, True, 2, False, 128, False),
-            (0, True, 8, True, 64, True), (0, False, 2, False, 128, True)):
+    for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
+                                           (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
+                                           (0, True, 8, True, 64), (0, True, 2, False, 128)):
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=bm, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=per_channel, EC_STAGE=0, WIDE=wide)
-        name = (f"decode rows={rows or ('wide' if wide else 'dot')} ec={ec} spg={spg} per_channel={per_channel}"
-                + (f" bm={bm}" if bm > 16 else ""))
+                     BKW=64, PER_CHANNEL=per_channel, EC_STAGE=0)
+        name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     for stage in (1, 2):  # the EC in a launch of its own (w4_decode's ec_split)
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
-                     BKW=64, PER_CHANNEL=True, EC_STAGE=stage, WIDE=False)
+                     BKW=64, PER_CHANNEL=True, EC_STAGE=stage)
         out[f"decode rows=1 ec stage {stage}"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     out["ec_rank"] = (w4._ec_rank_kernel, f16, dict(GATED=True, R=32, H=16, BM=32, BK=64), 4)
     out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
     out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-                            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True,
-                                 WIDE=False), 4)
+                            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True), 4)
     out["ec_epilogue"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "u_ptr": F32},
                           dict(GATED=True, BLOCK_N=64, BLOCK_R=32, BLOCK_H=16), 4)
     return out

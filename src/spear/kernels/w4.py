@@ -89,51 +89,17 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 
 
 @triton.jit
-def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
-                   group_size, biased_z, BN: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """_w4_block as one K = 128 tensor-core dot instead of eight K = 16 ones (more rows: fewer, longer MMA
-    chains and one load of x per block). The [BN, 16] words unpack to [BN, 16, 8] codes (word i, nibble j)
-    and reshape to [BN, 128] with column c = 8 i + j, which holds the code of column k = kb + 16 j + i: xᵀ is
-    loaded in that order. Grouped, the block is dequantized in fp16 ((q − z) · s, as Marlin does: one more
-    rounding than _w4_block's float32 scaling); per-channel it holds q − z and the caller scales."""
-    packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
-                     mask=mask_n[:, None], other=0)  # [BN, 16] int32
-    nibble = tl.arange(0, 8)
-    bits = ((packed[:, :, None] >> (4 * nibble)[None, None, :]) & 0xF) | 0x6400  # [BN, 16, 8]: 1024 + q
-    w = bits.to(tl.int16).to(tl.float16, bitcast=True)
-    if PER_CHANNEL:
-        w = w - biased_z[:, None, None]  # q − z, exact
-    else:
-        g = (kb + 16 * nibble) // group_size  # [8] the group of slice j (K pads to 128: it may be past the last)
-        at = offs_n[:, None] * G + g[None, :]
-        mask_g = mask_n[:, None] & (g[None, :] < G)
-        z = tl.load(z_ptr + at, mask=mask_g, other=0.0) + 1024.0  # [BN, 8] fp16, exact
-        w = (w - z[:, None, :]) * tl.load(s_ptr + at, mask=mask_g, other=0.0)[:, None, :]
-    w = tl.reshape(w, (BN, 128))
-    c = tl.arange(0, 128)
-    offs_k = kb + 16 * (c % 8) + c // 8
-    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                 mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [128, BM]: xᵀ in the block's order
-    return tl.dot(w, xt, acc)
-
-
-@triton.jit
 def _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
-                 group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 WIDE: tl.constexpr):
-    """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (per 128 columns: _w4_block, or with
-    WIDE _w4_block_wide). Per-channel, z is loaded once and s applied once, after the loop."""
+                 group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns).
+    Per-channel, z is loaded once and s applied once, after the loop."""
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     biased_z = tl.zeros((BN,), dtype=tl.float16)
     if PER_CHANNEL:
         biased_z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0) + 1024.0
     for kb in range(k_lo, k_hi, 128):
-        if WIDE:
-            acc = _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K,
-                                 KW, G, group_size, biased_z, BN, PER_CHANNEL)
-        else:
-            acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
-                            group_size, biased_z, SPG, BN, BM, PER_CHANNEL)
+        acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
+                        group_size, biased_z, SPG, BN, BM, PER_CHANNEL)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return acc
@@ -316,7 +282,7 @@ def _w4_decode_kernel(
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
-    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, EC_STAGE: tl.constexpr, WIDE: tl.constexpr,
+    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, EC_STAGE: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax + 1, BM, R]: float32 partial sums, each summed in a fixed
     # order by the program that arrives last (no float atomics: the result is bit-reproducible); the last
@@ -364,7 +330,7 @@ def _w4_decode_kernel(
                            K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE)
+                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
             tile = offs_m[None, :] * N + offs_n[:, None]
@@ -443,7 +409,6 @@ def _w4_prefill_kernel(
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    WIDE: tl.constexpr,
 ):
     # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
@@ -460,7 +425,7 @@ def _w4_prefill_kernel(
     mask_n = offs_n < N
     # yᵀ tile: the dequantized weight is the dot's first operand
     acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
-                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE)
+                       group_size, SPG, BN, BM, PER_CHANNEL)
     g = tl.zeros((BM, R), dtype=tl.float32)
     if HAS_EC:
         offs_r = tl.arange(0, R)
@@ -479,7 +444,6 @@ class DecodeConfig:
     num_stages: int = 3
     gemv_rows: int = 4  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
     block_kw: int = 128  # GEMV loop: code words per row per step (a multiple of 16: 128 columns each)
-    wide: bool = False  # dot loop: one K = 128 dot per block (_w4_block_wide) instead of eight K = 16 ones
 
 
 @dataclass(frozen=True)
@@ -489,7 +453,6 @@ class PrefillConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    wide: bool = False  # one K = 128 dot per block (_w4_block_wide)
 
 
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
@@ -499,19 +462,17 @@ class PrefillConfig:
 DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M), then the GEMV loop (M ≤ 4)
     DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in
     ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4), (128, 8, 3))
-] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=0, wide=True) for bn, warps, stages in  # not yet timed
-     ((32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 8, 3), (128, 4, 3))] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
+] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
      ((32, 8, 3, 128), (32, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256))]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
-    PrefillConfig(128, 128, 8, 8, 3, wide=True), PrefillConfig(64, 128, 8, 4, 3, wide=True),  # not yet timed
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
 # w4_decode's default: the EC's rank-space work in the W4 launch (False) or in a launch of its own before it
-# (True). The fused launch costs 1.16–1.83× W4 at M = 1 on the H200 (BENCHMARKS.md §4); the split one is
-# not yet timed (bench/kernels.py reports both as w4_ec_r32 and w4_ec_r32_split).
+# (True). Timed on the H200 over the 7B shapes at M = 1–128 (bench/kernels.py: w4_ec_r32, w4_ec_r32_split;
+# BENCHMARKS.md §4): fused 1.11–1.64× W4, split 1.23–1.88×, slower in every row, so fused it is.
 EC_SPLIT = False
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
@@ -621,7 +582,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
             split_k, k_per_split, num_ax, ax_k, tiles,
             HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
             BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
-            GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1, EC_STAGE=stage, WIDE=cfg.wide,
+            GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1, EC_STAGE=stage,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -667,7 +628,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
         BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
-        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=cfg.wide,
+        PER_CHANNEL=w.scales.shape[1] == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
