@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +138,13 @@ def test_attention_tiles_group_one_sequence_at_consecutive_positions():
     ones = [(i, [1], p, p + 1) for i, p in enumerate(range(4))]
     with pytest.raises(ValueError, match="2 attention tiles do not fit the 1 slots"):
         attention_tiles(ones, 2, 1)
+
+
+def test_every_index_field_starts_16_byte_aligned():
+    """Triton specializes kernels on 16-byte pointer alignment: fields of a step's one buffer must not change it."""
+    chunks = [Chunk([1], 4, [3, 2]), Chunk([5, 6, 7], 2, [4, 6]), Chunk([8], 0, [7])]  # odd counts everywhere
+    for tile_rows in (1, 4):
+        batch = Batch.build(chunks, 4, CPU, table_width=3, tile_rows=tile_rows, tile_slots=5 if tile_rows > 1 else None)
+        views = [getattr(batch, f.name) for f in fields(batch) if f.name not in ("storage", "mask")]
+        assert all(v.data_ptr() % 16 == 0 for v in views if isinstance(v, torch.Tensor) and v.numel())
+        assert batch.seq_lens.tolist() == [5, 1] and batch.last_index.tolist() == [0, 3, 4]

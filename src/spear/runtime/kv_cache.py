@@ -152,10 +152,15 @@ class Batch:
         # One host → device copy for the whole batch (a copy per field cost ~10 µs each per step).
         parts = (tokens, positions, slots, last_index, tables, seq_lens, decode_index, prefill_tables, query_pos,
                  padded_index, out_index, tiles)
-        storage = torch.tensor(list(itertools.chain(*parts)), dtype=torch.long, device=device)
+        # Each field starts 16-byte aligned (an even number of int64s before it): Triton specializes a kernel on
+        # whether its pointers are, so a field whose alignment changed from step to step compiled a second
+        # variant mid-serving (a 736 ms step on the H200, slo_experiment_h200_d98406d, static 512).
+        starts = [0, *itertools.accumulate(len(part) + len(part) % 2 for part in parts)]
+        storage = torch.tensor(list(itertools.chain(*(part + [0] * (len(part) % 2) for part in parts))),
+                               dtype=torch.long, device=device)
         B, T, Bd, Bp = len(chunks), len(tokens), len(ones), len(longs)
         shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,), (-1, 2))
-        views = [view.view(shape) for view, shape in zip(storage.split([len(part) for part in parts]), shapes)]
+        views = [storage[start:start + len(part)].view(shape) for start, part, shape in zip(starts, parts, shapes)]
         if not tiles:
             views[-1] = None
         batch = cls(*views, tile_rows=tile_rows if tiles else 1, decode=not longs, storage=storage)
