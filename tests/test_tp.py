@@ -104,20 +104,51 @@ def test_shape_errors():
 
 
 def test_ec_epilogue_kernel_matches_reference():
+    """In place on fp16 y (the collective path), and from strided float32 [y | u] rows into fp16 with the bias (the
+    symmetric path), gated, static and without an EC."""
     from spear.kernels.ec_epilogue import ec_epilogue, ec_epilogue_ref
 
     gen = torch.Generator().manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def randn(*shape):
-        return torch.randn(shape, generator=gen).half().to(device)
+    def randn(*shape, dtype=torch.float16):
+        return torch.randn(shape, generator=gen).to(device, dtype)
 
     for M, N, r, h, gated in ((1, 200, 32, 8, True), (5, 64, 12, 20, True), (3, 130, 32, 0, False)):
         y, u, B = randn(M, N), randn(M, r), randn(N, r) * 0.1
         gate = (randn(h, r), randn(h), randn(r, h), randn(r)) if gated else ()
         expected = ec_epilogue_ref(y, u, B, *gate)
         torch.testing.assert_close(ec_epilogue(y.clone(), u, B, *gate, block_n=64), expected, atol=2e-3, rtol=2e-3)
+        rows, bias = randn(M, N + r + 3, dtype=torch.float32), randn(N)  # a row stride past N + r
+        for ec in (True, False):
+            u_view = rows[:, N:N + r] if ec else None
+            expected = ec_epilogue_ref(rows[:, :N], u_view, B, *gate, bias=bias, dtype=torch.float16)
+            out = torch.full((M, N), float("nan"), dtype=torch.float16, device=device)
+            got = ec_epilogue(rows[:, :N], u_view, B if ec else None, *(gate if ec else ()), bias=bias, out=out)
+            torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
+
+def test_symmetric_path_equals_the_unsharded_layer():
+    """SymmetricReduce over two shards of a W4 + gated-EC row-parallel layer with a bias, in one process: the
+    all-reduce stand-in adds rank 1's staged [y_r | u_r] rows to rank 0's, whose output is then the whole layer's."""
+    from spear.runtime.tp import SymmetricReduce
+
+    args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
+    lin = build(args, "w4+ec").layers[0].feed_forward.w_down
+    assert lin.ec is not None and lin.ec.gate is not None
+    lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = lin(x)
+        shards = [RowParallelLinear(lin, rank, 2) for rank in (0, 1)]
+        width = lin.out_features + lin.ec.rank
+        staged = {}
+        shards[1].reduce = SymmetricReduce(torch.empty(4 * width), lambda flat: staged.setdefault(1, flat.clone()))
+        shards[0].reduce = SymmetricReduce(torch.full((4 * width,), float("nan")), lambda flat: flat + staged[1])
+        half = lin.in_features // 2
+        shards[1](x[:, half:])
+        got = shards[0](x[:, :half])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_tp_decode_bench_tiny_runs_end_to_end(tmp_path):

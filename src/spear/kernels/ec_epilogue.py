@@ -1,12 +1,14 @@
-"""The EC epilogue of a row-parallel layer: y += (alpha·B) (gamma(u) ⊙ u), on the reduced y [M, N] and u [M, r].
+"""The epilogue of a row-parallel layer, on the reduced partials: y = y_sum + bias + (alpha·B) (gamma(u) ⊙ u).
 
     gamma(u) = 1 + tanh(W2 silu(W1 u + b1) + b2)          (gamma ≡ 1 for a static EC: W1 is None)
 
 Under tensor parallelism the gate needs the globally reduced u, so this runs after the
-reduction (spear.runtime.tp), on every rank, on identical data. The Triton kernel is one
-launch over (row, block of N); each program recomputes the row's tiny gate (r → h → r)
-and adds its block of B·g. Math in float32; 1 + tanh(z) is computed as 2·sigmoid(2z).
-spear.runtime.tp imports this module only on CUDA.
+reduction (spear.runtime.tp), on every rank, on identical data. Its inputs may be strided views
+of any float dtype: the symmetric-memory path reduces [y_r | u_r] rows in float32 and this kernel
+reads both halves of the sum and writes the layer's fp16 output (no EC: the bias and the cast
+alone). The Triton kernel is one launch over (row, block of N); each program recomputes the
+row's tiny gate (r → h → r) and adds its block of B·g. Math in float32; 1 + tanh(z) is computed
+as 2·sigmoid(2z). spear.runtime.tp imports this module only on CUDA (tests: TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -17,55 +19,72 @@ import triton
 import triton.language as tl
 
 
-def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor, B: torch.Tensor, W1: torch.Tensor | None = None,
-                    b1: torch.Tensor | None = None, W2: torch.Tensor | None = None,
-                    b2: torch.Tensor | None = None) -> torch.Tensor:
-    """The specification: y [M, N], u [M, r], B [N, r] (alpha folded in), gate W1 [h, r], b1 [h], W2 [r, h], b2 [r]."""
-    g = u.float()
-    if W1 is not None:
-        hidden = F.silu(g @ W1.float().t() + b1.float())
-        g = g * (1 + torch.tanh(hidden @ W2.float().t() + b2.float()))
-    return (y.float() + g @ B.float().t()).to(y.dtype)
+def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,
+                    b1: torch.Tensor | None = None, W2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The specification: y [M, N], u [M, r] (None: no EC), B [N, r] (alpha folded in), gate W1 [h, r], b1 [h],
+    W2 [r, h], b2 [r], bias [N]; the result in `dtype` (default y's)."""
+    out = y.float()
+    if bias is not None:
+        out = out + bias.float()
+    if u is not None:
+        g = u.float()
+        if W1 is not None:
+            hidden = F.silu(g @ W1.float().t() + b1.float())
+            g = g * (1 + torch.tanh(hidden @ W2.float().t() + b2.float()))
+        out = out + g @ B.float().t()
+    return out.to(dtype or y.dtype)
 
 
 @triton.jit
-def _ec_epilogue_kernel(y_ptr, u_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, N, R, H,
-                        GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _ec_epilogue_kernel(y_ptr, u_ptr, out_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, N, R, H,
+                        stride_y, stride_u, stride_out,
+                        HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     m = tl.program_id(0)
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < R
-    u = tl.load(u_ptr + m * R + r, mask=r_ok, other=0.0).to(tl.float32)  # [BLOCK_R]
-    g = u
-    if GATED:
-        h = tl.arange(0, BLOCK_H)
-        h_ok = h < H
-        w1 = tl.load(w1_ptr + h[:, None] * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-        hidden = tl.sum(w1.to(tl.float32) * u[None, :], axis=1)
-        hidden += tl.load(b1_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
-        hidden = hidden / (1 + tl.exp(-hidden))  # silu
-        w2 = tl.load(w2_ptr + r[:, None] * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
-        z = tl.sum(w2.to(tl.float32) * hidden[None, :], axis=1)
-        z += tl.load(b2_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-        g = u * (2 / (1 + tl.exp(-2 * z)))  # u * (1 + tanh(z))
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    b = tl.load(b_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    y = tl.load(y_ptr + m * N + n, mask=n_ok, other=0.0).to(tl.float32)
-    y += tl.sum(b.to(tl.float32) * g[None, :], axis=1)
-    tl.store(y_ptr + m * N + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    y = tl.load(y_ptr + m * stride_y + n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_EC:
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r < R
+        u = tl.load(u_ptr + m * stride_u + r, mask=r_ok, other=0.0).to(tl.float32)  # [BLOCK_R]
+        g = u
+        if GATED:
+            h = tl.arange(0, BLOCK_H)
+            h_ok = h < H
+            w1 = tl.load(w1_ptr + h[:, None] * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+            hidden = tl.sum(w1.to(tl.float32) * u[None, :], axis=1)
+            hidden += tl.load(b1_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+            hidden = hidden / (1 + tl.exp(-hidden))  # silu
+            w2 = tl.load(w2_ptr + r[:, None] * H + h[None, :], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+            z = tl.sum(w2.to(tl.float32) * hidden[None, :], axis=1)
+            z += tl.load(b2_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+            g = u * (2 / (1 + tl.exp(-2 * z)))  # u * (1 + tanh(z))
+        b = tl.load(b_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        y += tl.sum(b.to(tl.float32) * g[None, :], axis=1)
+    tl.store(out_ptr + m * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def ec_epilogue(y: torch.Tensor, u: torch.Tensor, B: torch.Tensor, W1: torch.Tensor | None = None,
-                b1: torch.Tensor | None = None, W2: torch.Tensor | None = None,
-                b2: torch.Tensor | None = None, block_n: int = 128) -> torch.Tensor:
-    """The Triton kernel, in place on y (contiguous); same arguments and result as ec_epilogue_ref."""
+def ec_epilogue(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,
+                b1: torch.Tensor | None = None, W2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None, out: torch.Tensor | None = None, block_n: int = 128) -> torch.Tensor:
+    """The Triton kernel: ec_epilogue_ref's result into `out` (default: in place on y). y, u and out may be row-strided
+    views (unit column stride); out's dtype is the result's."""
     M, N = y.shape
-    R = u.shape[1]
+    out = y if out is None else out
+    for name, t in (("y", y), ("u", u), ("out", out)):
+        assert t is None or t.stride(-1) == 1, f"{name} needs unit column stride"
+    R = 1 if u is None else u.shape[1]
     H = 1 if W1 is None else W1.shape[0]
     gated = W1 is not None
     _ec_epilogue_kernel[(M, triton.cdiv(N, block_n))](
-        y, u.contiguous(), B, *((W1, b1, W2, b2) if gated else (B, B, B, B)), N, R, H,
-        GATED=gated, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)),
-        BLOCK_H=max(16, triton.next_power_of_2(H)),
+        y, u if u is not None else y, out, B if B is not None else y,
+        *((W1, b1, W2, b2) if gated else (y,) * 4), bias if bias is not None else y, N, R, H,
+        y.stride(0), 0 if u is None else u.stride(0), out.stride(0),
+        HAS_EC=u is not None, GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_H=max(16, triton.next_power_of_2(H)),
     )
-    return y
+    return out

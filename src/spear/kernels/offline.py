@@ -99,8 +99,11 @@ def variants() -> dict[str, tuple]:
     out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
     out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                             dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True), 4)
-    out["ec_epilogue"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "u_ptr": F32},
-                          dict(GATED=True, BLOCK_N=64, BLOCK_R=32, BLOCK_H=16), 4)
+    for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
+        out[f"ec_epilogue ec={has_ec}"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32,
+                                                                             "out_ptr": F16, "bias_ptr": F16},
+                                           dict(HAS_EC=has_ec, GATED=has_ec, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
+                                                BLOCK_H=16), 4)
     return out
 
 

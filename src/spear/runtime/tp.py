@@ -20,15 +20,19 @@ applies the gate and B (replicated) to identical data (spear.kernels.ec_epilogue
 The reduction has two implementations, chosen per model with `set_reduction`:
 
   "collective" (the baseline): all_reduce(y) and a separate all_reduce(u), NCCL (gloo on CPU).
-  "symmetric"  (the SPEAR path, CUDA): y_r and u_r are packed into one PyTorch symmetric-memory
-               buffer of the layer, [y_r | u_r], reduced by ONE one-shot all-reduce (every rank
-               reads its peers' buffers over NVLink), then split. Rows beyond the buffer's size
-               (prefill) take the collective path. Each layer has its own buffer, so a rank
-               never overwrites a buffer a peer may still read: between two uses of it lie the
-               other layers' reductions, each a barrier of all ranks.
+  "symmetric"  (the SPEAR path, CUDA): each layer owns a PyTorch symmetric-memory buffer of
+               float32 rows [y_r | u_r]. The W4 decode kernel stores its partial y_r there from
+               its epilogue (no output tensor, no copy), u_r = x_r A_rᵀ lands beside it, ONE
+               one-shot all-reduce sums the ranks' buffers (each rank reads its peers' over
+               NVLink), and ONE epilogue kernel turns the sum into the fp16 output: reduced y,
+               bias, gate and B. Rows beyond the buffer's size (prefill) take the collective
+               path. Each layer has its own buffer, so a rank never overwrites a buffer a peer
+               may still read: between two uses of it lie the other layers' reductions, each a
+               barrier of all ranks.
 
-Future work: the W4 GEMM's epilogue writing y_r and u_r straight into the peers' buffers,
-and one kernel that waits, reduces, gates and adds (no separate all-reduce launch, no copy).
+Still short of the issue's design: the W4 epilogue stores into this rank's buffer and the
+all-reduce reads the peers'; writing into the peers' buffers from the epilogue, with a
+signal the epilogue kernel waits on, would drop the all-reduce launch too.
 
 The launcher (`launch`) starts one process per rank with torch.distributed initialised:
 NCCL on CUDA (one GPU per rank, NVLink multicast off), gloo on CPU.
@@ -140,30 +144,44 @@ class CollectiveReduce:
 
 
 class SymmetricReduce:
-    """The SPEAR path: [y_r | u_r] in one symmetric-memory buffer, one one-shot all-reduce (CUDA)."""
+    """The SPEAR path (CUDA): [y_r | u_r] float32 rows in one symmetric-memory buffer, written by the W4 kernel's
+    epilogue and the rank-space product, one one-shot all-reduce, one epilogue kernel (see the module docstring).
+    `all_reduce` sums a flat float32 buffer over the ranks into a new tensor (tests pass a stand-in)."""
 
-    def __init__(self, max_rows: int, width: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, buffer: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+        self.buffer = buffer  # [max_rows * (N + r)] float32
+        self.all_reduce = all_reduce
+
+    @classmethod
+    def create(cls, max_rows: int, width: int, device: torch.device) -> SymmetricReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group_name = dist.group.WORLD.group_name
-        # float32 staging: torch 2.11's one_shot_all_reduce has no fp16 kernel ("not implemented for 'Half'",
-        # seen on the H200 pair); the sum in float32 is also the more exact one.
-        self.buffer = symm_mem.empty(max_rows * width, dtype=torch.float32, device=device)  # [max_rows * (N + r)]
-        symm_mem.rendezvous(self.buffer, self.group_name)
-        self.fallback = CollectiveReduce()
+        group_name = dist.group.WORLD.group_name
+        # float32: torch 2.11's one_shot_all_reduce has no fp16 kernel ("not implemented for 'Half'", seen on the
+        # H200 pair); the sum in float32 is also the more exact one.
+        buffer = symm_mem.empty(max_rows * width, dtype=torch.float32, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+        return cls(buffer, lambda flat: torch.ops.symm_mem.one_shot_all_reduce(flat, "sum", group_name))
 
-    def __call__(self, y: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        n_y = y.numel()
-        n = n_y + (0 if u is None else u.numel())
-        if n > self.buffer.numel():
-            return self.fallback(y, u)
-        staged = self.buffer[:n]
-        staged[:n_y].view_as(y).copy_(y)
-        if u is not None:
-            staged[n_y:].view_as(u).copy_(u)
-        out = torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name)  # [n] float32, a new tensor
-        y_sum = out[:n_y].view(y.shape).to(y.dtype)
-        return y_sum, None if u is None else out[n_y:].view(u.shape).to(u.dtype)
+    def fits(self, rows: int, width: int) -> bool:
+        return rows * width <= self.buffer.numel()
+
+    def __call__(self, layer: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output [M, N] (x's dtype) for x [M, in / world]."""
+        m, n = x.shape[0], layer.out_features
+        width = n + (0 if layer.ec is None else layer.ec.rank)
+        flat = self.buffer[: m * width]
+        staged = flat.view(m, width)
+        layer.partial_into(x, staged[:, :n])  # y_r, float32, from the W4 kernel's epilogue
+        if layer.ec is not None:
+            staged[:, n:].copy_(layer.ec.partial(x))  # u_r = x_r A_rᵀ
+        summed = self.all_reduce(flat).view(m, width)
+        from spear.kernels.ec_epilogue import ec_epilogue
+
+        ec = layer.ec
+        gate = (None,) * 4 if ec is None else (ec.W1, ec.b1, ec.W2, ec.b2)
+        return ec_epilogue(summed[:, :n], None if ec is None else summed[:, n:], None if ec is None else ec.B, *gate,
+                           bias=layer.bias, out=torch.empty(m, n, dtype=x.dtype, device=x.device))
 
 
 class RowParallelLinear(nn.Module):
@@ -192,15 +210,31 @@ class RowParallelLinear(nn.Module):
             self.base = SpearLinear(record, None, lin.weight_hat.dtype)
             if lin.ec is not None:
                 self.ec = RankSpaceEC(lin.ec, rank, world, lin.weight_hat.dtype)
-        self.reduce: CollectiveReduce | SymmetricReduce = CollectiveReduce()
+        self.reduce: CollectiveReduce | SymmetricReduce = CollectiveReduce()  # symmetric: decode steps only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        width = self.out_features + (0 if self.ec is None else self.ec.rank)
+        if isinstance(self.reduce, SymmetricReduce) and self.reduce.fits(x2.shape[0], width):
+            return self.reduce(self, x2).view(*x.shape[:-1], self.out_features)
         y = self.base(x)  # [M, N] partial
         u = None if self.ec is None else self.ec.partial(x)  # [M, r] partial
-        y, u = self.reduce(y, u)
+        y, u = CollectiveReduce()(y, u)
         if self.ec is not None:
             y = self.ec.epilogue(y, u)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's partial y_r = x_r Ŵ_rᵀ into `out` [M, N] (a float32 view with a row stride): stored by the W4
+        decode kernel where it runs, else computed and copied."""
+        packed = getattr(self.base, "packed", None)
+        if packed is not None and x.is_cuda and x.dtype == torch.float16:
+            from spear.kernels.w4 import DECODE_KERNEL_MAX_M, w4_decode
+
+            if x.shape[0] <= DECODE_KERNEL_MAX_M:
+                w4_decode(x, packed, out=out)
+                return
+        out.copy_(self.base(x))
 
 
 def apply_tp(model: Transformer, rank: int | None = None, world: int | None = None) -> Transformer:
@@ -237,7 +271,7 @@ def set_reduction(model: Transformer, reduction: Reduction, max_rows: int = 32) 
     for m in model.modules():
         if isinstance(m, RowParallelLinear):
             width = m.out_features + (0 if m.ec is None else m.ec.rank)
-            m.reduce = CollectiveReduce() if reduction == "collective" else SymmetricReduce(max_rows, width, model.dtype, model.device)
+            m.reduce = CollectiveReduce() if reduction == "collective" else SymmetricReduce.create(max_rows, width, model.device)
 
 
 def _free_port() -> int:
