@@ -95,7 +95,7 @@ def decode_step(model: Transformer, batch: int, context: int, iters: int, eager:
         mode, step = "eager", lambda: model(inputs, cache)
         if device.type == "cuda" and not eager:
             try:
-                graph = DecodeGraph(model, cache, batch, width, None)
+                graph = DecodeGraph(model, cache, batch, width, 1, batch, None)  # one row a tile: a decode step
             except RuntimeError as e:  # every rank fails alike; time eagerly rather than lose the row
                 print(f"rank {dist.get_rank()}: CUDA-graph capture failed, timing eagerly: {e}", flush=True)
                 return decode_step(model, batch, context, iters, eager=True)
