@@ -93,6 +93,18 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
 
 
+def test_decode_kernel_stores_float32_into_a_strided_view(gen):
+    """Tensor parallelism's symmetric path: the partial y_r in float32 straight into the [y | u] staging rows."""
+    n, k = 192, 256
+    packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
+    for m, cfg in ((1, DecodeConfig(block_n=32, gemv_rows=4)), (5, DecodeConfig(block_n=32, gemv_rows=0))):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        rows = torch.full((m, n + 40), float("nan"), device=DEVICE)
+        w4_decode(x, packed, None, None, cfg, out=rows[:, :n])
+        assert rows[:, n:].isnan().all(), "wrote past the view"
+        assert_close(rows[:, :n], w4_linear_ref(x, packed).float(), f"float32 strided out m={m}")
+
+
 @pytest.mark.parametrize("group", [-1, 32, 64, 128])
 def test_decode_gemv_loop_matches_reference(group, gen):
     """The few-row GEMV main loop (DecodeConfig.gemv_rows) at 1–4 rows, one or several 128-column blocks per

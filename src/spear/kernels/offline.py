@@ -91,6 +91,10 @@ def variants() -> dict[str, tuple]:
                      BKW=64, PER_CHANNEL=per_channel, EC_STAGE=0)
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
+    # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
+    const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
+                 BKW=64, PER_CHANNEL=True, EC_STAGE=0)
+    out["decode rows=1 float32 out"] = (w4._w4_decode_kernel, {**decode_ptrs, "y_ptr": F32, "bias_ptr": F32}, const, 4)
     for stage in (1, 2):  # the EC in a launch of its own (w4_decode's ec_split)
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                      BKW=64, PER_CHANNEL=True, EC_STAGE=stage)

@@ -576,7 +576,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     def launch(programs: int, stage: int) -> None:
         _w4_decode_kernel[(programs,)](
             x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
-            *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (y,) * 6),
+            *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
             y_part, u_part, counters,
             m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
             split_k, k_per_split, num_ax, ax_k, tiles,
