@@ -12,13 +12,14 @@ step (every sequence gains one token): captured in a CUDA graph and replayed `--
 times between CUDA events (eager on CPU or with --eager), the same fixed count on every
 rank. ms/token is the mean step time. At TP > 1 the row-parallel layers reduce through
 NCCL ("collective", the baseline: one all-reduce of y, a separate one of the EC's u; gloo on
-CPU) or through symmetric
-memory ("symmetric": [y | u] in one buffer, one one-shot all-reduce; the SPEAR path).
+CPU), through symmetric memory ("symmetric": [y | u] staged by the W4 kernel, one one-shot
+all-reduce, one epilogue kernel), or peer to peer ("p2p": the W4 kernel's epilogue writes [y_r | u_r]
+into every rank's buffer and signals; one epilogue kernel waits, sums, gates; no collective call).
 
 Checks in every row: `repeat_identical` (the step re-run on the same inputs gives the same
 logits bit for bit), `ranks_identical` (every rank's logits are the same bits),
 `max_abs_diff_vs_tp1` (logits against the TP=1 run of the same model, setting and batch),
-and `max_abs_diff_vs_collective` for the symmetric rows. `--time-limit` stops starting new runs;
+and `max_abs_diff_vs_collective` for the symmetric and p2p rows. `--time-limit` stops starting new runs;
 the JSON is rewritten after every row.
 """
 
@@ -57,11 +58,13 @@ BLOCK = 16
 
 
 def runs(world: int, cuda: bool) -> list[tuple[str, float | None, list[str]]]:
-    """(setting, EC fraction or None for float, reductions) in order; symmetric after collective (CUDA, TP > 1)."""
+    """(setting, EC fraction or None for float, reductions) in order; symmetric, then p2p, after collective (CUDA,
+    TP > 1). p2p last: its kernels wait on signals from the peers, so a fault there stalls until --time-limit's
+    caller kills the run, and the rows before it are already in the JSON."""
     float_name = "fp16" if cuda else "fp32"
     if world == 1:
         return [(float_name, None, ["-"]), ("w4", 0.0, ["-"]), ("w4+ec", EC_FRACTION, ["-"])]
-    symm = ["symmetric"] if cuda else []
+    symm = ["symmetric", "p2p"] if cuda else []
     return [(float_name, None, ["collective"]), ("w4", 0.0, ["collective", *symm]),
             ("w4+ec", EC_FRACTION, ["collective", *symm])]
 
@@ -161,7 +164,7 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
                         row["max_abs_diff_vs_tp1"] = (logits.cpu().float() - torch.load(f"{key}.pt").float()).abs().max().item()
                     if reduction == "collective":
                         torch.save(logits.cpu(), f"{key}-collective-{rank}.pt")
-                    elif reduction == "symmetric":
+                    elif reduction in ("symmetric", "p2p"):
                         baseline = torch.load(f"{key}-collective-{rank}.pt").float()
                         row["max_abs_diff_vs_collective"] = (logits.cpu().float() - baseline).abs().max().item()
                     rows.append(row)

@@ -151,6 +151,44 @@ def test_symmetric_path_equals_the_unsharded_layer():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer():
+    """PeerReduce with two simulated ranks (TRITON_INTERPRET): each rank's W4 launch writes its [y_r | u_r] rows into
+    its slot of both ranks' buffers and signals both; then each rank's epilogue sums the slots. Twice, so the
+    epoch advances and the kernel's counters are left clean; both ranks agree bit for bit."""
+    from spear.kernels.pack import pack_w4
+    from spear.kernels.w4 import PeerRows
+    from spear.runtime.tp import PeerReduce
+
+    args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
+    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1)
+    lin = model.layers[0].feed_forward.w_down  # 64 × 128, a gated EC; groups of 32 (the kernels' smallest)
+    lin.ec.B.mul_(30)
+    lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
+    world, max_rows, width = 2, 4, lin.out_features + 16  # rank 8 pads to 16 u columns
+    shards = [RowParallelLinear(lin, rank, world) for rank in range(world)]
+    slots = [torch.full((world, max_rows, width), float("nan")) for _ in range(world)]
+    signals = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
+    for rank, shard in enumerate(shards):
+        shard.base.packed = pack_w4(shard.base.qweight)
+        rows = torch.tensor([slots[p].data_ptr() + 4 * rank * max_rows * width for p in range(world)])
+        own = torch.tensor([signals[p].data_ptr() + 4 * rank for p in range(world)])
+        shard.reduce = PeerReduce(slots[rank], signals[rank], torch.zeros(2, dtype=torch.int32),
+                                  PeerRows(rows, own, width), max_rows)
+    gen = torch.Generator().manual_seed(3)
+    half = lin.in_features // 2
+    for call in (1, 2):
+        x = torch.randn(3, lin.in_features, generator=gen).half()
+        with torch.inference_mode():
+            expected = lin(x.float())
+            for rank, shard in enumerate(shards):
+                shard.reduce.send(shard, x[:, rank * half:(rank + 1) * half])
+            assert all(s.tolist() == [call, call] for s in signals)
+            got = [shard.reduce.receive(shard, 3) for shard in shards]
+        assert torch.equal(got[0], got[1]), "the ranks disagree"
+        torch.testing.assert_close(got[0].float(), expected, atol=2e-2, rtol=2e-2)
+        assert [shard.reduce.state.tolist() for shard in shards] == [[call, 0]] * world
+
+
 def test_tp_decode_bench_tiny_runs_end_to_end(tmp_path):
     out = tmp_path / "tp_decode.json"
     cmd = [sys.executable, str(ROOT / "bench" / "tp_decode.py"), "--tiny", "--batches", "2", "--json", str(out)]

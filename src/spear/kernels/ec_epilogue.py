@@ -37,20 +37,12 @@ def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | N
 
 
 @triton.jit
-def _ec_epilogue_kernel(y_ptr, u_ptr, out_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, N, R, H,
-                        stride_y, stride_u, stride_out,
-                        HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    m = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    y = tl.load(y_ptr + m * stride_y + n, mask=n_ok, other=0.0).to(tl.float32)
+def _bias_and_ec(y, u, n, n_ok, r, r_ok, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, R, H,
+                 HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y [BLOCK_N] (float32) + bias + (alpha·B)_n (gamma(u) ⊙ u) for one row's u [BLOCK_R] (float32)."""
     if HAS_BIAS:
         y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_EC:
-        r = tl.arange(0, BLOCK_R)
-        r_ok = r < R
-        u = tl.load(u_ptr + m * stride_u + r, mask=r_ok, other=0.0).to(tl.float32)  # [BLOCK_R]
         g = u
         if GATED:
             h = tl.arange(0, BLOCK_H)
@@ -65,7 +57,61 @@ def _ec_epilogue_kernel(y_ptr, u_ptr, out_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2
             g = u * (2 / (1 + tl.exp(-2 * z)))  # u * (1 + tanh(z))
         b = tl.load(b_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         y += tl.sum(b.to(tl.float32) * g[None, :], axis=1)
+    return y
+
+
+@triton.jit
+def _ec_epilogue_kernel(y_ptr, u_ptr, out_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, N, R, H,
+                        stride_y, stride_u, stride_out,
+                        HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    y = tl.load(y_ptr + m * stride_y + n, mask=n_ok, other=0.0).to(tl.float32)
+    u = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if HAS_EC:
+        u = tl.load(u_ptr + m * stride_u + r, mask=r_ok, other=0.0).to(tl.float32)
+    y = _bias_and_ec(y, u, n, n_ok, r, r_ok, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, R, H,
+                     HAS_EC, GATED, HAS_BIAS, BLOCK_H)
     tl.store(out_ptr + m * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _peer_epilogue_kernel(slots_ptr, signals_ptr, state_ptr, out_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+                          bias_ptr, N, R, H, width, slot_stride, stride_out,
+                          WORLD: tl.constexpr, HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (row m, block of N): wait until every rank's signal reached this call's epoch (state[0] + 1), sum
+    the ranks' [y_r | u_r] rows in rank order (every rank sums the same numbers in the same order: identical
+    outputs), add bias and EC; the last program to finish advances the epoch (state[1] counts them)."""
+    m = tl.program_id(0)
+    epoch = tl.atomic_add(state_ptr, 0) + 1
+    for s in tl.static_range(WORLD):
+        seen = tl.atomic_add(signals_ptr + s, 0, sem="acquire", scope="sys")
+        while seen < epoch:
+            seen = tl.atomic_add(signals_ptr + s, 0, sem="acquire", scope="sys")
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s in tl.static_range(WORLD):  # in rank order
+        row = slots_ptr + s * slot_stride + m * width
+        y += tl.load(row + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+        if HAS_EC:
+            u += tl.load(row + N + r, mask=r_ok, other=0.0, cache_modifier=".cg")
+    y = _bias_and_ec(y, u, n, n_ok, r, r_ok, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, R, H,
+                     HAS_EC, GATED, HAS_BIAS, BLOCK_H)
+    tl.store(out_ptr + m * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.debug_barrier()
+    done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
+    if done == tl.num_programs(0) * tl.num_programs(1) - 1:  # every program has read this epoch
+        tl.atomic_xchg(state_ptr + 1, 0)
+        tl.atomic_add(state_ptr, 1)
 
 
 def ec_epilogue(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,
@@ -85,6 +131,31 @@ def ec_epilogue(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None,
         *((W1, b1, W2, b2) if gated else (y,) * 4), bias if bias is not None else y, N, R, H,
         y.stride(0), 0 if u is None else u.stride(0), out.stride(0),
         HAS_EC=u is not None, GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_H=max(16, triton.next_power_of_2(H)),
+    )
+    return out
+
+
+def peer_epilogue(slots: torch.Tensor, signals: torch.Tensor, state: torch.Tensor, rows: int, n: int, width: int,
+                  B: torch.Tensor | None, W1: torch.Tensor | None = None, b1: torch.Tensor | None = None,
+                  W2: torch.Tensor | None = None, b2: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, rank: int = 0, block_n: int = 128) -> torch.Tensor:
+    """After every rank's w4_decode_to_peers: y [rows, n] = Σ_ranks y_r + bias + (alpha·B)(gamma(u) ⊙ u), u = Σ u_r.
+
+    slots float32 [world, max_rows, width] (this rank's buffer: rank s's rows in slot s), signals int32 [world]
+    (rank s's arrivals), state int32 [2] (epoch, programs done; zero at first). `rank` (that of u's true width)
+    is the EC's rank r ≤ width − n; out: default a new tensor of B's dtype (fp16 without an EC)."""
+    world = slots.shape[0]
+    R = max(rank, 1)
+    H = 1 if W1 is None else W1.shape[0]
+    gated = W1 is not None
+    dtype = B.dtype if B is not None else torch.float16
+    out = out if out is not None else torch.empty(rows, n, dtype=dtype, device=slots.device)
+    dummy = out
+    _peer_epilogue_kernel[(rows, triton.cdiv(n, block_n))](
+        slots, signals, state, out, B if B is not None else dummy, *((W1, b1, W2, b2) if gated else (dummy,) * 4),
+        bias if bias is not None else dummy, n, R, H, width, slots.stride(0), out.stride(0),
+        WORLD=world, HAS_EC=B is not None, GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_H=max(16, triton.next_power_of_2(H)),
     )
     return out

@@ -270,6 +270,20 @@ def _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, 
              mask=mask_n[:, None] & mask_m[None, :])
 
 
+@triton.jit
+def _signal_peers(counter_ptr, arrivals, peer_signals_ptr, PEERS: tl.constexpr):
+    """Count this program's stores to the ranks in; the last of `arrivals` resets the counter and adds 1 to its
+    signal at every rank. Release at system scope after a CTA barrier: every arrived program's stores, over
+    NVLink included, are visible to a rank that acquires the signal."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    if done == arrivals - 1:
+        tl.atomic_xchg(counter_ptr, 0)
+        for p in tl.static_range(PEERS):
+            signal = tl.load(peer_signals_ptr + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(signal, 1, sem="release", scope="sys")
+
+
 # --- decode: one launch ---------------------------------------------------------------
 
 
@@ -277,12 +291,12 @@ def _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, 
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    y_part_ptr, u_part_ptr, cnt_ptr,
+    y_part_ptr, u_part_ptr, cnt_ptr, peer_rows_ptr, peer_signals_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
-    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, EC_STAGE: tl.constexpr,
+    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, EC_STAGE: tl.constexpr, PEERS: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax + 1, BM, R]: float32 partial sums, each summed in a fixed
     # order by the program that arrives last (no float atomics: the result is bit-reproducible); the last
@@ -291,6 +305,9 @@ def _w4_decode_kernel(
     # [2 + n] splits arrived at tile n.
     # EC_STAGE (with HAS_EC): 0 one launch, the u-programs first in the grid and the tiles waiting for g;
     # 1 the u-programs alone (g into the workspace); 2 the tiles alone, loading the g a stage-1 launch left.
+    # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
+    # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
+    # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
@@ -313,11 +330,19 @@ def _w4_decode_kernel(
             for p in range(num_ax):  # in program order
                 u += tl.load(u_part_ptr + p * BM * R + offs_m[:, None] * R + offs_r[None, :],
                              mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-            g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-            tl.store(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :], g, mask=mask_m[:, None])
-            tl.debug_barrier()
-            # stage 0: g is ready for this grid's tiles; stage 1: the next launch reads it, reset now
-            tl.atomic_xchg(cnt_ptr, (num_ax + 1) * (1 - EC_STAGE), sem="release")
+            if PEERS > 0:  # u_r, ungated: the gate needs the sum over the ranks
+                for p in tl.static_range(PEERS):
+                    rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
+                    tl.store(rows + offs_m[:, None] * stride_ym + N + offs_r[None, :], u, mask=mask_m[:, None])
+                tl.atomic_xchg(cnt_ptr, 0)  # no tile waits for g
+                _signal_peers(cnt_ptr + 1, num_tiles + 1, peer_signals_ptr, PEERS)
+            else:
+                g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+                tl.store(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :], g,
+                         mask=mask_m[:, None])
+                tl.debug_barrier()
+                # stage 0: g is ready for this grid's tiles; stage 1: the next launch reads it, reset now
+                tl.atomic_xchg(cnt_ptr, (num_ax + 1) * (1 - EC_STAGE), sem="release")
     else:
         gid = pid - u_programs
         pid_n = gid // split_k
@@ -344,7 +369,13 @@ def _w4_decode_kernel(
                 for split in range(split_k):
                     acc += tl.load(y_part_ptr + split * BM * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + 2 + pid_n, 0)
-        if last:
+        if last and PEERS > 0:
+            for p in tl.static_range(PEERS):
+                rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
+                tl.store(rows + offs_m[None, :] * stride_ym + offs_n[:, None], acc,
+                         mask=mask_n[:, None] & mask_m[None, :])
+            _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
+        elif last:
             g = tl.zeros((BM, R), dtype=tl.float32)
             if HAS_EC:
                 if EC_STAGE == 0:
@@ -542,11 +573,33 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+@dataclass(frozen=True)
+class PeerRows:
+    """Where w4_decode_to_peers writes, for each rank p of the tensor-parallel group: rows[p] (int64) the address of
+    this rank's float32 [y | u] row block in p's buffer, `width` floats a row; signals[p] (int64) the address of
+    this rank's int32 signal at p."""
+
+    rows: torch.Tensor
+    signals: torch.Tensor
+    width: int
+
+
+def w4_decode_to_peers(x: torch.Tensor, w: PackedW4, ec: PackedEC | None, peers: PeerRows,
+                       cfg: DecodeConfig | None = None) -> None:
+    """A row-parallel layer's partials in the W4 decode launch: y_r = x Ŵ_rᵀ and, with an EC, the ungated u_r = x A_rᵀ
+    (float32) into this rank's row block of every rank's buffer, from the tiles' and the u-sum's epilogues; the
+    last of them to finish adds 1 to this rank's signal at every rank. The EC's B and gate act after the sum
+    over the ranks (kernels.ec_epilogue.peer_epilogue)."""
+    w4_decode(x, w, ec, cfg=cfg, peers=peers)
+
+
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-              cfg: DecodeConfig | None = None, out: torch.Tensor | None = None, ec_split: bool = EC_SPLIT) -> torch.Tensor:
+              cfg: DecodeConfig | None = None, out: torch.Tensor | None = None, ec_split: bool = EC_SPLIT,
+              peers: PeerRows | None = None) -> torch.Tensor:
     """y [M, N] for x [M, K] with M ≤ DECODE_KERNEL_MAX_M, in one launch (see the module docstring); into `out`
     if given. With an EC and `ec_split`, two launches instead: the u-programs alone (g = gamma(A x) ⊙ A x into
-    the workspace), then the tiles, which load g without waiting (EC_STAGE 1 and 2 of the kernel)."""
+    the workspace), then the tiles, which load g without waiting (EC_STAGE 1 and 2 of the kernel). With
+    `peers`, see w4_decode_to_peers (and the result is x, untouched)."""
     m, k = x.shape
     n = w.out_features
     if m > DECODE_KERNEL_MAX_M:
@@ -571,18 +624,23 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
         num_ax = triton.cdiv(k, ax_k)
     y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * bm * n, (num_ax + 1) * bm * R, tiles)
-    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
+        y, stride_y, ec_split = x, peers.width, False
+    else:
+        y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        stride_y = y.stride(0)
 
     def launch(programs: int, stage: int) -> None:
         _w4_decode_kernel[(programs,)](
             x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
             *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
-            y_part, u_part, counters,
-            m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
+            y_part, u_part, counters, *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
+            m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
             split_k, k_per_split, num_ax, ax_k, tiles,
             HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
             BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
             GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1, EC_STAGE=stage,
+            PEERS=0 if peers is None else peers.rows.numel(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

@@ -30,9 +30,13 @@ The reduction has two implementations, chosen per model with `set_reduction`:
                may still read: between two uses of it lie the other layers' reductions, each a
                barrier of all ranks.
 
-Still short of the issue's design: the W4 epilogue stores into this rank's buffer and the
-all-reduce reads the peers'; writing into the peers' buffers from the epilogue, with a
-signal the epilogue kernel waits on, would drop the all-reduce launch too.
+  "p2p"        (the issue's design, CUDA; built in session 5, not yet run on GPUs): the W4 decode
+               kernel's epilogue writes this rank's partials [y_r | u_r] (float32) into its slot of
+               EVERY rank's symmetric buffer over NVLink, and the last of its programs to finish
+               signals every rank (system-scope release); one epilogue kernel per rank waits for all
+               the signals (acquire), sums the slots in rank order and applies bias, gate and B.
+               Two launches per row-parallel layer and no collective call. A per-layer epoch in
+               device memory makes the waits CUDA-graph safe.
 
 The launcher (`launch`) starts one process per rank with torch.distributed initialised:
 NCCL on CUDA (one GPU per rank, NVLink multicast off), gloo on CPU.
@@ -62,7 +66,7 @@ from spear.runtime.model import Transformer
 # Set in every process before NCCL starts (../shared/GPU.md: multicast is unavailable on the host).
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-Reduction = Literal["collective", "symmetric"]
+Reduction = Literal["collective", "symmetric", "p2p"]
 GRACE_SECONDS = 10  # after one rank fails, how long the others may take to end by themselves before SIGTERM
 
 
@@ -121,6 +125,18 @@ class RankSpaceEC(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """u_r = x_r A_rᵀ  [M, r]."""
         return x @ self.A.t()
+
+    def packed_a(self):
+        """A_r for the W4 decode kernel's u-programs (kernels.pack.PackedEC: fp16, rank padded to R); B and the gate
+        act after the reduction, so the packed ones are placeholders. Cached."""
+        if getattr(self, "_packed_a", None) is None:
+            from spear.kernels.pack import PackedEC
+
+            padded = max(16, 1 << (self.rank - 1).bit_length())
+            a = torch.zeros(padded, self.A.shape[1], dtype=torch.float16, device=self.A.device)
+            a[: self.rank] = self.A
+            self._packed_a = PackedEC(a, a, a[:16, :padded], a[0, :16], a[:, :16], a[0], self.rank, gated=False)
+        return self._packed_a
 
     def epilogue(self, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """y + (alpha·B)(gamma(u) ⊙ u) on the reduced y [M, N] and u [M, r]; in place on CUDA fp16."""
@@ -184,6 +200,62 @@ class SymmetricReduce:
                            bias=layer.bias, out=torch.empty(m, n, dtype=x.dtype, device=x.device))
 
 
+class PeerReduce:
+    """The "p2p" reduction (see the module docstring): `send` (the W4 kernel writing the partials to every rank and
+    signalling), then `receive` (wait, sum, bias, gate, B). Tests run the two halves of several ranks in turn."""
+
+    def __init__(self, slots: torch.Tensor, signals: torch.Tensor, state: torch.Tensor, peers, max_rows: int):
+        self.slots = slots  # float32 [world, max_rows, width]: rank s's [y_s | u_s] rows in slot s
+        self.signals = signals  # int32 [world]: how many times rank s has sent
+        self.state = state  # int32 [2]: this rank's epoch (calls received) and the epilogue's arrival counter
+        self.peers = peers  # kernels.w4.PeerRows: this rank's slot and signal in every rank's buffers
+        self.max_rows = max_rows
+
+    @classmethod
+    def create(cls, max_rows: int, width: int, device: torch.device) -> PeerReduce:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from spear.kernels.w4 import PeerRows
+
+        rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+        slots = symm_mem.empty(world * max_rows * width, dtype=torch.float32, device=device)
+        signals = symm_mem.empty(world, dtype=torch.int32, device=device)
+        signals.zero_()
+        slot_ptrs, signal_ptrs = (symm_mem.rendezvous(t, group).buffer_ptrs for t in (slots, signals))
+        dist.barrier()  # every rank's signals are zero before any rank sends
+        rows = [slot_ptrs[p] + 4 * rank * max_rows * width for p in range(world)]  # 4 bytes a float32
+        own = [signal_ptrs[p] + 4 * rank for p in range(world)]
+        peers = PeerRows(torch.tensor(rows, dtype=torch.int64, device=device),
+                         torch.tensor(own, dtype=torch.int64, device=device), width)
+        return cls(slots.view(world, max_rows, width), signals, torch.zeros(2, dtype=torch.int32, device=device),
+                   peers, max_rows)
+
+    def fits(self, rows: int, width: int) -> bool:
+        return rows <= self.max_rows and width == self.peers.width
+
+    def send(self, layer: RowParallelLinear, x: torch.Tensor) -> None:
+        from spear.kernels.w4 import w4_decode_to_peers
+
+        packed = getattr(layer.base, "packed", None)
+        if packed is None or x.dtype != torch.float16:
+            raise SpearError("the p2p reduction needs the W4 kernels: pack the sharded model (use_kernels), fp16")
+        w4_decode_to_peers(x, packed, None if layer.ec is None else layer.ec.packed_a(), self.peers)
+
+    def receive(self, layer: RowParallelLinear, rows: int) -> torch.Tensor:
+        from spear.kernels.ec_epilogue import peer_epilogue
+
+        ec = layer.ec
+        gate = (None,) * 4 if ec is None else (ec.W1, ec.b1, ec.W2, ec.b2)
+        out = torch.empty(rows, layer.out_features, dtype=torch.float16, device=self.slots.device)
+        return peer_epilogue(self.slots, self.signals, self.state, rows, layer.out_features, self.peers.width,
+                             None if ec is None else ec.B, *gate, bias=layer.bias, out=out,
+                             rank=0 if ec is None else ec.rank)
+
+    def __call__(self, layer: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        self.send(layer, x)
+        return self.receive(layer, x.shape[0])
+
+
 class RowParallelLinear(nn.Module):
     """y = reduce(x_r Ŵ_rᵀ) + bias (+ the EC epilogue on the reduced u); `reduce` is set by set_reduction."""
 
@@ -215,7 +287,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         width = self.out_features + (0 if self.ec is None else self.ec.rank)
-        if isinstance(self.reduce, SymmetricReduce) and self.reduce.fits(x2.shape[0], width):
+        if isinstance(self.reduce, (SymmetricReduce, PeerReduce)) and self.reduce.fits(x2.shape[0], width):
             return self.reduce(self, x2).view(*x.shape[:-1], self.out_features)
         y = self.base(x)  # [M, N] partial
         u = None if self.ec is None else self.ec.partial(x)  # [M, r] partial
@@ -261,17 +333,24 @@ def apply_tp(model: Transformer, rank: int | None = None, world: int | None = No
 
 
 def set_reduction(model: Transformer, reduction: Reduction, max_rows: int = 32) -> None:
-    """Reduce the row-parallel layers collectively (baseline) or through symmetric memory (SPEAR, CUDA).
+    """Reduce the row-parallel layers collectively (baseline) or through symmetric memory (SPEAR, CUDA: "symmetric"
+    with one all-reduce, or "p2p" with the W4 epilogue writing to the peers; p2p needs the packed W4 kernels).
 
     `max_rows`: the most token rows one step reduces through symmetric memory (the decode
     batch); larger steps (prefill) fall back to the collectives. Collective on every rank.
     """
-    if reduction == "symmetric" and model.device.type != "cuda":
-        raise SpearError("the symmetric-memory reduction needs CUDA; use 'collective' on CPU")
+    if reduction != "collective" and model.device.type != "cuda":
+        raise SpearError(f"the {reduction} reduction needs CUDA; use 'collective' on CPU")
     for m in model.modules():
         if isinstance(m, RowParallelLinear):
-            width = m.out_features + (0 if m.ec is None else m.ec.rank)
-            m.reduce = CollectiveReduce() if reduction == "collective" else SymmetricReduce.create(max_rows, width, model.device)
+            if reduction == "collective":
+                m.reduce = CollectiveReduce()
+            elif reduction == "symmetric":
+                m.reduce = SymmetricReduce.create(max_rows, m.out_features + (0 if m.ec is None else m.ec.rank),
+                                                  model.device)
+            else:  # u_r's columns padded to the kernel's rank (packed_a)
+                padded = 0 if m.ec is None else max(16, 1 << (m.ec.rank - 1).bit_length())
+                m.reduce = PeerReduce.create(max_rows, m.out_features + padded, model.device)
 
 
 def _free_port() -> int:
