@@ -14,9 +14,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
+  timeout 200 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
     tests/test_runtime_engine.py tests/test_runtime_fuse.py tests/test_kernels.py > $log/1_tests.log 2>&1
-  grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log
+  grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log  # pyproject adds -q; -qq hides it
   timeout 200 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
   timeout 200 python bench/kernels.py --json "$out/kernels_h200_7b_rows.json" --models 7b --ms 1 4 16 32 64 128 256 \
     --time-limit 150 > $log/3_kernels.log 2>&1
