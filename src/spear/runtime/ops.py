@@ -8,8 +8,10 @@ each layer launches ~40 of them. Fused here, one launch each:
                           residual stream)
   silu_mul                silu(gate) * up                                  (the SwiGLU activation)
   rope_write_kv           RoPE on q and k, k and v stored at their cache slots, rotated q returned
-  paged_decode_attention  one query per sequence over its cached blocks (flash-decoding: partitions
-                          of the context in parallel, then a small combine kernel)
+  paged_decode_attention  one-token queries over their sequences' cached blocks (flash-decoding:
+                          partitions of the context in parallel, then a small combine kernel); with
+                          `tiles`, up to 16 rows of one sequence at consecutive positions (a prefill
+                          chunk's tokens as rows) share one pass over the keys
 
 The references (`*_ref`) are the specification and what runs off CUDA; every public op takes
 `use_triton` (None: Triton when the input is on CUDA, else the reference; tests force True
