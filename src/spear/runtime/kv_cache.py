@@ -18,8 +18,10 @@ CUDA graphs capture) is the first kind alone.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,33 +136,43 @@ class Batch:
         W = table_width or max((len(table) for _, table, _, _ in ones), default=0)
         M = max((len(table) for _, table, _, _ in longs), default=0)
         S = max((end - start for _, _, start, end in longs), default=0)
-        # each [·, ·] field as a flat list, row after row
-        tables, seq_lens, decode_index, prefill_tables, query_pos, padded_index = ([] for _ in range(6))
+        # each [·, ·] field as a flat list, row after row; the block tables as their rows (padded in the buffer)
+        seq_lens, decode_index, query_pos, padded_index = ([] for _ in range(4))
+        tables = [table for _, table, _, _ in ones]
+        prefill_tables = [table for _, table, _, _ in longs]
         out_index = [0] * len(tokens)
         for j, (first, table, start, end) in enumerate(ones):
-            tables += table + [NULL_BLOCK] * (W - len(table))
             seq_lens.append(end)
             decode_index.append(first)
             out_index[first] = j
         for i, (first, table, start, end) in enumerate(longs):
-            prefill_tables += table + [NULL_BLOCK] * (M - len(table))
             pad = S - (end - start)
             query_pos += list(range(start, end)) + [0] * pad
             padded_index += list(range(first, first + end - start)) + [0] * pad
             out_index[first : first + end - start] = range(len(ones) + i * S, len(ones) + i * S + end - start)
         tiles = attention_tiles(ones, tile_rows, tile_slots) if tile_rows > 1 else []
-        # One host → device copy for the whole batch (a copy per field cost ~10 µs each per step).
+        # One host → device copy for the whole batch (a copy per field cost ~10 µs each per step), from one NumPy
+        # buffer (torch.tensor of a Python list cost ~1 ms for 32 decodes' full-width tables on a 2-core CPU).
+        B, T, Bd, Bp = len(chunks), len(tokens), len(ones), len(longs)
         parts = (tokens, positions, slots, last_index, tables, seq_lens, decode_index, prefill_tables, query_pos,
                  padded_index, out_index, tiles)
+        shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,), (len(tiles) // 2, 2))
+        sizes = [math.prod(shape) for shape in shapes]
         # Each field starts 16-byte aligned (an even number of int64s before it): Triton specializes a kernel on
         # whether its pointers are, so a field whose alignment changed from step to step compiled a second
         # variant mid-serving (a 736 ms step on the H200, slo_experiment_h200_d98406d, static 512).
-        starts = [0, *itertools.accumulate(len(part) + len(part) % 2 for part in parts)]
-        storage = torch.tensor(list(itertools.chain(*(part + [0] * (len(part) % 2) for part in parts))),
-                               dtype=torch.long, device=device)
-        B, T, Bd, Bp = len(chunks), len(tokens), len(ones), len(longs)
-        shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,), (-1, 2))
-        views = [storage[start:start + len(part)].view(shape) for start, part, shape in zip(starts, parts, shapes)]
+        starts = [0, *itertools.accumulate(n + n % 2 for n in sizes)]
+        host = np.zeros(starts[-1], dtype=np.int64)  # zero: also the null block that pads the tables
+        for part, start, n, shape in zip(parts, starts, sizes, shapes):
+            if part is tables or part is prefill_tables:
+                rows = host[start:start + n].reshape(shape)
+                for row, table in zip(rows, part):
+                    row[: len(table)] = table
+            elif n:
+                host[start:start + n] = part
+        storage = torch.from_numpy(host).to(device)
+        pieces = storage.split([m for n in sizes for m in (n, n % 2)])  # each field, then its alignment pad
+        views = [piece.view(shape) for piece, shape in zip(pieces[::2], shapes)]
         if not tiles:
             views[-1] = None
         batch = cls(*views, tile_rows=tile_rows if tiles else 1, decode=not longs, storage=storage)
