@@ -3,7 +3,8 @@
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes across the decode kernel /
 #          dequantize + cuBLAS switch (M = 1 … 256, the EC fused and split);
-#   GPU 1: the SLO experiment (all EC densities), then a profile of a mixed step;
+#   GPU 1: the SLO experiment (all EC densities), then a profile of a mixed step, then the engine's host time per
+#          decode step on this host's CPU (bench/host_step.py: no GPU work);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmark on both (a call of its own).
 # Run as: run(command="SPEAR_COMMIT=<sha> bash bench/gpu_all.sh", kind="nvidia-h200-x2"). At most 8 files come
 # back from $OUT, so the logs are gathered into one file.
@@ -26,6 +27,7 @@ gpu1() {
     > $log/4_slo.log 2>&1
   timeout 60 python bench/profile_step.py --setting w4+ec15 --batch 8 --chunk 64 --steps 5 \
     --json /tmp/gpu_all/profile_mixed.json > $log/5_profile_mixed.log 2>&1
+  timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
 }
 if [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
