@@ -122,9 +122,6 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
                "check_rel_err": {"w4": rel_err(plain, ref),
                                  "w4_ec32": rel_err(w4_linear(x, packed, ecs[32]), w4_linear_ref(x, packed, ecs[32])),
                                  "ec_term": rel_err(w4_linear(x, packed, loud_ec).float() - plain.float(), ec_term_ref)}}
-        if m <= DECODE_KERNEL_MAX_M:
-            row["check_rel_err"]["w4_ec32_split"] = rel_err(w4_decode(x, packed, ecs[32], ec_split=True),
-                                                             w4_linear_ref(x, packed, ecs[32]))
         us = row["us"] = {}
         us["fp16_cublas"] = time_graph([lambda w=w, x=x: x @ w.t() for w in fps])
         if tinygemm is not None:
@@ -133,8 +130,6 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         us["w4"] = time_graph([lambda w=w, x=x: w4_linear(x, w) for w in w4s])
         for r, ec in ecs.items():
             us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec, x=x: w4_linear(x, w, ec) for w in w4s])
-        if m <= DECODE_KERNEL_MAX_M:  # the EC in a launch of its own before the tiles (w4_decode's ec_split)
-            us["w4_ec_r32_split"] = time_graph([lambda w=w, x=x: w4_decode(x, w, ecs[32], ec_split=True) for w in w4s])
         us["w4_ec_r32_naive"] = time_graph([lambda w=w, x=x: naive_ec(x, w4_linear(x, w), ecs[32]) for w in w4s])
         if 16 < m <= DECODE_KERNEL_MAX_M:  # both sides of w4_linear's switch (DECODE_PATH_MAX_M)
             us["w4_decode_kernel"] = time_graph([lambda w=w, x=x: w4_decode(x, w) for w in w4s])
@@ -191,7 +186,7 @@ def main() -> None:
 def summary(result: dict, bandwidth: float, log) -> None:
     log("")
     log(f"{'shape':<14} {'M':>5} {'fp16':>8} {'int4pt':>8} {'W4':>8} {'W4+EC32':>8} {'naive':>8} "
-        f"{'EC/W4':>6} {'split':>6} {'%copyBW':>7} {'vs pt':>6}")
+        f"{'EC/W4':>6} {'%copyBW':>7} {'vs pt':>6}")
     for shape, rows in result["shapes"].items():
         for row in rows:
             us = row["us"]
@@ -200,7 +195,6 @@ def summary(result: dict, bandwidth: float, log) -> None:
             pt = us.get("torch_int4_g128", math.nan)
             log(f"{shape:<14} {row['M']:>5} {us['fp16_cublas']:8.1f} {pt:8.1f} {us['w4']:8.1f} {us['w4_ec_r32']:8.1f} "
                 f"{us['w4_ec_r32_naive']:8.1f} {us['w4_ec_r32'] / us['w4']:6.2f} "
-                f"{us.get('w4_ec_r32_split', math.nan) / us['w4']:6.2f} "
                 f"{100 * row['w4_gbps'] * 1e9 / bandwidth:6.0f}% {pt / us['w4']:6.2f}"
                 + (f"   decode kernel {us['w4_decode_kernel']:.1f} / dequant+cuBLAS {us['w4_dequant_cublas']:.1f}"
                    if "w4_decode_kernel" in us else ""))

@@ -120,21 +120,6 @@ def test_decode_gemv_loop_matches_reference(group, gen):
         assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group} split_k={split_k} block_kw={block_kw}")
 
 
-@pytest.mark.parametrize("group", [-1, 64])
-def test_decode_ec_in_a_launch_of_its_own_matches_reference(group, gen):
-    """ec_split: the u-programs in a launch of their own, then the tiles loading g (both main loops, split-K),
-    and the workspace left clean: a fused launch after it is still exact."""
-    n, k = 192, 576
-    packed = pack_w4(random_w4(n, k, group, gen)).to(DEVICE)
-    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
-    for m, cfg in ((1, DecodeConfig(block_n=32, split_k=2, gemv_rows=4, block_kw=32)),
-                   (9, DecodeConfig(block_n=64, split_k=3, gemv_rows=0))):
-        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        ref = w4_linear_ref(x, packed, ec)
-        assert_close(w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n), ec_split=True), ref, f"split m={m} g={group}")
-        assert_close(w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n)), ref, f"fused after split m={m} g={group}")
-
-
 def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):
     """The in-kernel counters and scratch reset themselves: repeated launches with new inputs stay exact."""
     n, k = 128, 576  # SmolLM2's hidden size

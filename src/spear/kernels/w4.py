@@ -14,8 +14,9 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   program order and applies the gate once, for all tiles) and adds (alpha·B)_tile g in
   registers, then writes the output once. No float atomics: the result is bit-reproducible. The
   u-programs have the lowest ids, so they are dispatched first and the wait cannot
-  deadlock. Each launch leaves its counters zeroed for the next one. With `ec_split` (w4_decode) the
-  u-programs run in a launch of their own first, and the tiles load g without waiting.
+  deadlock. Each launch leaves its counters zeroed for the next one. (The u-programs in a launch of
+  their own, the tiles loading g without waiting, measured slower at every shape and row count on the
+  H200: BENCHMARKS.md §4, session 5.)
 * prefill (M > DECODE_PATH_MAX_M): the weight is dequantized once into scratch and multiplied by cuBLAS;
   the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
   y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
@@ -296,23 +297,20 @@ def _w4_decode_kernel(
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
-    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, EC_STAGE: tl.constexpr, PEERS: tl.constexpr,
+    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax + 1, BM, R]: float32 partial sums, each summed in a fixed
     # order by the program that arrives last (no float atomics: the result is bit-reproducible); the last
     # u-program also applies the gate once and stores g = gamma(u) ⊙ u in u_part[num_ax] for every tile.
     # cnt_ptr: [0] u-programs arrived (num_ax + 1 once g is stored), [1] tiles that read g,
     # [2 + n] splits arrived at tile n.
-    # EC_STAGE (with HAS_EC): 0 one launch, the u-programs first in the grid and the tiles waiting for g;
-    # 1 the u-programs alone (g into the workspace); 2 the tiles alone, loading the g a stage-1 launch left.
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
-    u_programs = num_ax * (1 - EC_STAGE // 2)  # in this grid: none at stage 2
-    if pid < u_programs:
+    if pid < num_ax:
         # u += A[:, slice] x[slice]  over this program's slice of K
         offs_r = tl.arange(0, R)
         u = tl.zeros((BM, R), dtype=tl.float32)
@@ -341,10 +339,9 @@ def _w4_decode_kernel(
                 tl.store(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :], g,
                          mask=mask_m[:, None])
                 tl.debug_barrier()
-                # stage 0: g is ready for this grid's tiles; stage 1: the next launch reads it, reset now
-                tl.atomic_xchg(cnt_ptr, (num_ax + 1) * (1 - EC_STAGE), sem="release")
+                tl.atomic_xchg(cnt_ptr, num_ax + 1, sem="release")  # g is ready
     else:
-        gid = pid - u_programs
+        gid = pid - num_ax
         pid_n = gid // split_k
         pid_k = gid % split_k
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -378,19 +375,17 @@ def _w4_decode_kernel(
         elif last:
             g = tl.zeros((BM, R), dtype=tl.float32)
             if HAS_EC:
-                if EC_STAGE == 0:
+                ready = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+                while ready < num_ax + 1:  # until the last u-program has stored g
                     ready = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-                    while ready < num_ax + 1:  # until the last u-program has stored g
-                        ready = tl.atomic_add(cnt_ptr, 0, sem="acquire")
                 offs_r = tl.arange(0, R)
                 g = tl.load(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :],
                             mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-                if EC_STAGE == 0:
-                    tl.debug_barrier()
-                    done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
-                    if done == num_tiles - 1:  # the last reader of g: reset the counters for the next launch
-                        tl.atomic_xchg(cnt_ptr + 1, 0)
-                        tl.atomic_xchg(cnt_ptr, 0)
+                tl.debug_barrier()
+                done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
+                if done == num_tiles - 1:  # the last reader of g: reset the counters for the next launch
+                    tl.atomic_xchg(cnt_ptr + 1, 0)
+                    tl.atomic_xchg(cnt_ptr, 0)
             _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
                               HAS_EC, HAS_BIAS, R)
 
@@ -501,10 +496,6 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
-# w4_decode's default: the EC's rank-space work in the W4 launch (False) or in a launch of its own before it
-# (True). Timed on the H200 over the 7B shapes at M = 1–128 (bench/kernels.py: w4_ec_r32, w4_ec_r32_split;
-# BENCHMARKS.md §4): fused 1.11–1.64× W4, split 1.23–1.88×, slower in every row, so fused it is.
-EC_SPLIT = False
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
 
@@ -594,12 +585,10 @@ def w4_decode_to_peers(x: torch.Tensor, w: PackedW4, ec: PackedEC | None, peers:
 
 
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-              cfg: DecodeConfig | None = None, out: torch.Tensor | None = None, ec_split: bool = EC_SPLIT,
+              cfg: DecodeConfig | None = None, out: torch.Tensor | None = None,
               peers: PeerRows | None = None) -> torch.Tensor:
     """y [M, N] for x [M, K] with M ≤ DECODE_KERNEL_MAX_M, in one launch (see the module docstring); into `out`
-    if given. With an EC and `ec_split`, two launches instead: the u-programs alone (g = gamma(A x) ⊙ A x into
-    the workspace), then the tiles, which load g without waiting (EC_STAGE 1 and 2 of the kernel). With
-    `peers`, see w4_decode_to_peers (and the result is x, untouched)."""
+    if given. With `peers`, see w4_decode_to_peers (and the result is x, untouched)."""
     m, k = x.shape
     n = w.out_features
     if m > DECODE_KERNEL_MAX_M:
@@ -625,30 +614,23 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_ax = triton.cdiv(k, ax_k)
     y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * bm * n, (num_ax + 1) * bm * R, tiles)
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
-        y, stride_y, ec_split = x, peers.width, False
+        y, stride_y = x, peers.width
     else:
         y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
         stride_y = y.stride(0)
 
-    def launch(programs: int, stage: int) -> None:
-        _w4_decode_kernel[(programs,)](
-            x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
-            *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
-            y_part, u_part, counters, *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
-            m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
-            split_k, k_per_split, num_ax, ax_k, tiles,
-            HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
-            BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
-            GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1, EC_STAGE=stage,
-            PEERS=0 if peers is None else peers.rows.numel(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    if ec is not None and ec_split:
-        launch(num_ax, 1)
-        launch(tiles * split_k, 2)
-    else:
-        launch(num_ax + tiles * split_k, 0)
+    _w4_decode_kernel[(num_ax + tiles * split_k,)](
+        x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
+        *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
+        y_part, u_part, counters, *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
+        m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
+        split_k, k_per_split, num_ax, ax_k, tiles,
+        HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
+        BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
+        GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
+        PEERS=0 if peers is None else peers.rows.numel(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     return y
 
 
