@@ -78,7 +78,7 @@ class PackedEC:
         return PackedEC(**t, rank=self.rank, gated=self.gated)
 
 
-def _pow2_at_least_16(n: int) -> int:
+def pow2_at_least_16(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
@@ -112,14 +112,14 @@ def unpack_w4(packed: PackedW4) -> torch.Tensor:
 def pack_ec(ec: ErrorCompensator) -> PackedEC:
     r, k = ec.A.shape
     n = ec.B.shape[0]
-    R = _pow2_at_least_16(r)
+    R = pow2_at_least_16(r)
     dev = ec.A.device
     A = torch.zeros(R, k, dtype=torch.float16, device=dev)
     A[:r] = ec.A.detach().half()
     B = torch.zeros(n, R, dtype=torch.float16, device=dev)
     B[:, :r] = (ec.alpha.detach().float() * ec.B.detach().float()).half()
     h = max(ec.gate_hidden, 1)
-    H = _pow2_at_least_16(h)
+    H = pow2_at_least_16(h)
     W1 = torch.zeros(H, R, dtype=torch.float16, device=dev)
     b1 = torch.zeros(H, dtype=torch.float16, device=dev)
     W2 = torch.zeros(R, H, dtype=torch.float16, device=dev)
@@ -159,7 +159,7 @@ def concat_ec(ecs: list[PackedEC | None], out_features: list[int], in_features: 
     gated = any(ec is not None and ec.gated for ec in ecs)
     ranks = [0 if ec is None else ec.rank for ec in ecs]  # the padded rank columns are zero: drop them
     hiddens = [ec.W1.shape[0] if ec is not None and ec.gated else 0 for ec in ecs]
-    R, H = _pow2_at_least_16(sum(ranks)), _pow2_at_least_16(max(sum(hiddens), 1))
+    R, H = pow2_at_least_16(sum(ranks)), pow2_at_least_16(max(sum(hiddens), 1))
     shapes = ((R, in_features), (sum(out_features), R), (H, R), (H,), (R, H), (R,))
     A, B, W1, b1, W2, b2 = (torch.zeros(shape, dtype=torch.float16, device=device) for shape in shapes)
     n0 = r0 = h0 = 0

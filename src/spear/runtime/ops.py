@@ -255,8 +255,8 @@ def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, se
                                    PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
-    and the keys they read: a prefill chunk's tokens as rows), over keys [p * PARTITION, (p + 1) * PARTITION) by online
-    softmax; row r sees keys 0 .. seq_len_r - 1. Writes each (row, head)'s running max m, sum
+    and the keys they read: a prefill chunk's tokens as rows), over keys [p * PARTITION, (p + 1) * PARTITION)
+    by online softmax; row r sees keys 0 .. seq_len_r - 1. Writes each (row, head)'s running max m, sum
     l = Σ exp(s - m) and acc = Σ exp(s - m) v (float32) for the partition; a partition past a row's end
     writes m = -inf, l = 0 only. Without tiles every row is a tile of its own (a decode step)."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)

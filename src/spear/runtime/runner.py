@@ -4,8 +4,9 @@ On CUDA (and `EngineConfig.cuda_graphs`), one graph of a whole step per row-coun
 up to the first power of two ≥ max(max_num_seqs, row_graph_tokens)) is captured at start-up over
 static input tensors, every row a one-token query of the decode-attention kernel: a decode step is
 one row per sequence, and a mixed step of up to `row_graph_tokens` tokens one row per token
-(`token_rows`), a prompt chunk's rows grouped into attention tiles that read its keys once. Steps are padded to their bucket with dummy rows that write to the null block, and
-block tables are padded to the longest a sequence can have.
+(`token_rows`), a prompt chunk's rows grouped into attention tiles that read its keys once. Steps
+are padded to their bucket with dummy rows that write to the null block, and block tables are
+padded to the longest a sequence can have.
 
 Larger mixed steps (prefill chunks beside decodes) would run eagerly, which is host-bound (about
 1,000 kernel launches from Python for a 7B model); with `mixed_graph_tokens` (token-count buckets;

@@ -59,6 +59,7 @@ from torch import nn
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
+from spear.kernels.pack import PackedEC, pow2_at_least_16
 from spear.layer import SpearLinear
 from spear.quant.record import QuantizedWeight
 from spear.runtime.model import Transformer
@@ -126,13 +127,16 @@ class RankSpaceEC(nn.Module):
         """u_r = x_r A_rᵀ  [M, r]."""
         return x @ self.A.t()
 
-    def packed_a(self):
-        """A_r for the W4 decode kernel's u-programs (kernels.pack.PackedEC: fp16, rank padded to R); B and the gate
-        act after the reduction, so the packed ones are placeholders. Cached."""
-        if getattr(self, "_packed_a", None) is None:
-            from spear.kernels.pack import PackedEC
+    @property
+    def padded_rank(self) -> int:
+        """The rank the W4 kernels compute u in (kernels.pack's padding)."""
+        return pow2_at_least_16(self.rank)
 
-            padded = max(16, 1 << (self.rank - 1).bit_length())
+    def packed_a(self) -> PackedEC:
+        """A_r for the W4 decode kernel's u-programs (fp16, rank padded to padded_rank); B and the gate act after
+        the reduction, so the packed ones are placeholders. Cached."""
+        if getattr(self, "_packed_a", None) is None:
+            padded = self.padded_rank
             a = torch.zeros(padded, self.A.shape[1], dtype=torch.float16, device=self.A.device)
             a[: self.rank] = self.A
             self._packed_a = PackedEC(a, a, a[:16, :padded], a[0, :16], a[:, :16], a[0], self.rank, gated=False)
@@ -143,10 +147,15 @@ class RankSpaceEC(nn.Module):
         if y.is_cuda and y.dtype == torch.float16:
             from spear.kernels.ec_epilogue import ec_epilogue
 
-            return ec_epilogue(y, u, self.B, self.W1, self.b1, self.W2, self.b2)
+            return ec_epilogue(y, u, *epilogue_weights(self))
         from spear.kernels.ec_epilogue import ec_epilogue_ref
 
-        return ec_epilogue_ref(y, u, self.B, self.W1, self.b1, self.W2, self.b2)
+        return ec_epilogue_ref(y, u, *epilogue_weights(self))
+
+
+def epilogue_weights(ec: RankSpaceEC | None) -> tuple[torch.Tensor | None, ...]:
+    """(alpha·B, W1, b1, W2, b2) for the epilogue kernels (kernels.ec_epilogue); all None without an EC."""
+    return (None,) * 5 if ec is None else (ec.B, ec.W1, ec.b1, ec.W2, ec.b2)
 
 
 class CollectiveReduce:
@@ -194,9 +203,7 @@ class SymmetricReduce:
         summed = self.all_reduce(flat).view(m, width)
         from spear.kernels.ec_epilogue import ec_epilogue
 
-        ec = layer.ec
-        gate = (None,) * 4 if ec is None else (ec.W1, ec.b1, ec.W2, ec.b2)
-        return ec_epilogue(summed[:, :n], None if ec is None else summed[:, n:], None if ec is None else ec.B, *gate,
+        return ec_epilogue(summed[:, :n], None if layer.ec is None else summed[:, n:], *epilogue_weights(layer.ec),
                            bias=layer.bias, out=torch.empty(m, n, dtype=x.dtype, device=x.device))
 
 
@@ -244,12 +251,10 @@ class PeerReduce:
     def receive(self, layer: RowParallelLinear, rows: int) -> torch.Tensor:
         from spear.kernels.ec_epilogue import peer_epilogue
 
-        ec = layer.ec
-        gate = (None,) * 4 if ec is None else (ec.W1, ec.b1, ec.W2, ec.b2)
         out = torch.empty(rows, layer.out_features, dtype=torch.float16, device=self.slots.device)
         return peer_epilogue(self.slots, self.signals, self.state, rows, layer.out_features, self.peers.width,
-                             None if ec is None else ec.B, *gate, bias=layer.bias, out=out,
-                             rank=0 if ec is None else ec.rank)
+                             *epilogue_weights(layer.ec), bias=layer.bias, out=out,
+                             rank=0 if layer.ec is None else layer.ec.rank)
 
     def __call__(self, layer: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
         self.send(layer, x)
@@ -282,7 +287,7 @@ class RowParallelLinear(nn.Module):
             self.base = SpearLinear(record, None, lin.weight_hat.dtype)
             if lin.ec is not None:
                 self.ec = RankSpaceEC(lin.ec, rank, world, lin.weight_hat.dtype)
-        self.reduce: CollectiveReduce | SymmetricReduce = CollectiveReduce()  # symmetric: decode steps only
+        self.reduce: CollectiveReduce | SymmetricReduce | PeerReduce = CollectiveReduce()  # set_reduction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -349,8 +354,8 @@ def set_reduction(model: Transformer, reduction: Reduction, max_rows: int = 32) 
                 m.reduce = SymmetricReduce.create(max_rows, m.out_features + (0 if m.ec is None else m.ec.rank),
                                                   model.device)
             else:  # u_r's columns padded to the kernel's rank (packed_a)
-                padded = 0 if m.ec is None else max(16, 1 << (m.ec.rank - 1).bit_length())
-                m.reduce = PeerReduce.create(max_rows, m.out_features + padded, model.device)
+                m.reduce = PeerReduce.create(max_rows, m.out_features + (0 if m.ec is None else m.ec.padded_rank),
+                                             model.device)
 
 
 def _free_port() -> int:
