@@ -15,7 +15,8 @@ in the same run (bytes read + written per second); KV-cache reads are not in the
 
 With `--tp N` the ranks are started here (spear.runtime.tp.launch: one GPU each, or gloo
 processes on CPU); each builds the same random model and shards it, rank 0 runs the engine
-and the others follow its steps (spear.runtime.tp_serve), as `spear serve --tp N` does. The
+and the others follow its steps (spear.runtime.tp_serve), as `spear serve --tp N` does; on GPUs the
+row-parallel W4 layers reduce by `--tp-reduction` (p2p by default, as in `spear serve`). The
 weight bytes and the floor are then one rank's shard.
 """
 
@@ -39,7 +40,7 @@ from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
-from spear.runtime.tp import RowParallelLinear, apply_tp, launch
+from spear.runtime.tp import RowParallelLinear, apply_tp, launch, set_reduction
 from spear.runtime.tp_serve import StepChannel, follow
 
 MODELS = {
@@ -133,6 +134,8 @@ def main() -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny model with short runs (CPU end-to-end check)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, started here (default 1)")
+    p.add_argument("--tp-reduction", choices=["p2p", "symmetric", "collective"], default="p2p",
+                   help="how the row-parallel W4 layers reduce on GPUs (spear.runtime.tp.set_reduction; default p2p)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
     if args.tp < 1:
@@ -165,6 +168,7 @@ def run(args: argparse.Namespace) -> None:
         write_json(args.json, {
             "dtype": str(dtype), "quant": quant.to_dict(), "ec": {"rank": args.rank, "gate_hidden": 8},
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cuda_graphs": not args.no_cuda_graphs, "tp": args.tp,
+            "tp_reduction": args.tp_reduction if args.tp > 1 and device.type == "cuda" else "collective",
             "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows,
         })
 
@@ -174,8 +178,9 @@ def run(args: argparse.Namespace) -> None:
             fraction = EC_FRACTIONS.get(setting)
             model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device,
                                  kernels=channel is None)
-            if channel is not None:  # shard, then pack for the kernels
-                use_kernels(apply_tp(model), drop_dense=True)
+            if channel is not None:  # shard, then pack for the kernels; decode steps reduce by --tp-reduction
+                if use_kernels(apply_tp(model), drop_dense=True) and args.tp_reduction != "collective":
+                    set_reduction(model, args.tp_reduction, max(batches))
             synchronize(device)
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)

@@ -2,10 +2,12 @@
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 9 minutes):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes across the decode kernel /
-#          dequantize + cuBLAS switch (M = 1 … 256, the EC fused and split);
+#          dequantize + cuBLAS switch (M = 1 … 256, W4 and W4+EC);
 #   GPU 1: the SLO experiment (all EC densities), then a profile of a mixed step, then the engine's host time per
-#          decode step on this host's CPU (bench/host_step.py: no GPU work);
-#   or, with TP=1 in the environment, only the tensor-parallel benchmark on both (a call of its own).
+#          decode step on this host's CPU (bench/host_step.py: no GPU work), then the decode-kernel grid on
+#          Llama-2-70B shapes (M = 1, 16, 64);
+#   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
+#          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2).
 # Run as: run(command="SPEAR_COMMIT=<sha> bash bench/gpu_all.sh", kind="nvidia-h200-x2"). At most 8 files come
 # back from $OUT, so the logs are gathered into one file.
 set -u
@@ -28,9 +30,14 @@ gpu1() {
   timeout 60 python bench/profile_step.py --setting w4+ec15 --batch 8 --chunk 64 --steps 5 \
     --json /tmp/gpu_all/profile_mixed.json > $log/5_profile_mixed.log 2>&1
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
+  timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 64 \
+    --time-limit 90 > $log/9_kernels_70b.log 2>&1
 }
 if [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
+  # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
+  timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \
+    --json "$out/decode_tp2_h200x2.json" > $log/8_decode_tp2.log 2>&1
 else
   (export CUDA_VISIBLE_DEVICES=0; gpu0) &
   (export CUDA_VISIBLE_DEVICES=1; gpu1) &

@@ -16,6 +16,8 @@ from spear.errors import SpearError
 from spear.kernels.pack import pack_ec, pack_w4, unpack_w4
 from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.w4 import (
+    _WORKSPACE,
+    G_EMPTY,
     DecodeConfig,
     PrefillConfig,
     dequantize_w4_into,
@@ -129,6 +131,9 @@ def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=32, split_k=4), out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec), f"repeat m={m}")
+        _, _, g_cells, counters = _WORKSPACE.buffers[x.device]
+        assert (g_cells == G_EMPTY.value).all(), f"g left written after m={m}: the next launch would read it"
+        assert (counters == 0).all(), f"counters left at {counters.nonzero().flatten().tolist()} after m={m}"
 
 
 def test_decode_kernel_is_bit_reproducible(gen):

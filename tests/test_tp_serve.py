@@ -107,6 +107,8 @@ def test_launch_raises_a_rank_s_spear_error(monkeypatch):
 def test_cli_serve_tp_errors(tiny_model_dir, capsys):
     assert main(["serve", str(tiny_model_dir), "--tp", "0", "--port", "0"]) == 2
     assert capsys.readouterr().err == "spear: error: --tp must be at least 1, got 0\n"
+    assert main(["serve", str(tiny_model_dir), "--tp", "2", "--tp-reduction", "nccl", "--port", "0"]) == 2
+    assert capsys.readouterr().err == "spear: error: --tp-reduction must be one of collective, symmetric, p2p, got 'nccl'\n"
 
 
 def test_cli_serve_tp2_answers_as_tp1(lively_model_dir):

@@ -82,22 +82,22 @@ def variants() -> dict[str, tuple]:
 
     f16 = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
-    decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "cnt_ptr": I32}
+    decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I32, "cnt_ptr": I32}
     out = {}
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=bm, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=per_channel, PEERS=0)
+                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=max(1, 4096 // (bm * 32)))
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
-                 BKW=64, PER_CHANNEL=True, PEERS=0)
+                 BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8)
     out["decode rows=1 float32 out"] = (w4._w4_decode_kernel, {**decode_ptrs, "y_ptr": F32, "bias_ptr": F32}, const, 4)
     for rows in (1, 0):  # tensor parallelism: the partials y_r and u_r into two ranks' buffers, then the signals
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=True, PEERS=2)
+                     BKW=64, PER_CHANNEL=True, PEERS=2, U_CHUNK=8)
         out[f"decode rows={rows or 'dot'} to peers"] = (w4._w4_decode_kernel, {**decode_ptrs, "peer_rows_ptr": I64,
                                                                                "peer_signals_ptr": I64}, const, 4)
     out["ec_rank"] = (w4._ec_rank_kernel, f16, dict(GATED=True, R=32, H=16, BM=32, BK=64), 4)

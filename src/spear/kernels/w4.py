@@ -10,13 +10,17 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   loops: for up to 4 rows a GEMV loop (plain FMAs on codes turned into denormal floats by one
   AND each, `_w4_gemv`), else tensor-core dots on 16-column slices (`_w4_block`). The last program
   to finish an output tile (a per-tile arrival counter) sums the splits' partials in split
-  order, waits for g = gamma(u) ⊙ u (the last u-program to arrive sums the partial u in
-  program order and applies the gate once, for all tiles) and adds (alpha·B)_tile g in
-  registers, then writes the output once. No float atomics: the result is bit-reproducible. The
-  u-programs have the lowest ids, so they are dispatched first and the wait cannot
-  deadlock. Each launch leaves its counters zeroed for the next one. (The u-programs in a launch of
-  their own, the tiles loading g without waiting, measured slower at every shape and row count on the
-  H200: BENCHMARKS.md §4, session 5.)
+  order, and adds (alpha·B)_tile g in registers to it, g = gamma(u) ⊙ u, then writes the output
+  once. The last u-program to arrive sums the partial u in program order, applies the gate once
+  and stores g in cells that hold an "empty" bit pattern between launches: the flag is in the data
+  (NCCL's LL protocol), so a tile reads g with one load and no flag to acquire first. Each tile
+  issues that read and its B tile's before its main loop, so that only the first wave of tiles can
+  find g not yet written (and re-reads it); the last tile to use g empties it for the next launch.
+  No float atomics: the result is bit-reproducible. The u-programs have the lowest ids, so they
+  are dispatched first and the wait cannot deadlock. Each launch leaves its counters zeroed and
+  g's cells empty for the next one. (The u-programs in a launch of their own, the tiles loading g
+  without waiting, measured slower at every shape and row count on the H200: BENCHMARKS.md §4,
+  session 5.)
 * prefill (M > DECODE_PATH_MAX_M): the weight is dequantized once into scratch and multiplied by cuBLAS;
   the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
   y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
@@ -39,6 +43,9 @@ DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # dequantize + cuBLAS (the fp16 weight written and read again, twice the fp16 GEMM's traffic).
 DECODE_PATH_MAX_M = 128
 TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
+# An element of the decode kernel's g not written yet: a float32 NaN whose payload no arithmetic produces (GPUs
+# give NaN results the canonical payload 0x7FFFFF), so that any computed g, NaN included, reads as ready.
+G_EMPTY: tl.constexpr = tl.constexpr(0x7FBADBAD)
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -258,17 +265,26 @@ def _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED: tl.constexpr, R: tl.constexp
 
 
 @triton.jit
-def _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
-                      HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr):
-    """y[offs_m, offs_n] = accᵀ + bias + ((alpha·B) g)ᵀ for acc [BN, BM], g [BM, R]."""
+def _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
+                      HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[offs_m, offs_n] = accᵀ + bias + ((alpha·B) g)ᵀ for acc [BN, BM], g [BM, R], b = (alpha·B)_tile [BN, R]."""
     if HAS_EC:
-        offs_r = tl.arange(0, R)
-        b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None], other=0.0)  # [BN, R]
         acc += tl.dot(b, tl.trans(g.to(tl.float16)))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC: tl.constexpr, R: tl.constexpr):
+    """(alpha·B)_tile [BN, R] fp16 (zeros without an EC)."""
+    offs_r = tl.arange(0, R)
+    if HAS_EC:
+        b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        b = tl.zeros((offs_n.shape[0], R), dtype=tl.float16)
+    return b
 
 
 @triton.jit
@@ -292,27 +308,29 @@ def _signal_peers(counter_ptr, arrivals, peer_signals_ptr, PEERS: tl.constexpr):
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    y_part_ptr, u_part_ptr, cnt_ptr, peer_rows_ptr, peer_signals_ptr,
+    y_part_ptr, u_part_ptr, g_ptr, cnt_ptr, peer_rows_ptr, peer_signals_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
-    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr,
+    BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
 ):
-    # y_part [split_k, BM, N] and u_part [num_ax + 1, BM, R]: float32 partial sums, each summed in a fixed
-    # order by the program that arrives last (no float atomics: the result is bit-reproducible); the last
-    # u-program also applies the gate once and stores g = gamma(u) ⊙ u in u_part[num_ax] for every tile.
-    # cnt_ptr: [0] u-programs arrived (num_ax + 1 once g is stored), [1] tiles that read g,
-    # [2 + n] splits arrived at tile n.
+    # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
+    # the program that arrives last (no float atomics: the result is bit-reproducible).
+    # g_ptr [BM, R] int32: g = gamma(u) ⊙ u as float32 bits, G_EMPTY where not yet written. The last u-program
+    # stores it; a tile takes an element as ready when it is not G_EMPTY (flag in the data, as in NCCL's LL
+    # protocol: one load, no separate flag to acquire first), and the last tile to read g empties it again.
+    # cnt_ptr: [0] u-programs arrived, [1] tiles that read g, [2 + n] splits arrived at tile n.
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
+    offs_r = tl.arange(0, R)
+    g_rows = g_ptr + offs_m[:, None] * R + offs_r[None, :]
     if pid < num_ax:
         # u += A[:, slice] x[slice]  over this program's slice of K
-        offs_r = tl.arange(0, R)
         u = tl.zeros((BM, R), dtype=tl.float32)
         for k0 in range(pid * ax_k_per_prog, (pid + 1) * ax_k_per_prog, BK):
             offs_k = k0 + tl.arange(0, BK)
@@ -324,28 +342,35 @@ def _w4_decode_kernel(
         tl.debug_barrier()
         arrived_u = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
         if arrived_u == num_ax - 1:  # the last u-program: g = gamma(u) ⊙ u once, for every tile
+            tl.atomic_xchg(cnt_ptr, 0)  # every u-program has arrived
             u = tl.zeros((BM, R), dtype=tl.float32)
-            for p in range(num_ax):  # in program order
-                u += tl.load(u_part_ptr + p * BM * R + offs_m[:, None] * R + offs_r[None, :],
-                             mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            offs_p = tl.arange(0, U_CHUNK)
+            for p0 in range(0, num_ax, U_CHUNK):  # U_CHUNK partials a load, in program order
+                p = p0 + offs_p
+                parts = tl.load(u_part_ptr + p[:, None, None] * BM * R + offs_m[None, :, None] * R
+                                + offs_r[None, None, :], mask=(p < num_ax)[:, None, None] & mask_m[None, :, None],
+                                other=0.0, cache_modifier=".cg")
+                u += tl.sum(parts, axis=0)
             if PEERS > 0:  # u_r, ungated: the gate needs the sum over the ranks
                 for p in tl.static_range(PEERS):
                     rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
                     tl.store(rows + offs_m[:, None] * stride_ym + N + offs_r[None, :], u, mask=mask_m[:, None])
-                tl.atomic_xchg(cnt_ptr, 0)  # no tile waits for g
                 _signal_peers(cnt_ptr + 1, num_tiles + 1, peer_signals_ptr, PEERS)
             else:
                 g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-                tl.store(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :], g,
-                         mask=mask_m[:, None])
-                tl.debug_barrier()
-                tl.atomic_xchg(cnt_ptr, num_ax + 1, sem="release")  # g is ready
+                tl.store(g_rows, g.to(tl.int32, bitcast=True), mask=mask_m[:, None])
     else:
         gid = pid - num_ax
         pid_n = gid // split_k
         pid_k = gid % split_k
         offs_n = pid_n * BN + tl.arange(0, BN)
         mask_n = offs_n < N
+        if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
+            b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+            if BM * R <= 2048:
+                g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
+            else:  # wide row tiles: g's registers through the main loop would spill; read it after
+                g_bits = tl.full((BM, R), G_EMPTY, tl.int32)
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
         if GEMV_ROWS > 0:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
@@ -373,21 +398,21 @@ def _w4_decode_kernel(
                          mask=mask_n[:, None] & mask_m[None, :])
             _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
         elif last:
-            g = tl.zeros((BM, R), dtype=tl.float32)
-            if HAS_EC:
-                ready = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-                while ready < num_ax + 1:  # until the last u-program has stored g
-                    ready = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-                offs_r = tl.arange(0, R)
-                g = tl.load(u_part_ptr + num_ax * BM * R + offs_m[:, None] * R + offs_r[None, :],
-                            mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            if HAS_EC and PEERS == 0:
+                while tl.sum((g_bits == G_EMPTY).to(tl.int32)) > 0:  # until the last u-program has stored g
+                    g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
+                g = g_bits.to(tl.float32, bitcast=True)
+            else:
+                g = tl.zeros((BM, R), dtype=tl.float32)
+                b = tl.zeros((BN, R), dtype=tl.float16)
+            _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
+                              HAS_EC, HAS_BIAS)
+            if HAS_EC and PEERS == 0:
                 tl.debug_barrier()
                 done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
-                if done == num_tiles - 1:  # the last reader of g: reset the counters for the next launch
+                if done == num_tiles - 1:  # the last reader of g: empty it for the next launch
+                    tl.store(g_rows, tl.full((BM, R), G_EMPTY, tl.int32), mask=mask_m[:, None])
                     tl.atomic_xchg(cnt_ptr + 1, 0)
-                    tl.atomic_xchg(cnt_ptr, 0)
-            _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr,
-                              HAS_EC, HAS_BIAS, R)
 
 
 # --- prefill: rank-space kernel + tensor-core GEMM ---------------------------------------
@@ -456,7 +481,8 @@ def _w4_prefill_kernel(
     if HAS_EC:
         offs_r = tl.arange(0, R)
         g = tl.load(g_ptr + offs_m[:, None] * R + offs_r[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
-    _add_ec_and_store(acc, g, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, b_ptr, bias_ptr, HAS_EC, HAS_BIAS, R)
+    b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+    _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, HAS_EC, HAS_BIAS)
 
 
 # --- host side ------------------------------------------------------------------------
@@ -526,27 +552,30 @@ def _slices_per_group(group_size: int) -> int:
 
 
 class _Workspace:
-    """Per-device float32 scratch (partial sums) and counters for the decode kernel; the counters are
-    zero between launches, the partial sums need no reset (a launch reads only what it wrote).
+    """Per-device scratch for the decode kernel: float32 partial sums of y and u, g's int32 cells and the
+    counters. The counters are zero and g's cells G_EMPTY between launches (each launch restores them); the
+    partial sums need no reset (a launch reads only what it wrote).
 
     Launches on one stream run in order, so one workspace serves every layer. It only grows;
     buffers it outgrows stay alive because a captured CUDA graph may still point at them.
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.buffers: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self.retired: list[torch.Tensor] = []
 
-    def get(self, device: torch.device, y_elems: int, u_elems: int, tiles: int) -> tuple[torch.Tensor, ...]:
+    def get(self, device: torch.device, y_elems: int, u_elems: int, g_elems: int, tiles: int) -> tuple[torch.Tensor, ...]:
+        """(y_part, u_part, g, counters) with at least these many elements (counters: 2 + tiles)."""
+        want = (y_elems, max(u_elems, 1), max(g_elems, 1), 2 + tiles)
         have = self.buffers.get(device)
-        if have is None or have[0].numel() < y_elems or have[1].numel() < u_elems or have[2].numel() < 2 + tiles:
+        if have is None or any(t.numel() < n for t, n in zip(have, want, strict=True)):
             if have is not None:
-                y_elems, u_elems = max(y_elems, have[0].numel()), max(u_elems, have[1].numel())
-                tiles = max(tiles, have[2].numel() - 2)
+                want = tuple(max(t.numel(), n) for t, n in zip(have, want, strict=True))
                 self.retired.extend(have)
-            have = (torch.empty(y_elems, dtype=torch.float32, device=device),
-                    torch.empty(max(u_elems, 1), dtype=torch.float32, device=device),
-                    torch.zeros(2 + tiles, dtype=torch.int32, device=device))
+            have = (torch.empty(want[0], dtype=torch.float32, device=device),
+                    torch.empty(want[1], dtype=torch.float32, device=device),
+                    torch.full((want[2],), G_EMPTY.value, dtype=torch.int32, device=device),
+                    torch.zeros(want[3], dtype=torch.int32, device=device))
             self.buffers[device] = have
         return have
 
@@ -612,7 +641,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
         num_ax = triton.cdiv(k, ax_k)
-    y_part, u_part, counters = _WORKSPACE.get(x.device, split_k * bm * n, (num_ax + 1) * bm * R, tiles)
+    y_part, u_part, g_cells, counters = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R, tiles)
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
         y, stride_y = x, peers.width
     else:
@@ -622,13 +651,13 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
-        y_part, u_part, counters, *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
+        y_part, u_part, g_cells, counters, *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
-        PEERS=0 if peers is None else peers.rows.numel(),
+        PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=max(1, 4096 // (bm * R)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -23,7 +23,7 @@ from spear.runtime.engine import Engine, EngineConfig, eos_token_ids, make_runne
 from spear.runtime.kv_cache import Chunk
 from spear.runtime.model import Transformer, build_runtime_model, use_kernels
 from spear.runtime.runner import ModelRunner
-from spear.runtime.tp import apply_tp
+from spear.runtime.tp import Reduction, apply_tp, set_reduction
 
 IDLE_TIMEOUT = timedelta(days=365)  # followers wait for the next step as long as the server idles
 
@@ -48,18 +48,32 @@ class StepChannel:
         return message[0]
 
 
-def shard_runtime_model(hf_model: nn.Module) -> Transformer:
-    """This rank's shard of the runtime model; 4-bit linears are packed for the kernels after sharding."""
+def shard_runtime_model(hf_model: nn.Module, reduction: Reduction = "p2p", max_rows: int = 32) -> Transformer:
+    """This rank's shard of the runtime model; 4-bit linears are packed for the kernels after sharding.
+
+    Where they are packed (CUDA, fp16), the row-parallel layers reduce steps of up to `max_rows` token
+    rows by `reduction` (spear.runtime.tp: "p2p", the W4 kernel's epilogue writing to the peers, is the
+    fastest measured, BENCHMARKS §7); larger steps, float models and CPU ranks reduce collectively.
+    Collective: every rank calls it in the same order."""
     model = apply_tp(build_runtime_model(hf_model, kernels=False))
-    use_kernels(model)
+    if use_kernels(model) and reduction != "collective":
+        set_reduction(model, reduction, max_rows)
     return model
 
 
-def leader_engine(hf_model: nn.Module, tokenizer, config: EngineConfig, channel: StepChannel) -> Engine:
+def leader_engine(hf_model: nn.Module, tokenizer, config: EngineConfig, channel: StepChannel,
+                  reduction: Reduction = "p2p") -> Engine:
     """Rank 0's engine: its runner sends every step to the followers before running it."""
-    runner = make_runner(shard_runtime_model(hf_model), config)
+    runner = make_runner(shard_runtime_model(hf_model, reduction, reduction_rows(config)), config)
     runner.on_step = channel.send
     return Engine(runner, tokenizer, config, eos_token_ids(hf_model))
+
+
+def reduction_rows(config: EngineConfig) -> int:
+    """The token rows a decode step of this engine reduces at most: its batch, up to the decode kernel's rows."""
+    from spear.kernels.w4 import DECODE_KERNEL_MAX_M
+
+    return min(config.max_num_seqs, DECODE_KERNEL_MAX_M)
 
 
 def follow(runner: ModelRunner, channel: StepChannel) -> None:

@@ -8,7 +8,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch
 
@@ -30,6 +30,7 @@ class ServeConfig:
     max_model_len: int | None = None  # context per sequence (None: the model's, at most 4096); sizes the KV cache
     max_num_seqs: int = 32  # sequences decoded together
     tp: int = 1  # tensor-parallel ranks (spear.runtime.tp_serve)
+    tp_reduction: str = "p2p"  # how row-parallel layers reduce on GPUs (spear.runtime.tp.set_reduction)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -40,6 +41,10 @@ class ServeConfig:
             raise SpearError("--max-num-seqs must be at least 1 and --max-model-len at least 2")
         if self.tp < 1:
             raise SpearError(f"--tp must be at least 1, got {self.tp}")
+        from spear.runtime.tp import Reduction
+
+        if self.tp_reduction not in get_args(Reduction):
+            raise SpearError(f"--tp-reduction must be one of {', '.join(get_args(Reduction))}, got {self.tp_reduction!r}")
 
 
 def serve(spec: str, config: ServeConfig, device: torch.device | None = None) -> None:
@@ -72,7 +77,7 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
         if channel is None:
             engine = build_engine(lm.model, lm.tokenizer, engine_config)
         else:
-            engine = leader_engine(lm.model, lm.tokenizer, engine_config, channel)
+            engine = leader_engine(lm.model, lm.tokenizer, engine_config, channel, config.tp_reduction)
         tokenizer = lm.tokenizer
         del lm  # under TP the full weights go; the engine holds this rank's shard
         if config.itl_slo_ms is not None:
@@ -96,7 +101,7 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
 
     from spear import api
     from spear.runtime.engine import make_runner
-    from spear.runtime.tp_serve import StepChannel, follow, shard_runtime_model
+    from spear.runtime.tp_serve import StepChannel, follow, reduction_rows, shard_runtime_model
 
     rank = dist.get_rank()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -106,7 +111,9 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
         # then, so that the followers are stopped
         signal.signal(sig, signal.SIG_IGN)
     if rank > 0:
-        follow(make_runner(shard_runtime_model(api.load(spec, device).model), _engine_config(config)), channel)
+        engine_config = _engine_config(config)
+        model = shard_runtime_model(api.load(spec, device).model, config.tp_reduction, reduction_rows(engine_config))
+        follow(make_runner(model, engine_config), channel)
         return
     try:
         _serve(spec, config, device, channel)
