@@ -178,9 +178,10 @@ def run(args: argparse.Namespace) -> None:
             fraction = EC_FRACTIONS.get(setting)
             model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device,
                                  kernels=channel is None)
-            if channel is not None:  # shard, then pack for the kernels; decode steps reduce by --tp-reduction
-                if use_kernels(apply_tp(model), drop_dense=True) and args.tp_reduction != "collective":
-                    set_reduction(model, args.tp_reduction, max(batches))
+            # under TP: shard, then pack for the kernels; decode steps reduce by --tp-reduction
+            if (channel is not None and use_kernels(apply_tp(model), drop_dense=True)
+                    and args.tp_reduction != "collective"):
+                set_reduction(model, args.tp_reduction, max(batches))
             synchronize(device)
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)

@@ -101,7 +101,12 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
 
     from spear import api
     from spear.runtime.engine import make_runner
-    from spear.runtime.tp_serve import StepChannel, follow, reduction_rows, shard_runtime_model
+    from spear.runtime.tp_serve import (
+        StepChannel,
+        follow,
+        reduction_rows,
+        shard_runtime_model,
+    )
 
     rank = dist.get_rank()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
