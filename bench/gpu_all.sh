@@ -25,8 +25,8 @@ gpu0() {
     --time-limit 150 > $log/3_kernels.log 2>&1
 }
 gpu1() {
-  timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" --time-limit 400 \
-    > $log/4_slo.log 2>&1
+  [ "${SLO:-1}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
+    --time-limit 400 > $log/4_slo.log 2>&1  # SLO=0 skips it (4 of the call's 6 minutes)
   timeout 60 python bench/profile_step.py --setting w4+ec15 --batch 8 --chunk 64 --steps 5 \
     --json /tmp/gpu_all/profile_mixed.json > $log/5_profile_mixed.log 2>&1
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1

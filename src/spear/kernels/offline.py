@@ -29,17 +29,19 @@ H200 = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_gpu(kernel, pointers: dict[str, str], constexprs: dict[str, object], divisible_by_16: tuple[str, ...] = (),
-                    num_warps: int = 4, num_stages: int = 3, target: GPUTarget = H200):
+                    num_warps: int = 4, num_stages: int = 3, target: GPUTarget = H200, maxnreg: int | None = None):
     """The compiled kernel (asm: ttir, ttgir, ptx, cubin). `pointers`: argument → Triton pointer type
     ("*fp16"); `constexprs`: their values; every other argument is an int32. Pointers and the ints in
-    `divisible_by_16` carry the 16-divisibility hint the JIT gives such arguments at run time."""
+    `divisible_by_16` carry the 16-divisibility hint the JIT gives such arguments at run time; `maxnreg` caps
+    the registers a thread holds, as the host code's launch does."""
     fn = kernel  # a JITFunction: run without TRITON_INTERPRET
     names = fn.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     hinted = [n for n in names if n in pointers or n in divisible_by_16]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                          "maxnreg": maxnreg})
 
 
 @dataclass
@@ -49,12 +51,21 @@ class Loop:
     mix: list[tuple[str, int]]  # opcode → count per iteration, most frequent first
 
 
-def sass(compiled) -> str:
+def _cuobjdump(compiled, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass(compiled) -> str:
+    return _cuobjdump(compiled, "-sass")
+
+
+def registers(compiled) -> int:
+    """Registers a thread of the kernel holds (cuobjdump -res-usage)."""
+    return int(re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage")).group(1))
 
 
 def loop_mix(sass_text: str, min_instructions: int = 60) -> list[Loop]:
@@ -91,6 +102,10 @@ def variants() -> dict[str, tuple]:
                      BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=max(1, 4096 // (bm * 32)))
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
+    for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps (registers capped)
+        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
+                     BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8)
+        out[f"decode rows=1 ec={ec} warps=8"] = (w4._w4_decode_kernel, decode_ptrs, const, 8)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                  BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8)
@@ -117,11 +132,15 @@ def variants() -> dict[str, tuple]:
 
 
 def main() -> None:
+    from spear.kernels import w4
+
     report = {}
     for name, (kernel, pointers, constexprs, warps) in variants().items():
         try:
-            compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps)
-            report[name] = {"ok": True, "loops": [vars(loop) for loop in loop_mix(sass(compiled))]}
+            maxnreg = w4.DECODE_MAX_REGISTERS.get(warps) if kernel is w4._w4_decode_kernel else None
+            compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps, maxnreg=maxnreg)
+            report[name] = {"ok": True, "warps": warps, "registers": registers(compiled),
+                            "loops": [vars(loop) for loop in loop_mix(sass(compiled))]}
         except Exception as e:  # noqa: BLE001 — reported per variant
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
     print(json.dumps(report))

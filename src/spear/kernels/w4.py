@@ -522,6 +522,11 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
+# Registers a thread of the decode kernel may hold, by warps a program, so that as many programs share an SM
+# (65,536 registers) with the EC as without it: the u-programs' branch took the 8-warp GEMV from 80 registers
+# (3 programs an SM) to 86-96 (2), which turned one-wave grids into two (W4+EC 1.3-1.8x W4 at M = 1; sm_90
+# res-usage in bench/NOTES-kernels.md, session 6).
+DECODE_MAX_REGISTERS = {8: 80}
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
 
@@ -658,7 +663,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=max(1, 4096 // (bm * R)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=DECODE_MAX_REGISTERS.get(cfg.num_warps),
     )
     return y
 
