@@ -314,6 +314,7 @@ def _w4_decode_kernel(
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
+    EC_ABLATE: tl.constexpr = 0,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -399,14 +400,15 @@ def _w4_decode_kernel(
             _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
         elif last:
             if HAS_EC and PEERS == 0:
-                while tl.sum((g_bits == G_EMPTY).to(tl.int32)) > 0:  # until the last u-program has stored g
-                    g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
+                if EC_ABLATE == 0 or EC_ABLATE == 2:
+                    while tl.sum((g_bits == G_EMPTY).to(tl.int32)) > 0:  # until the last u-program has stored g
+                        g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
                 g = g_bits.to(tl.float32, bitcast=True)
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
             _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
-                              HAS_EC, HAS_BIAS)
+                              HAS_EC and EC_ABLATE != 2 and EC_ABLATE != 4, HAS_BIAS)
             if HAS_EC and PEERS == 0:
                 tl.debug_barrier()
                 done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
@@ -522,11 +524,9 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
-# Registers a thread of the decode kernel may hold, by warps a program, so that as many programs share an SM
-# (65,536 registers) with the EC as without it: the u-programs' branch took the 8-warp GEMV from 80 registers
-# (3 programs an SM) to 86-96 (2), which turned one-wave grids into two (W4+EC 1.3-1.8x W4 at M = 1; sm_90
-# res-usage in bench/NOTES-kernels.md, session 6).
-DECODE_MAX_REGISTERS = {8: 80}
+# Lab switch for bench/ec_ablation.py (timing only: results are wrong when it is not 0): 1 tiles do not wait for
+# g, 2 tiles skip the EC epilogue, 3 no u-programs (tiles do not wait), 4 no u-programs and no epilogue.
+EC_ABLATE = 0
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
 
@@ -645,7 +645,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     if ec is not None:
         num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
-        num_ax = triton.cdiv(k, ax_k)
+        num_ax = triton.cdiv(k, ax_k) if EC_ABLATE < 3 else 0
     y_part, u_part, g_cells, counters = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R, tiles)
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
         y, stride_y = x, peers.width
@@ -663,7 +663,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=max(1, 4096 // (bm * R)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=DECODE_MAX_REGISTERS.get(cfg.num_warps),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EC_ABLATE=EC_ABLATE,
     )
     return y
 

@@ -1,0 +1,73 @@
+"""Where the fused EC's time goes at few rows (lab book, bench/NOTES-kernels.md): the decode kernel timed as
+W4, as W4+EC, and with parts of the EC switched off (kernels.w4.EC_ABLATE; those outputs are wrong, only
+their time counts).
+
+    python bench/ec_ablation.py --json bench/results/ec_ablation.json     # H200, about a minute
+
+Each figure is the median µs per launch of a CUDA graph over weight copies larger than the L2 (as
+bench/kernels.py), the tuned config of the W4 launch for every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from common import write_json
+from kernels import random_ec
+
+from spear.kernels import w4 as w4mod
+from spear.kernels.pack import pack_ec, pack_w4
+from spear.kernels.timing import time_in_graph
+from spear.quant.record import QuantConfig, rtn_quantize
+
+SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
+          "70b/gate_up": (28672, 8192), "70b/down": (8192, 28672)}
+VARIANTS = {"ec": 0, "no_wait": 1, "no_epilogue": 2, "no_u_programs": 3, "no_u_no_epilogue": 4}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", required=True)
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 16])
+    args = p.parse_args()
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        packed = pack_w4(rtn_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), QuantConfig(4, -1)))
+        ec = pack_ec(random_ec(n, k, 32))
+        copies = [packed] + [packed.clone() for _ in range(max(1, math.ceil((128 << 20) / packed.nbytes())) - 1)]
+        w4mod.tune_w4(packed, tuple(args.ms))
+        for m in args.ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            us = {"w4": time_in_graph([lambda w=w, x=x: w4mod.w4_decode(x, w) for w in copies])}
+            for variant, code in VARIANTS.items():
+                w4mod.EC_ABLATE = code
+                try:
+                    us[variant] = time_in_graph([lambda w=w, x=x, ec=ec: w4mod.w4_decode(x, w, ec) for w in copies])
+                finally:
+                    w4mod.EC_ABLATE = 0
+            # every decode candidate for this M, with and without the EC: is W4's tuned config also W4+EC's best?
+            per_config = []
+            for cfg in w4mod.DECODE_CANDIDATES:
+                if cfg.gemv_rows and m > cfg.gemv_rows:
+                    continue
+                per_config.append({"config": dataclasses.asdict(cfg),
+                                   "w4": time_in_graph([lambda w=w, x=x, c=cfg: w4mod.w4_decode(x, w, cfg=c) for w in copies], reps=5),
+                                   "ec": time_in_graph([lambda w=w, x=x, c=cfg, e=ec: w4mod.w4_decode(x, w, e, cfg=c) for w in copies], reps=5)})
+            best_w4 = min(per_config, key=lambda r: r["w4"])
+            best_ec = min(per_config, key=lambda r: r["ec"])
+            rows.append({"shape": name, "N": n, "K": k, "M": m, "us": us, "per_config": per_config})
+            print(f"{name:<12} M={m:<3} " + "  ".join(f"{v} {t:6.1f}" for v, t in us.items())
+                  + f" | best w4 {best_w4['w4']:.1f} {best_w4['config']} | best ec {best_ec['ec']:.1f} "
+                    f"(w4 {best_ec['w4']:.1f}) {best_ec['config']}", flush=True)
+            write_json(args.json, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
