@@ -50,6 +50,9 @@ def main() -> None:
                 w4mod.EC_ABLATE = code
                 try:
                     us[variant] = time_in_graph([lambda w=w, x=x, ec=ec: w4mod.w4_decode(x, w, ec) for w in copies])
+                except Exception as error:  # noqa: BLE001 — a variant the compiler refuses is reported, not fatal
+                    us[variant] = float("nan")
+                    print(f"{name} M={m} {variant}: {str(error).splitlines()[-1][:300]}", flush=True)
                 finally:
                     w4mod.EC_ABLATE = 0
             # every decode candidate for this M, with and without the EC: is W4's tuned config also W4+EC's best?
@@ -57,9 +60,12 @@ def main() -> None:
             for cfg in w4mod.DECODE_CANDIDATES:
                 if cfg.gemv_rows and m > cfg.gemv_rows:
                     continue
-                per_config.append({"config": dataclasses.asdict(cfg),
-                                   "w4": time_in_graph([lambda w=w, x=x, c=cfg: w4mod.w4_decode(x, w, cfg=c) for w in copies], reps=5),
-                                   "ec": time_in_graph([lambda w=w, x=x, c=cfg, e=ec: w4mod.w4_decode(x, w, e, cfg=c) for w in copies], reps=5)})
+                try:
+                    per_config.append({"config": dataclasses.asdict(cfg), "w4": time_in_graph(
+                        [lambda w=w, x=x, c=cfg: w4mod.w4_decode(x, w, cfg=c) for w in copies], reps=5), "ec": time_in_graph(
+                        [lambda w=w, x=x, c=cfg, e=ec: w4mod.w4_decode(x, w, e, cfg=c) for w in copies], reps=5)})
+                except Exception as error:  # noqa: BLE001
+                    print(f"{name} M={m} {cfg}: {str(error).splitlines()[-1][:300]}", flush=True)
             best_w4 = min(per_config, key=lambda r: r["w4"])
             best_ec = min(per_config, key=lambda r: r["ec"])
             rows.append({"shape": name, "N": n, "K": k, "M": m, "us": us, "per_config": per_config})
