@@ -524,6 +524,10 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
+# Registers a thread of the GEMV loop's EC variant may hold, by warps a program. Uncapped, the 8-warp variant took
+# 140 against W4's 119, so one program fit an SM (65,536 registers) where W4 fits two: W4+EC 1.3-1.5x W4 at M = 1,
+# most of it with the EC's work switched off (bench/ec_ablation.py). At 128 it keeps two, with no spills (sm_90).
+GEMV_EC_MAX_REGISTERS = {8: 128}
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong when it is not 0): 1 tiles do not wait for
 # g, 2 tiles skip the EC epilogue, 3 no u-programs (tiles do not wait), 4 no u-programs and no epilogue.
 EC_ABLATE = 0
@@ -664,7 +668,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=max(1, 4096 // (bm * R)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE,
+        maxnreg=GEMV_EC_MAX_REGISTERS.get(cfg.num_warps) if ec is not None and gemv_rows else None, EC_ABLATE=EC_ABLATE,
     )
     return y
 
