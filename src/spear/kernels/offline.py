@@ -132,14 +132,10 @@ def variants() -> dict[str, tuple]:
 
 
 def main() -> None:
-    from spear.kernels import w4
-
     report = {}
     for name, (kernel, pointers, constexprs, warps) in variants().items():
         try:
-            capped = kernel is w4._w4_decode_kernel and constexprs["HAS_EC"] and constexprs["GEMV_ROWS"]
-            compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps,
-                                       maxnreg=w4.GEMV_EC_MAX_REGISTERS.get(warps) if capped else None)
+            compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps)
             report[name] = {"ok": True, "warps": warps, "registers": registers(compiled),
                             "loops": [vars(loop) for loop in loop_mix(sass(compiled))]}
         except Exception as e:  # noqa: BLE001 — reported per variant

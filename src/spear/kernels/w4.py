@@ -400,18 +400,22 @@ def _w4_decode_kernel(
             _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
         elif last:
             if HAS_EC and PEERS == 0:
-                if EC_ABLATE == 0 or EC_ABLATE == 2:
+                if EC_ABLATE == 0 or EC_ABLATE == 5:
                     while tl.sum((g_bits == G_EMPTY).to(tl.int32)) > 0:  # until the last u-program has stored g
                         g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
                 g = g_bits.to(tl.float32, bitcast=True)
+                if EC_ABLATE == 5:  # g is in registers: count this reader now, relaxed, its latency under the store
+                    tl.debug_barrier()
+                    done = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed")
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
             _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
-                              HAS_EC and EC_ABLATE != 2 and EC_ABLATE != 4, HAS_BIAS)
+                              HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if HAS_EC and PEERS == 0:
-                tl.debug_barrier()
-                done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
+                if EC_ABLATE != 5:
+                    tl.debug_barrier()
+                    done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
                 if done == num_tiles - 1:  # the last reader of g: empty it for the next launch
                     tl.store(g_rows, tl.full((BM, R), G_EMPTY, tl.int32), mask=mask_m[:, None])
                     tl.atomic_xchg(cnt_ptr + 1, 0)
@@ -524,12 +528,10 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
-# Registers a thread of the GEMV loop's EC variant may hold, by warps a program. Uncapped, the 8-warp variant took
-# 140 against W4's 119, so one program fit an SM (65,536 registers) where W4 fits two: W4+EC 1.3-1.5x W4 at M = 1,
-# most of it with the EC's work switched off (bench/ec_ablation.py). At 128 it keeps two, with no spills (sm_90).
-GEMV_EC_MAX_REGISTERS = {8: 128}
-# Lab switch for bench/ec_ablation.py (timing only: results are wrong when it is not 0): 1 tiles do not wait for
-# g, 2 tiles skip the EC epilogue, 3 no u-programs (tiles do not wait), 4 no u-programs and no epilogue.
+# Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3 and 4): 1 tiles do not wait for g,
+# 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue; 5 (exact) a tile counts itself as a
+# reader of g before its store, with a relaxed atomic, instead of after it with an acq_rel one (whose fence waits
+# for the store). Measured in session 6 (NOTES-kernels.md v10): 4 alone keeps most of W4+EC's cost at M = 1.
 EC_ABLATE = 0
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
@@ -649,7 +651,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     if ec is not None:
         num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
-        num_ax = triton.cdiv(k, ax_k) if EC_ABLATE < 3 else 0
+        num_ax = triton.cdiv(k, ax_k) if EC_ABLATE not in (3, 4) else 0  # 3, 4: no u-programs
     y_part, u_part, g_cells, counters = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R, tiles)
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
         y, stride_y = x, peers.width
@@ -668,7 +670,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=max(1, 4096 // (bm * R)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        maxnreg=GEMV_EC_MAX_REGISTERS.get(cfg.num_warps) if ec is not None and gemv_rows else None, EC_ABLATE=EC_ABLATE,
+        EC_ABLATE=EC_ABLATE,
     )
     return y
 
