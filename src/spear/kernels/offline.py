@@ -99,20 +99,20 @@ def variants() -> dict[str, tuple]:
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=bm, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=max(1, 4096 // (bm * 32)))
+                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=max(1, 4096 // (bm * 32)), EC_ABLATE=0)
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
-                     BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8)
+                     BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, EC_ABLATE=0)
         out[f"decode rows=1 ec={ec} warps=8"] = (w4._w4_decode_kernel, decode_ptrs, const, 8)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
-                 BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8)
+                 BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, EC_ABLATE=0)
     out["decode rows=1 float32 out"] = (w4._w4_decode_kernel, {**decode_ptrs, "y_ptr": F32, "bias_ptr": F32}, const, 4)
     for rows in (1, 0):  # tensor parallelism: the partials y_r and u_r into two ranks' buffers, then the signals
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=True, PEERS=2, U_CHUNK=8)
+                     BKW=64, PER_CHANNEL=True, PEERS=2, U_CHUNK=8, EC_ABLATE=0)
         out[f"decode rows={rows or 'dot'} to peers"] = (w4._w4_decode_kernel, {**decode_ptrs, "peer_rows_ptr": I64,
                                                                                "peer_signals_ptr": I64}, const, 4)
     out["ec_rank"] = (w4._ec_rank_kernel, f16, dict(GATED=True, R=32, H=16, BM=32, BK=64), 4)
