@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import httpx
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,11 +25,14 @@ from spear import api
 from spear.cli import main
 from spear.errors import SpearError
 from spear.runtime.engine import Engine, EngineConfig, build_engine, make_runner
+from spear.runtime.kv_cache import Chunk
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
 from spear.runtime.tp import launch
 from spear.runtime.tp_serve import (
     StepChannel,
+    _pack,
+    _unpack,
     follow,
     leader_engine,
     shard_runtime_model,
@@ -152,3 +156,36 @@ def test_spear_bench_decode_tp2(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["tp"] == 2 and [(r["setting"], r["batch"], r["decode_steps"]) for r in result["rows"]] == [("w4+ec38", 2, 3)]
+
+
+def channel_steps() -> list:
+    """Steps for the channel: small ones, one larger than a slot (SLOT_INTS is cut to 256 in the test), more steps
+    than slots (the ring wraps around and rank 0 must wait for the follower), then the stop."""
+    steps = [[Chunk([i, i + 1, 2**31 - 1], 7 * i, list(range(i % 5)))] for i in range(20)]
+    steps.insert(3, [Chunk(list(range(300)), 0, [9] * 40), Chunk([4], 299, [1, 2])])  # 350 ints: too large
+    steps.insert(11, [Chunk([s], s, [s, s + 1]) for s in range(40)])
+    return [*steps, None]
+
+
+def exchange_steps() -> None:
+    StepChannel.SLOT_INTS, StepChannel.SLOTS = 256, 4
+    channel = StepChannel()
+    steps = channel_steps()
+    if dist.get_rank() == 0:
+        for step in steps:
+            channel.send(step)
+        return
+    got = [channel.receive() for _ in steps]
+    if got != steps:
+        raise SpearError(f"rank {dist.get_rank()} received other steps than were sent")
+
+
+def test_step_channel_hands_every_step_over_in_order(monkeypatch):
+    """Through the shared-memory ring, the pickled path for a step too large for a slot, and the wrap-around."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    launch(exchange_steps, 3)  # two followers: rank 0 waits for the slower one
+
+
+def test_step_channel_packing_round_trips():
+    for step in channel_steps():
+        assert _unpack(np.concatenate([_pack(step), np.zeros(4, np.int32)])) == step
