@@ -17,10 +17,10 @@ scales are replicated), the EC's A columns. Each rank has partials
 
 and the gate needs the summed u, so both partials are reduced first; every rank then
 applies the gate and B (replicated) to identical data (spear.kernels.ec_epilogue on CUDA).
-The reduction has two implementations, chosen per model with `set_reduction`:
+The reduction has three implementations, chosen per model with `set_reduction` (serving: p2p on GPUs):
 
   "collective" (the baseline): all_reduce(y) and a separate all_reduce(u), NCCL (gloo on CPU).
-  "symmetric"  (the SPEAR path, CUDA): each layer owns a PyTorch symmetric-memory buffer of
+  "symmetric"  (CUDA): each layer owns a PyTorch symmetric-memory buffer of
                float32 rows [y_r | u_r]. The W4 decode kernel stores its partial y_r there from
                its epilogue (no output tensor, no copy), u_r = x_r A_rᵀ lands beside it, ONE
                one-shot all-reduce sums the ranks' buffers (each rank reads its peers' over
@@ -30,7 +30,7 @@ The reduction has two implementations, chosen per model with `set_reduction`:
                may still read: between two uses of it lie the other layers' reductions, each a
                barrier of all ranks.
 
-  "p2p"        (the issue's design, CUDA; built in session 5, not yet run on GPUs): the W4 decode
+  "p2p"        (the issue's design, CUDA; the fastest on an H200 pair, BENCHMARKS §7): the W4 decode
                kernel's epilogue writes this rank's partials [y_r | u_r] (float32) into its slot of
                EVERY rank's symmetric buffer over NVLink, and the last of its programs to finish
                signals every rank (system-scope release); one epilogue kernel per rank waits for all
