@@ -218,3 +218,42 @@ def test_dispatch_by_rows_and_the_shared_layer(gen):
         assert_close(w4_linear(x, w, ec, bias), ref, f"dispatch m={m}")
         assert_close(layer(x), ref, f"SpearLinear m={m}", rtol=5e-3)  # CPU: the PyTorch backend; CUDA: the kernels
     assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()
+
+
+def test_decode_config_prefers_the_one_tuned_with_the_ec(gen, monkeypatch):
+    """A launch with an EC takes the config tune_w4 timed with an EC of that rank, else W4's, else the default."""
+    packed = pack_w4(random_w4(128, 256, -1, gen))
+    ec16, ec64 = pack_ec(random_ec(128, 256, 16, gen)), pack_ec(random_ec(128, 256, 64, gen))
+    w4_pick, ec_pick = DecodeConfig(block_n=64, num_warps=4), DecodeConfig(block_n=16, num_warps=4, block_kw=64)
+    monkeypatch.setattr(w4_module, "_TUNED", {w4_module._tune_key(packed, 1): w4_pick,
+                                             w4_module._tune_key(packed, 1, ec16): ec_pick})
+    assert w4_module.decode_config(packed, 1, ec16) == ec_pick
+    assert w4_module.decode_config(packed, 1) == w4_pick
+    assert w4_module.decode_config(packed, 1, ec64) == w4_pick  # rank 64 was not tuned
+    assert w4_module.decode_config(packed, 16, ec16) == DecodeConfig()  # nothing tuned at 16 rows
+
+
+def test_tune_w4_with_an_ec_times_the_ec_launch_and_keeps_w4_s_pick(gen, monkeypatch):
+    """tune_w4(..., ec=) runs each candidate with the EC (decode rows only) and stores its pick under the EC's key;
+    W4's own pick is untouched. Timing is faked (CUDA graphs need a GPU): the candidate with the narrowest tile
+    'wins', so the test knows which one must be chosen."""
+    from spear.kernels import timing
+
+    packed = pack_w4(random_w4(128, 256, -1, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(128, 256, 16, gen)).to(DEVICE)
+    launched = []
+
+    def fake_time(calls, reps=20):
+        launched.append(calls[0].args[2])  # w4_decode(x, w, ec, cfg=...)
+        calls[0]()
+        return calls[0].keywords["cfg"].block_n + calls[0].keywords["cfg"].num_warps / 100
+
+    w4_pick = DecodeConfig(block_n=64, num_warps=4)
+    monkeypatch.setattr(timing, "time_in_graph", fake_time)
+    monkeypatch.setattr(w4_module, "TUNE_BYTES", 1)
+    monkeypatch.setattr(w4_module, "_TUNED", {w4_module._tune_key(packed, 1): w4_pick})
+    chosen = w4_module.tune_w4(packed, (1, 256), ec=ec)
+    best = min(w4_module.DECODE_CANDIDATES, key=lambda c: c.block_n + c.num_warps / 100)
+    assert list(chosen) == [1] and chosen[1] == best  # 256 rows is not a decode launch: not tuned with the EC
+    assert all(e is ec for e in launched) and len(launched) == len(w4_module.DECODE_CANDIDATES)
+    assert w4_module.decode_config(packed, 1, ec) == best and w4_module.decode_config(packed, 1) == w4_pick

@@ -548,8 +548,16 @@ def _row_tile(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
-def _tune_key(w: PackedW4, m: int) -> tuple:
-    return (w.out_features, w.in_features, w.group_size, _m_bucket(m))
+def _tune_key(w: PackedW4, m: int, ec: PackedEC | None = None) -> tuple:
+    """W4 alone, or with an EC of this padded rank (tuned apart at M = 1: the W4 launch's pick was 1.1-1.2x
+    slower than W4+EC's own on 4 of 5 Llama shapes, BENCHMARKS §4 session 6)."""
+    return (w.out_features, w.in_features, w.group_size, _m_bucket(m), 0 if ec is None else ec.padded_rank)
+
+
+def decode_config(w: PackedW4, m: int, ec: PackedEC | None = None) -> DecodeConfig:
+    """The decode launch's config: W4+EC's own pick where tune_w4 timed it with an EC of this rank, else W4's,
+    else the untuned default."""
+    return _TUNED.get(_tune_key(w, m, ec)) or _TUNED.get(_tune_key(w, m), DecodeConfig())
 
 
 def _gemv_rows(m: int, limit: int) -> int:
@@ -634,7 +642,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     if m > DECODE_KERNEL_MAX_M:
         raise ValueError(f"the decode kernel takes at most {DECODE_KERNEL_MAX_M} rows, got {m}")
     bm = _row_tile(m)
-    cfg = cfg or _TUNED.get(_tune_key(w, m), DecodeConfig())
+    cfg = cfg or decode_config(w, m, ec)
     kw = w.qweight.shape[1]
     blocks = kw // 16
     tiles = triton.cdiv(n, cfg.block_n)
@@ -792,20 +800,24 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     return y.view(*x.shape[:-1], w.out_features)
 
 
-def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings: dict | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
+def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings: dict | None = None,
+            ec: PackedEC | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
     graph capture; about 10 ms a candidate): the decode kernel up to DECODE_KERNEL_MAX_M rows (its GEMV loop
     only where M ≤ 4), the fused prefill kernel above. Later calls with the same shape and M bucket use the
     fastest. Returns the choice per M. With `timings`, every bucket is timed again and every candidate's
     median µs goes into `timings[m]`; without, buckets tuned before keep their choice (an engine rebuilt in
-    the same process does not tune twice)."""
+    the same process does not tune twice). With `ec`, the decode launch with that EC (rows ≤
+    DECODE_KERNEL_MAX_M only); launches with an EC of a rank not tuned use W4's choice."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     from spear.kernels.timing import time_in_graph
 
     # Timed in a CUDA graph over enough weight copies to overflow the L2 cache: HBM reads, no launch overhead.
-    chosen = {m: _TUNED[_tune_key(w, m)] for m in ms if timings is None and _tune_key(w, m) in _TUNED}
+    if ec is not None:
+        ms = tuple(m for m in ms if m <= DECODE_KERNEL_MAX_M)
+    chosen = {m: _TUNED[_tune_key(w, m, ec)] for m in ms if timings is None and _tune_key(w, m, ec) in _TUNED}
     if len(chosen) == len(ms):
         return chosen
     copies = [w] + [w.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
@@ -818,11 +830,11 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
         measured = []
         for cfg in candidates:
             try:
-                calls = [functools.partial(run, x, copy, cfg=cfg) for copy in copies]
+                calls = [functools.partial(run, x, copy, ec, cfg=cfg) for copy in copies]
                 measured.append((time_in_graph(calls, reps=5), cfg))
             except (OutOfResources, CompilationError):  # e.g. out of shared memory: not a candidate
                 pass
-        chosen[m] = _TUNED[_tune_key(w, m)] = min(measured, key=lambda t: t[0])[1]
+        chosen[m] = _TUNED[_tune_key(w, m, ec)] = min(measured, key=lambda t: t[0])[1]
         if timings is not None:
             timings[m] = [(round(us, 2), cfg) for us, cfg in sorted(measured, key=lambda t: t[0])]
     return chosen

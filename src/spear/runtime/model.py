@@ -306,8 +306,9 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
     """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
     returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `fuse`
     (a Transformer), q/k/v and gate/up become one launch each (fuse_projections). With `tune`, time the
-    decode kernel's configs once per distinct weight shape and row bucket, fused ones included (tens of
-    seconds on a fresh machine, where every candidate compiles first; kernels.w4.tune_w4)."""
+    decode kernel's configs once per distinct weight shape and row bucket, fused ones included, and at one row
+    once more per shape and EC rank with the EC (tens of seconds on a fresh machine, where every candidate
+    compiles first; kernels.w4.tune_w4)."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
     if not linears or linears[0].codes.device.type != "cuda" or linears[0].weight_hat.dtype != torch.float16:
         return 0
@@ -319,10 +320,17 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
 
         fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
         parts = {id(p) for m in model.modules() for p in _fused_parts(m)}  # they no longer launch on their own
-        weights = [m.packed for m in packed if id(m) not in parts] + [m.packed for m in fused]
-        shapes = {(w.out_features, w.in_features, w.group_size): w for w in weights}
+        launchers = [m for m in packed if id(m) not in parts] + fused
+        shapes = {(m.packed.out_features, m.packed.in_features, m.packed.group_size): m.packed for m in launchers}
         for w in shapes.values():
             tune_w4(w)
+        with_ec = {}
+        for m in launchers:
+            if m.packed_ec is not None:
+                w = m.packed
+                with_ec[w.out_features, w.in_features, w.group_size, m.packed_ec.padded_rank] = (w, m.packed_ec)
+        for w, ec in with_ec.values():  # one row (batch-1 decode): W4+EC's own pick (kernels.w4._tune_key)
+            tune_w4(w, (1,), ec=ec)
     return len(packed)
 
 
