@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 9 minutes):
+# The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes across the decode kernel /
 #          dequantize + cuBLAS switch (M = 1 … 256, W4 and W4+EC);
-#   GPU 1: the SLO experiment (all EC densities), then a profile of a mixed step, then the engine's host time per
-#          decode step on this host's CPU (bench/host_step.py: no GPU work), then the decode-kernel grid on
-#          Llama-2-70B shapes (M = 1, 16, 64);
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then a profile of a mixed step, the engine's host
+#          time per decode step on this host's CPU (bench/host_step.py: no GPU work), the decode-kernel grid on
+#          Llama-2-70B shapes (M = 1, 16, 64) and the fused EC's ablation (bench/ec_ablation.py);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
-#          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2).
+#          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
+#          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
 # Run as: run(command="SPEAR_COMMIT=<sha> bash bench/gpu_all.sh", kind="nvidia-h200-x2"). At most 8 files come
 # back from $OUT, so the logs are gathered into one file.
 set -u
@@ -25,19 +26,21 @@ gpu0() {
     --time-limit 150 > $log/3_kernels.log 2>&1
 }
 gpu1() {
-  [ "${SLO:-1}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
-    --time-limit 400 > $log/4_slo.log 2>&1  # SLO=0 skips it (4 of the call's 6 minutes)
+  [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
+    --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
   timeout 60 python bench/profile_step.py --setting w4+ec15 --batch 8 --chunk 64 --steps 5 \
     --json /tmp/gpu_all/profile_mixed.json > $log/5_profile_mixed.log 2>&1
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
   timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 64 \
     --time-limit 90 > $log/9_kernels_70b.log 2>&1
+  timeout 200 python bench/ec_ablation.py --json "$out/ec_ablation_h200.json" > $log/10_ec_ablation.log 2>&1
 }
 if [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
   timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \
     --json "$out/decode_tp2_h200x2.json" > $log/8_decode_tp2.log 2>&1
+  timeout 60 python bench/step_channel.py --json "$out/step_channel_h200host.json" > $log/11_step_channel.log 2>&1
 else
   (export CUDA_VISIBLE_DEVICES=0; gpu0) &
   (export CUDA_VISIBLE_DEVICES=1; gpu1) &

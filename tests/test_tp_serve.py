@@ -189,3 +189,13 @@ def test_step_channel_hands_every_step_over_in_order(monkeypatch):
 def test_step_channel_packing_round_trips():
     for step in channel_steps():
         assert _unpack(np.concatenate([_pack(step), np.zeros(4, np.int32)])) == step
+
+
+def test_step_channel_wait_ends_when_another_rank_is_gone():
+    """A rank waiting on the channel (a follower for a step, rank 0 for a free slot) ends instead of hanging."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    channel = StepChannel.__new__(StepChannel)  # the wait alone: no process group needed
+    channel.rank, channel.peers, channel.SPIN_S = 1, [os.getpid(), gone.pid], 0.0
+    with pytest.raises(SystemExit, match="another tensor-parallel rank is gone"):
+        channel._wait(lambda: False)

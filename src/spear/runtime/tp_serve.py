@@ -44,7 +44,8 @@ class StepChannel:
     step (pickling and two collectives; `bench/step_channel.py`), about as long as a 7B decode step on an
     H200 pair. A step too large for a slot goes pickled over a CPU (gloo) group of its own, which also
     carries the set-up. A follower polls without pausing for SPIN_S (as vLLM's workers do), then with a
-    growing sleep, so that it may wait idle for as long as the server does; it ends if rank 0's process is gone.
+    growing sleep, so that it may wait idle for as long as the server does. A wait ends if another rank's process
+    is gone.
 
     Collective: every rank builds it, in the same order as its other groups.
     """
@@ -57,9 +58,9 @@ class StepChannel:
     def __init__(self):
         self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # a file in /dev/shm (memory), mapped by every rank: header int64 [0] steps written, [1] rank 0's pid,
-        # [2 + r] steps rank r has read; then the slots
-        header_bytes = 8 * (2 + self.world)
+        # a file in /dev/shm (memory), mapped by every rank: header int64 [0] steps written, [1 + r] steps rank r
+        # has read; then the slots
+        header_bytes = 8 * (1 + self.world)
         nbytes = header_bytes + 4 * self.SLOTS * self.SLOT_INTS
         path = [None]
         if self.rank == 0:
@@ -73,14 +74,15 @@ class StepChannel:
         self.slots = mapped[header_bytes:].view(np.int32).reshape(self.SLOTS, self.SLOT_INTS)
         if self.rank == 0:
             self.header[:] = 0
-            self.header[1] = os.getpid()
-        dist.barrier(group=self.group)  # every rank has it mapped
+        pids = [None] * self.world
+        dist.all_gather_object(pids, os.getpid(), group=self.group)  # also: every rank has it mapped
+        self.peers = [pid for rank, pid in enumerate(pids) if rank != self.rank]  # a wait ends if one is gone
         if self.rank == 0:
             os.unlink(path[0])  # the name goes now; the memory stays while a rank maps it, and never leaks
         self.step = 0  # steps this rank has written (rank 0) or read
 
     def send(self, chunks: list[Chunk] | None) -> None:
-        readers = self.header[2 : 2 + self.world][1:]
+        readers = self.header[2 : 1 + self.world]  # ranks 1..N-1
         self._wait(lambda: self.step - int(readers.min()) < self.SLOTS)  # a free slot
         slot = self.slots[self.step % self.SLOTS]
         packed = _pack(chunks)
@@ -106,12 +108,12 @@ class StepChannel:
             chunks = _unpack(slot)
         _fence()
         self.step += 1
-        self.header[2 + self.rank] = self.step
+        self.header[1 + self.rank] = self.step
         return chunks
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Poll until ready: without a pause for SPIN_S (a follower waits about a step for the next one), then with
-        sleeps growing to WAIT_MAX_S (an idle server); end when rank 0 is gone."""
+        sleeps growing to WAIT_MAX_S (an idle server); end when another rank's process is gone (no hang)."""
         if ready():
             return
         spin_until, pause, polls = time.perf_counter() + self.SPIN_S, 0.0, 0
@@ -122,8 +124,8 @@ class StepChannel:
                 continue
             pause = min(self.WAIT_MAX_S, max(pause * 2, 1e-5))
             time.sleep(pause)
-            if polls % 4096 == 0 and self.rank > 0 and not _alive(int(self.header[1])):
-                raise SystemExit("rank 0 is gone")
+            if polls % 4096 == 0 and not all(_alive(pid) for pid in self.peers):
+                raise SystemExit(f"rank {self.rank}: another tensor-parallel rank is gone")
 
 
 def _pack(chunks: list[Chunk] | None) -> np.ndarray:
