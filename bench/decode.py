@@ -37,11 +37,11 @@ from common import copy_bandwidth, write_json
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
-from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
+from spear.runtime.model import ModelArgs, Transformer, random_model
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
-from spear.runtime.tp import RowParallelLinear, apply_tp, launch, set_reduction
-from spear.runtime.tp_serve import StepChannel, follow
+from spear.runtime.tp import RowParallelLinear, launch
+from spear.runtime.tp_serve import StepChannel, follow, shard_for_serving
 
 MODELS = {
     "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
@@ -178,10 +178,8 @@ def run(args: argparse.Namespace) -> None:
             fraction = EC_FRACTIONS.get(setting)
             model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device,
                                  kernels=channel is None)
-            # under TP: shard, then pack for the kernels; decode steps reduce by --tp-reduction
-            if (channel is not None and use_kernels(apply_tp(model), drop_dense=True)
-                    and args.tp_reduction != "collective"):
-                set_reduction(model, args.tp_reduction, max(batches))
+            if channel is not None:  # shard, then pack for the kernels; decode steps reduce by --tp-reduction
+                shard_for_serving(model, args.tp_reduction, max(batches), drop_dense=True)
             synchronize(device)
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)

@@ -29,19 +29,17 @@ H200 = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_gpu(kernel, pointers: dict[str, str], constexprs: dict[str, object], divisible_by_16: tuple[str, ...] = (),
-                    num_warps: int = 4, num_stages: int = 3, target: GPUTarget = H200, maxnreg: int | None = None):
+                    num_warps: int = 4, num_stages: int = 3, target: GPUTarget = H200):
     """The compiled kernel (asm: ttir, ttgir, ptx, cubin). `pointers`: argument → Triton pointer type
     ("*fp16"); `constexprs`: their values; every other argument is an int32. Pointers and the ints in
-    `divisible_by_16` carry the 16-divisibility hint the JIT gives such arguments at run time; `maxnreg` caps
-    the registers a thread holds, as the host code's launch does."""
+    `divisible_by_16` carry the 16-divisibility hint the JIT gives such arguments at run time."""
     fn = kernel  # a JITFunction: run without TRITON_INTERPRET
     names = fn.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     hinted = [n for n in names if n in pointers or n in divisible_by_16]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages,
-                                                          "maxnreg": maxnreg})
+    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 @dataclass
@@ -99,7 +97,7 @@ def variants() -> dict[str, tuple]:
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=bm, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=max(1, 4096 // (bm * 32)), EC_ABLATE=0)
+                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=w4.u_chunk(bm, 32), EC_ABLATE=0)
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps

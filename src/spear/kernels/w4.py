@@ -549,7 +549,7 @@ def _row_tile(m: int) -> int:
 
 
 def _tune_key(w: PackedW4, m: int, ec: PackedEC | None = None) -> tuple:
-    """W4 alone, or with an EC of this padded rank (tuned apart at M = 1: the W4 launch's pick was 1.1-1.2x
+    """W4 alone, or with an EC of this padded rank (tuned apart at M = 1: for W4+EC, W4's pick was 1.05-1.23x
     slower than W4+EC's own on 4 of 5 Llama shapes, BENCHMARKS §4 session 6)."""
     return (w.out_features, w.in_features, w.group_size, _m_bucket(m), 0 if ec is None else ec.padded_rank)
 
@@ -558,6 +558,11 @@ def decode_config(w: PackedW4, m: int, ec: PackedEC | None = None) -> DecodeConf
     """The decode launch's config: W4+EC's own pick where tune_w4 timed it with an EC of this rank, else W4's,
     else the untuned default."""
     return _TUNED.get(_tune_key(w, m, ec)) or _TUNED.get(_tune_key(w, m), DecodeConfig())
+
+
+def u_chunk(bm: int, rank: int) -> int:
+    """Partial u tiles [bm, rank] the last u-program sums per load: 4,096 floats at a time."""
+    return max(1, 4096 // (bm * rank))
 
 
 def _gemv_rows(m: int, limit: int) -> int:
@@ -676,7 +681,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
-        PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=max(1, 4096 // (bm * R)),
+        PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE,
     )

@@ -40,9 +40,9 @@ class StepChannel:
 
     The ranks share one host, so a step goes as a few hundred int32 in a shared-memory slot and a
     sequence number, as vLLM's shm_broadcast does: rank 0 writes the slot and then the number, a
-    follower polls the number and reads. `broadcast_object_list` over gloo, before, cost 1.3-1.8 ms a
-    step (pickling and two collectives; `bench/step_channel.py`), about as long as a 7B decode step on an
-    H200 pair. A step too large for a slot goes pickled over a CPU (gloo) group of its own, which also
+    follower polls the number and reads. `broadcast_object_list` over gloo, before, cost 1.2-1.5 ms a
+    step on a 2-core CPU (pickling and two collectives; `bench/step_channel.py`, BENCHMARKS §7), about as
+    long as the engine's overhead per decode step measured at TP 2 on an H200 pair. A step too large for a slot goes pickled over a CPU (gloo) group of its own, which also
     carries the set-up. A follower polls without pausing for SPIN_S (as vLLM's workers do), then with a
     growing sleep, so that it may wait idle for as long as the server does. A wait ends if another rank's process
     is gone.
@@ -173,14 +173,21 @@ def _alive(pid: int) -> bool:
 
 
 def shard_runtime_model(hf_model: nn.Module, reduction: Reduction = "p2p", max_rows: int = 32) -> Transformer:
-    """This rank's shard of the runtime model; 4-bit linears are packed for the kernels after sharding.
+    """This rank's shard of the runtime model built from `hf_model` (see shard_for_serving)."""
+    return shard_for_serving(build_runtime_model(hf_model, kernels=False), reduction, max_rows)
+
+
+def shard_for_serving(model: Transformer, reduction: Reduction = "p2p", max_rows: int = 32,
+                      drop_dense: bool = False) -> Transformer:
+    """Shard the unpacked runtime `model` in place for this rank, then pack its 4-bit linears for the kernels
+    (use_kernels; `drop_dense` frees their fp16 copies).
 
     Where they are packed (CUDA, fp16), the row-parallel layers reduce steps of up to `max_rows` token
     rows by `reduction` (spear.runtime.tp: "p2p", the W4 kernel's epilogue writing to the peers, is the
     fastest measured, BENCHMARKS §7); larger steps, float models and CPU ranks reduce collectively.
     Collective: every rank calls it in the same order."""
-    model = apply_tp(build_runtime_model(hf_model, kernels=False))
-    if use_kernels(model) and reduction != "collective":
+    apply_tp(model)
+    if use_kernels(model, drop_dense=drop_dense) and reduction != "collective":
         set_reduction(model, reduction, max_rows)
     return model
 
