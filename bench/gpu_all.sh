@@ -3,7 +3,8 @@
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes across the decode kernel /
 #          dequantize + cuBLAS switch (M = 1 … 256, W4 and W4+EC);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then a profile of a mixed step, the engine's host
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the decode benchmark without PDL (SPEAR_PDL=0:
+#          fp16, W4, W4+EC38), the engine's host
 #          time per decode step on this host's CPU (bench/host_step.py: no GPU work), the decode-kernel grid on
 #          Llama-2-70B shapes (M = 1, 16, 64) and the fused EC's ablation (bench/ec_ablation.py);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -28,8 +29,9 @@ gpu0() {
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  timeout 60 python bench/profile_step.py --setting w4+ec15 --batch 8 --chunk 64 --steps 5 \
-    --json /tmp/gpu_all/profile_mixed.json > $log/5_profile_mixed.log 2>&1
+  # the engine without programmatic dependent launch (kernels.pdl), to hold against GPU 0's decode run
+  SPEAR_PDL=0 timeout 200 python bench/decode.py --models llama2-7b --settings fp16 w4 w4+ec38 \
+    --json "$out/decode_h200_nopdl.json" > $log/5_decode_nopdl.log 2>&1
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
   timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 64 \
     --time-limit 90 > $log/9_kernels_70b.log 2>&1

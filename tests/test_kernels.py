@@ -257,3 +257,53 @@ def test_tune_w4_with_an_ec_times_the_ec_launch_and_keeps_w4_s_pick(gen, monkeyp
     assert list(chosen) == [1] and chosen[1] == best  # 256 rows is not a decode launch: not tuned with the EC
     assert all(e is ec for e in launched) and len(launched) == len(w4_module.DECODE_CANDIDATES)
     assert w4_module.decode_config(packed, 1, ec) == best and w4_module.decode_config(packed, 1) == w4_pick
+
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch):
+    """Programmatic dependent launch needs sm_90 and the compiler: a CPU tensor's launch gets USE_PDL False and
+    no launch_pdl flag, and so does every launch with pdl.ENABLED off."""
+    from spear.kernels import pdl
+
+    assert pdl.launch_args(torch.zeros(1)) == {"USE_PDL": False}
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch_args(torch.zeros(1, device=DEVICE)) == {"USE_PDL": False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="PDL needs an sm_90 GPU")
+def test_pdl_chain_in_a_cuda_graph_gives_the_bits_of_plain_launches(gen, monkeypatch):
+    """A decode-like chain (add + RMSNorm → W4+EC → SiLU·up → W4+EC, each launch waiting on the one before)
+    captured with PDL and replayed on fresh inputs gives exactly what launches without PDL give."""
+    from spear.kernels import pdl
+    from spear.runtime.ops import add_rms_norm, silu_mul
+
+    k, n = 576, 1536
+    up = pack_w4(random_w4(2 * n, k, -1, gen)).to(DEVICE)
+    down = pack_w4(random_w4(k, n, -1, gen)).to(DEVICE)
+    ec_up, ec_down = pack_ec(random_ec(2 * n, k, 32, gen)).to(DEVICE), pack_ec(random_ec(k, n, 32, gen)).to(DEVICE)
+    norm_w = torch.rand(k, generator=gen).half().to(DEVICE)
+    x, r = torch.empty(1, k, dtype=torch.float16, device=DEVICE), torch.empty(1, k, dtype=torch.float16, device=DEVICE)
+
+    def chain() -> torch.Tensor:
+        h, _ = add_rms_norm(x, norm_w, 1e-5, r)
+        gu = w4_decode(h, up, ec_up)
+        return w4_decode(silu_mul(gu[:, :n], gu[:, n:]), down, ec_down)
+
+    inputs = [(torch.randn(1, k, generator=gen).half(), torch.randn(1, k, generator=gen).half()) for _ in range(20)]
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    expected = []
+    for xi, ri in inputs:
+        x.copy_(xi)
+        r.copy_(ri)
+        expected.append(chain().clone())
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    chain()  # compile the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for (xi, ri), want in zip(inputs, expected, strict=True):
+        x.copy_(xi)
+        r.copy_(ri)
+        graph.replay()
+        assert torch.equal(out, want)

@@ -52,3 +52,11 @@ def test_grouped_gemv_scales_once_per_block(report):
     assert dict(main["mix"]).get("LDG.E.U16", 0) < 32, main["mix"]  # s and z per block (per word: 128 loads)
 
 
+
+
+def test_pdl_prefetches_weights_then_waits_then_releases(report):
+    """Launched with PDL, a decode tile asks L2 for its weight rows, then waits for the previous grid, then lets
+    the next one launch (kernels.pdl); without it, none of the three is in the kernel."""
+    seq = report["decode rows=1 ec=True warps=8 pdl"]["pdl"]  # in code order; the u-programs' branch has no prefetch
+    assert any(seq[i:i + 3] == ["CCTL.E.PF2", "ACQBULK", "PREEXIT"] for i in range(len(seq))), seq
+    assert report["decode rows=1 ec=True warps=8"]["pdl"] == []
