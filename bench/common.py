@@ -28,7 +28,7 @@ def provenance() -> dict:
         "commit": commit,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "pdl": pdl.ENABLED,  # kernels.pdl: programmatic dependent launch on sm_90 (SPEAR_PDL=0: off)
+        "pdl": pdl.ENABLED,  # kernels.pdl: programmatic dependent launch on sm_90 (SPEAR_PDL=1: on)
     }
     try:
         import triton

@@ -29,7 +29,7 @@ from spear.quant.record import QuantConfig, rtn_quantize
 
 SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
           "70b/gate_up": (28672, 8192), "70b/down": (8192, 28672)}
-VARIANTS = {"ec": 0, "no_wait": 1, "no_u_programs": 3, "no_u_no_epilogue": 4, "ec_relaxed_count": 5}
+VARIANTS = {"ec": 0, "no_wait": 1, "no_u_programs": 3, "no_u_no_epilogue": 4}
 
 
 def main() -> None:

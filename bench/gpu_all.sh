@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
-#          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes across the decode kernel /
-#          dequantize + cuBLAS switch (M = 1 … 256, W4 and W4+EC);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the decode benchmark without PDL (SPEAR_PDL=0:
-#          fp16, W4, W4+EC38), the engine's host
-#          time per decode step on this host's CPU (bench/host_step.py: no GPU work), the decode-kernel grid on
-#          Llama-2-70B shapes (M = 1, 16, 64) and the fused EC's ablation (bench/ec_ablation.py);
+#          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes (M = $MS, default 1 16; W4 and W4+EC);
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then W4 through the engine without and with
+#          programmatic dependent launch (SPEAR_PDL=0/1), an eager batch-1 W4 step's kernels (profile_step), the
+#          engine's host time per decode step on this host's CPU (bench/host_step.py: no GPU work), and the
+#          decode-kernel grid on Llama-2-70B shapes (M = 1, 16);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -19,23 +18,25 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
-  timeout 200 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
+  timeout 280 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
     tests/test_runtime_engine.py tests/test_runtime_fuse.py tests/test_kernels.py > $log/1_tests.log 2>&1
   grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log  # pyproject adds -q; -qq hides it
   timeout 200 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
-  timeout 200 python bench/kernels.py --json "$out/kernels_h200_7b_rows.json" --models 7b --ms 1 4 16 32 64 128 256 \
-    --time-limit 150 > $log/3_kernels.log 2>&1
+  timeout 120 python bench/kernels.py --json "$out/kernels_h200_7b_rows.json" --models 7b --ms ${MS:-1 16} \
+    --time-limit 100 > $log/3_kernels.log 2>&1
 }
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  # the engine without programmatic dependent launch (kernels.pdl), to hold against GPU 0's decode run
-  SPEAR_PDL=0 timeout 200 python bench/decode.py --models llama2-7b --settings fp16 w4 w4+ec38 \
-    --json "$out/decode_h200_nopdl.json" > $log/5_decode_nopdl.log 2>&1
+  # programmatic dependent launch (kernels.pdl) against none, on one GPU: W4 through the engine
+  for pdl in 0 1; do
+    SPEAR_PDL=$pdl timeout 130 python bench/decode.py --models llama2-7b --settings w4 --batches 1 8 \
+      --json "$out/decode_h200_pdl$pdl.json" > $log/5_decode_pdl$pdl.log 2>&1
+  done
+  timeout 60 python bench/profile_step.py --setting w4 --batch 1 --steps 5 > $log/6_profile_b1.log 2>&1
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
-  timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 64 \
+  timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 \
     --time-limit 90 > $log/9_kernels_70b.log 2>&1
-  timeout 200 python bench/ec_ablation.py --json "$out/ec_ablation_h200.json" > $log/10_ec_ablation.log 2>&1
 }
 if [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1

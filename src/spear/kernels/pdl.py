@@ -13,9 +13,11 @@ Triggering the next launch only after the wait keeps at most two grids resident 
 launched without PDL (cuBLAS, a PyTorch op) waits for everything before it as usual, so the order of the
 stream's memory effects is unchanged: PDL moves launch latency, not results.
 
-Off on CPU (the interpreter has no griddepcontrol), before sm_90, with a Triton that lacks `launch_pdl`,
-or with SPEAR_PDL=0 in the environment; `ENABLED` switches it at run time (bench/kernels.py times one
-launch alone, without it).
+Opt-in: SPEAR_PDL=1 in the environment, or `ENABLED` at run time. Measured on the H200 (session 7,
+BENCHMARKS.md §5), Llama-2-7B through the engine: W4 batch 1 2.75 ms/token with it against 2.77 without,
+and batches 8 and 32 slower (4.58 / 7.02 against 4.35 / 6.59 ms) — no gain to pay for. Never on CPU (the
+interpreter has no griddepcontrol), before sm_90, or with a Triton that lacks `launch_pdl`; timing
+(kernels.timing) runs without it so that a launch's time is its own.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ try:
 except ImportError:  # triton is a dev extra
     triton = None
 
-ENABLED = os.environ.get("SPEAR_PDL", "1") != "0"
+ENABLED = os.environ.get("SPEAR_PDL", "0") == "1"
 
 
 @functools.cache

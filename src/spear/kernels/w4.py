@@ -412,22 +412,20 @@ def _w4_decode_kernel(
             _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
         elif last:
             if HAS_EC and PEERS == 0:
-                if EC_ABLATE == 0 or EC_ABLATE == 5:
+                if EC_ABLATE == 0:
                     while tl.sum((g_bits == G_EMPTY).to(tl.int32)) > 0:  # until the last u-program has stored g
                         g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
                 g = g_bits.to(tl.float32, bitcast=True)
-                if EC_ABLATE == 5:  # g is in registers: count this reader now, relaxed, its latency under the store
-                    tl.debug_barrier()
-                    done = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed")
+                # g is in registers: count this tile as a reader now, relaxed, its latency under the store below
+                # (an acq_rel count after the store fenced on it: 3-5% slower at M = 1, ec_ablation session 7)
+                tl.debug_barrier()
+                done = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed")
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
             _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
                               HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if HAS_EC and PEERS == 0:
-                if EC_ABLATE != 5:
-                    tl.debug_barrier()
-                    done = tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel")
                 if done == num_tiles - 1:  # the last reader of g: empty it for the next launch
                     tl.store(g_rows, tl.full((BM, R), G_EMPTY, tl.int32), mask=mask_m[:, None])
                     tl.atomic_xchg(cnt_ptr + 1, 0)
@@ -544,9 +542,8 @@ AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
 # previous kernel: 1 KB a row, 32 KB a 32-row tile, a few MB over the resident tiles (the L2 holds 50 MB).
 PREFETCH_LINES = 8
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3 and 4): 1 tiles do not wait for g,
-# 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue; 5 (exact) a tile counts itself as a
-# reader of g before its store, with a relaxed atomic, instead of after it with an acq_rel one (whose fence waits
-# for the store). Measured in session 6 (NOTES-kernels.md v10): 4 alone keeps most of W4+EC's cost at M = 1.
+# 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue. Measured in sessions 6-7
+# (NOTES-kernels.md v10): 4 alone keeps most of W4+EC's cost at M = 1.
 EC_ABLATE = 0
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
