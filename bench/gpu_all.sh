@@ -18,11 +18,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
-  timeout 280 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
+  timeout 250 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
     tests/test_runtime_engine.py tests/test_runtime_fuse.py tests/test_kernels.py > $log/1_tests.log 2>&1
   grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log  # pyproject adds -q; -qq hides it
-  timeout 200 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
-  timeout 120 python bench/kernels.py --json "$out/kernels_h200_7b_rows.json" --models 7b --ms ${MS:-1 16} \
+  timeout 190 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
+  timeout 110 python bench/kernels.py --json "$out/kernels_h200_7b_rows.json" --models 7b --ms ${MS:-1 16} \
     --time-limit 100 > $log/3_kernels.log 2>&1
 }
 gpu1() {

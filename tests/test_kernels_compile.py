@@ -60,3 +60,13 @@ def test_pdl_prefetches_weights_then_waits_then_releases(report):
     seq = report["decode rows=1 ec=True warps=8 pdl"]["pdl"]  # in code order; the u-programs' branch has no prefetch
     assert any(seq[i:i + 3] == ["CCTL.E.PF2", "ACQBULK", "PREEXIT"] for i in range(len(seq))), seq
     assert report["decode rows=1 ec=True warps=8"]["pdl"] == []
+
+
+def test_pipelined_gemv_loop_loads_its_code_tiles_ahead(report):
+    """With stages (the tuner's GEMV candidates of 2–4 stages), the code tiles of later steps are in flight by
+    cp.async (LDGSTS) while a step computes: one step's 16 KB a program did not cover HBM's latency."""
+    loops = report["decode rows=1 ec=False warps=8 stages=3"]["loops"]
+    main = max(loops, key=lambda loop: dict(loop["mix"]).get("FFMA", 0))
+    assert dict(main["mix"]).get("LDGSTS.E.BYPASS.128", 0) >= 8, main["mix"]
+    plain = max(report["decode rows=1 ec=False warps=8"]["loops"], key=lambda loop: dict(loop["mix"]).get("FFMA", 0))
+    assert "LDGSTS.E.BYPASS.128" not in dict(plain["mix"]), plain["mix"]

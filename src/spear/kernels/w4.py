@@ -164,7 +164,7 @@ def _gemv_row_out(acc, xsum, s, z, offs_m, row, PER_CHANNEL: tl.constexpr):
 @triton.jit
 def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, group_size,
              SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKW: tl.constexpr,
-             ROWS: tl.constexpr):
+             ROWS: tl.constexpr, STAGES: tl.constexpr):
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi for M ≤ ROWS ≤ 4 rows of x: the GEMV main loop.
 
     Each step loads a wide [BN, BKW] tile of code words (BKW / 16 interleaved blocks) and multiplies
@@ -172,6 +172,9 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     accumulator per row (a 3-D [ROWS, BN, BKW] one made the compiler shuffle the codes through shared
     memory). No tensor-core operand layout and no int → float conversion: a code is an AND away from a
     denormal float (_codes_denormal), so a weight costs an AND and an FMA.
+
+    STAGES > 1 pipelines the code tiles through shared memory (cp.async, STAGES − 1 steps ahead): at one
+    or two programs an SM, one step's tile in flight (16 KB) is too little to cover HBM latency.
     """
     offs_w = tl.arange(0, BKW)
     block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
@@ -191,7 +194,7 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     xsum3 = tl.zeros((BKW,), dtype=tl.float32)
     s = tl.zeros((BN, ACC), dtype=tl.float32)
     z = tl.zeros((BN, ACC), dtype=tl.float32)
-    for kb in range(k_lo, k_hi, BKW * 8):
+    for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
         words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
         packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
                          mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
@@ -314,6 +317,7 @@ def _w4_decode_kernel(
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
+    GEMV_STAGES: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
@@ -387,7 +391,7 @@ def _w4_decode_kernel(
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
         if GEMV_ROWS > 0:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
-                           K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS)
+                           K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
                                pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
@@ -531,7 +535,10 @@ DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M
     DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in
     ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4), (128, 8, 3))
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
-     ((32, 8, 3, 128), (32, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256))]
+     ((32, 8, 3, 128), (32, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256),
+      # session 7: the GEMV loop pipelined by its stages (cp.async); 1 stage is the loop before that, as the
+      # former winners for W4 (8 warps) and W4+EC (4 warps) ran it
+      (32, 8, 1, 128), (32, 4, 1, 64), (32, 8, 4, 128), (32, 4, 4, 64))]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
@@ -692,7 +699,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
-        GEMV_ROWS=gemv_rows, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
+        GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, PREFETCH_LINES=PREFETCH_LINES, **pdl.launch_args(x),
