@@ -12,8 +12,6 @@ from pathlib import Path
 
 import torch
 
-from spear.kernels import pdl
-
 
 def provenance() -> dict:
     # The device machine's copy of the tree may carry a stale .git: pass SPEAR_COMMIT=$(git rev-parse HEAD).
@@ -28,7 +26,6 @@ def provenance() -> dict:
         "commit": commit,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "pdl": pdl.ENABLED,  # kernels.pdl: programmatic dependent launch on sm_90 (SPEAR_PDL=1: on)
     }
     try:
         import triton

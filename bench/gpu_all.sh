@@ -2,8 +2,7 @@
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes (M = $MS, default 1 16; W4 and W4+EC);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then W4 through the engine without and with
-#          programmatic dependent launch (SPEAR_PDL=0/1), an eager batch-1 W4 step's kernels (profile_step), the
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then an eager batch-1 W4 step's kernels (profile_step), the
 #          engine's host time per decode step on this host's CPU (bench/host_step.py: no GPU work), and the
 #          decode-kernel grid on Llama-2-70B shapes (M = 1, 16);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -28,12 +27,8 @@ gpu0() {
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  # programmatic dependent launch (kernels.pdl) against none, on one GPU: W4 through the engine
-  for pdl in 0 1; do
-    SPEAR_PDL=$pdl timeout 130 python bench/decode.py --models llama2-7b --settings w4 --batches 1 8 \
-      --json "$out/decode_h200_pdl$pdl.json" > $log/5_decode_pdl$pdl.log 2>&1
-  done
-  timeout 60 python bench/profile_step.py --setting w4 --batch 1 --steps 5 > $log/6_profile_b1.log 2>&1
+  timeout 60 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json /tmp/gpu_all/profile_b1.json \
+    > $log/6_profile_b1.log 2>&1
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
   timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 \
     --time-limit 90 > $log/9_kernels_70b.log 2>&1

@@ -54,14 +54,6 @@ def test_grouped_gemv_scales_once_per_block(report):
 
 
 
-def test_pdl_prefetches_weights_then_waits_then_releases(report):
-    """Launched with PDL, a decode tile asks L2 for its weight rows, then waits for the previous grid, then lets
-    the next one launch (kernels.pdl); without it, none of the three is in the kernel."""
-    seq = report["decode rows=1 ec=True warps=8 pdl"]["pdl"]  # in code order; the u-programs' branch has no prefetch
-    assert any(seq[i:i + 3] == ["CCTL.E.PF2", "ACQBULK", "PREEXIT"] for i in range(len(seq))), seq
-    assert report["decode rows=1 ec=True warps=8"]["pdl"] == []
-
-
 def test_pipelined_gemv_loop_loads_its_code_tiles_ahead(report):
     """With stages (the tuner's GEMV candidates of 2–4 stages), the code tiles of later steps are in flight by
     cp.async (LDGSTS) while a step computes: one step's 16 KB a program did not cover HBM's latency."""

@@ -80,18 +80,6 @@ def loop_mix(sass_text: str, min_instructions: int = 60) -> list[Loop]:
     return loops
 
 
-PDL_OPS = ("CCTL.E.PF2", "ACQBULK", "PREEXIT")  # SASS of prefetch.global.L2, griddepcontrol.wait / .launch_dependents
-
-
-def pdl_sequence(sass_text: str) -> list[str]:
-    """The PDL_OPS in code order, repeats of one opcode in a row merged."""
-    seq = []
-    for op in re.findall(r"^\s+/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass_text, re.MULTILINE):
-        if op in PDL_OPS and (not seq or seq[-1] != op):
-            seq.append(op)
-    return seq
-
-
 F16, I32, F32, I64 = "*fp16", "*i32", "*fp32", "*i64"
 _DIVISIBLE = ("KW", "K", "N", "stride_xm", "stride_ym", "k_per_split", "ax_k_per_prog", "group_size", "stride_gm",
               "stride_wn")
@@ -105,7 +93,7 @@ def variants() -> dict[str, tuple]:
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I32, "cnt_ptr": I32}
     out = {}
-    lab_off = dict(EC_ABLATE=0, USE_PDL=False, PREFETCH_LINES=0, GEMV_STAGES=1)  # the GEMV loop unpipelined
+    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1)  # the GEMV loop unpipelined
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
@@ -120,10 +108,6 @@ def variants() -> dict[str, tuple]:
     # the GEMV loop pipelined through shared memory (as the tuner's 3-stage candidates run it)
     out["decode rows=1 ec=False warps=8 stages=3"] = (w4._w4_decode_kernel, decode_ptrs,
                                                       {**const, "HAS_EC": False, "GATED": False, "GEMV_STAGES": 3}, 8)
-    # launched with PDL (kernels.pdl): the L2 prefetch of the weight rows, then griddepcontrol
-    out["decode rows=1 ec=True warps=8 pdl"] = (w4._w4_decode_kernel, decode_ptrs,
-                                                {**const, "HAS_EC": True, "GATED": True, "USE_PDL": True,
-                                                 "PREFETCH_LINES": w4.PREFETCH_LINES}, 8)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                  BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
@@ -154,9 +138,8 @@ def main() -> None:
     for name, (kernel, pointers, constexprs, warps) in variants().items():
         try:
             compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps)
-            text = sass(compiled)
             report[name] = {"ok": True, "warps": warps, "registers": registers(compiled),
-                            "loops": [vars(loop) for loop in loop_mix(text)], "pdl": pdl_sequence(text)}
+                            "loops": [vars(loop) for loop in loop_mix(sass(compiled))]}
         except Exception as e:  # noqa: BLE001 — reported per variant
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
     print(json.dumps(report))

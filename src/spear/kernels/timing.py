@@ -8,23 +8,12 @@ from collections.abc import Callable
 
 import torch
 
-from spear.kernels import pdl
 
-
-def time_in_graph(calls: list[Callable[[], object]], reps: int = 20, with_pdl: bool = False) -> float:
+def time_in_graph(calls: list[Callable[[], object]], reps: int = 20) -> float:
     """Median µs per call over `reps` replays of one CUDA graph that makes every call in order.
 
     Pass calls over several copies of the data (more bytes than the L2 cache holds) to time reads
-    from HBM rather than from cache. Without `with_pdl` the kernels are captured without programmatic
-    dependent launch (kernels.pdl), so that each call's time is its own, not overlapped with the next's."""
-    enabled, pdl.ENABLED = pdl.ENABLED, pdl.ENABLED and with_pdl
-    try:
-        return _time_in_graph(calls, reps)
-    finally:
-        pdl.ENABLED = enabled
-
-
-def _time_in_graph(calls: list[Callable[[], object]], reps: int) -> float:
+    from HBM rather than from cache."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up outside the capture: compile, autotune, allocate

@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from spear.kernels import pdl
 from spear.kernels.pack import PackedEC, PackedW4
 
 DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
@@ -319,7 +318,7 @@ def _w4_decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     GEMV_STAGES: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
-    EC_ABLATE: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    EC_ABLATE: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -330,22 +329,11 @@ def _w4_decode_kernel(
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
-    # USE_PDL (kernels.pdl): launched while the previous kernel runs, a tile first asks L2 for the start of its
-    # weight rows (PREFETCH_LINES 128-byte lines a row: no kernel writes them), then waits for that kernel.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
     g_rows = g_ptr + offs_m[:, None] * R + offs_r[None, :]
-    if USE_PDL and PREFETCH_LINES > 0 and pid >= num_ax:
-        gid0 = pid - num_ax
-        rows = (gid0 // split_k) * BN + tl.arange(0, BN)
-        word0 = (gid0 % split_k) * k_per_split // 8
-        words = word0 + 32 * tl.arange(0, PREFETCH_LINES)  # one word a line
-        pdl.prefetch_l2(qw_ptr + rows[:, None] * KW + words[None, :],
-                        (rows[:, None] < N) & (words[None, :] < KW) & (words[None, :] < word0 + k_per_split // 8),
-                        USE_PDL)
-    pdl.enter(USE_PDL)
     if pid < num_ax:
         # u += A[:, slice] x[slice]  over this program's slice of K
         u = tl.zeros((BM, R), dtype=tl.float32)
@@ -545,9 +533,6 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
-# With PDL (kernels.pdl), 128-byte lines of each weight row a decode tile asks L2 for before it waits for the
-# previous kernel: 1 KB a row, 32 KB a 32-row tile, a few MB over the resident tiles (the L2 holds 50 MB).
-PREFETCH_LINES = 8
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3 and 4): 1 tiles do not wait for g,
 # 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue. Measured in sessions 6-7
 # (NOTES-kernels.md v10): 4 alone keeps most of W4+EC's cost at M = 1.
@@ -702,7 +687,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, PREFETCH_LINES=PREFETCH_LINES, **pdl.launch_args(x),
+        EC_ABLATE=EC_ABLATE,
     )
     return y
 

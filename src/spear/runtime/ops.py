@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spear.kernels import pdl
-
 try:
     import triton
     import triton.language as tl
@@ -77,8 +75,7 @@ def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @_jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl.enter(USE_PDL)
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -106,8 +103,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     block = _next_pow2(dim)
     _add_rms_norm_kernel[(x.numel() // dim,)](
         x, x if residual is None else residual.contiguous(), weight, y, h, dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
-        **pdl.launch_args(x))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
     return y, h
 
 
@@ -119,10 +115,8 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @_jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr):
     """Row t, columns of block j: out[t] = silu(gate[t]) * up[t] (gate and up may be strided row views)."""
-    pdl.enter(USE_PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -146,8 +140,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, use_triton: bool | None = 
     rows, n = g2.shape
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, _next_pow2(n))
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block,
-                                                         **pdl.launch_args(out))
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block)
     return out
 
 
@@ -188,10 +181,9 @@ def _rope_row(src_ptr, dst_ptr, cos, sin, i, ok, HALF: tl.constexpr):
 @_jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
                           H, KV, block_size, stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
-                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Program (t, j): j < H rotates query head j of token t; j >= H rotates key head j - H and stores it,
     and the token's value head, at the token's slot."""
-    pdl.enter(USE_PDL)
     t, j = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
@@ -226,7 +218,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     _rope_write_kv_kernel[(T, H + KV)](
         q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, H, KV, k_pool.shape[1],
         k_pool.stride(0), k_pool.stride(1), q.stride(0), k.stride(0), v.stride(0),
-        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1, **pdl.launch_args(q))
+        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1)
     return q_out
 
 
@@ -260,15 +252,13 @@ def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, se
                                    stride_pool_block, stride_pool_offset,
                                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                    HAS_TILES: tl.constexpr, D: tl.constexpr,
-                                   PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                                   USE_PDL: tl.constexpr):
+                                   PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over keys [p * PARTITION, (p + 1) * PARTITION)
     by online softmax; row r sees keys 0 .. seq_len_r - 1. Writes each (row, head)'s running max m, sum
     l = Σ exp(s - m) and acc = Σ exp(s - m) v (float32) for the partition; a partition past a row's end
     writes m = -inf, l = 0 only. Without tiles every row is a tile of its own (a decode step)."""
-    pdl.enter(USE_PDL)
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
         first = tl.load(tiles_ptr + 2 * tile)  # the tile's first row and its row count (0: a padding tile)
@@ -318,12 +308,11 @@ def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, se
 
 @_jit(do_not_specialize=("num_partitions",))
 def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, seq_lens_ptr, out_ptr, num_partitions,
-                                 D: tl.constexpr, PARTITION: tl.constexpr, USE_PDL: tl.constexpr):
+                                 D: tl.constexpr, PARTITION: tl.constexpr):
     """Program (b, h): merge the partitions that saw keys (all of them at least one):
 
         M = max m_p;  out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p   (running, one partition at a time)
     """
-    pdl.enter(USE_PDL)
     bh = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     used = tl.cdiv(tl.load(seq_lens_ptr + tl.program_id(0)), PARTITION)
     d = tl.arange(0, D)
@@ -374,9 +363,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         D**-0.5 if scale is None else scale, H, num_partitions,
         block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
-        D=D, PARTITION=partition, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **pdl.launch_args(q))
+        D=D, PARTITION=partition, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     out = torch.empty_like(q)
     _paged_decode_combine_kernel[(B, H)](m, l, acc, seq_lens, out, num_partitions, D=D, PARTITION=partition,
-                                         num_warps=1, **pdl.launch_args(q))
+                                         num_warps=1)
     return out
