@@ -6,13 +6,17 @@ poisoned with NaN before each launch, so an unwritten element fails the comparis
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
+from spear.kernels import tune_cache as tune_cache_module
 from spear.kernels import w4 as w4_module
 from spear.kernels.pack import pack_ec, pack_w4, unpack_w4
 from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_ref
@@ -231,7 +235,38 @@ def test_decode_config_prefers_the_one_tuned_with_the_ec(gen, monkeypatch):
     assert w4_module.decode_config(packed, 16, ec16) == DecodeConfig()  # nothing tuned at 16 rows
 
 
-def test_tune_w4_with_an_ec_times_the_ec_launch_and_keeps_w4_s_pick(gen, monkeypatch):
+@pytest.fixture
+def tune_cache(tmp_path, monkeypatch) -> Path:
+    """tune_w4's cache file in this test's tmp dir (never the user's), and nothing tuned yet in this process."""
+    path = tmp_path / "cache" / "w4_tuning.json"
+    monkeypatch.setenv("SPEAR_TUNE_CACHE", str(path))
+    monkeypatch.setattr(w4_module, "_TUNED", {})
+    return path
+
+
+def tune_score(cfg: DecodeConfig | PrefillConfig) -> float:
+    """The fake timer's µs: the widest tile 'wins', then the fewest warps and stages (one winner per bucket,
+    not the untuned default)."""
+    return -10 * cfg.block_n + cfg.num_warps + cfg.num_stages / 10
+
+
+def fake_timer(monkeypatch) -> list:
+    """time_in_graph faked (CUDA graphs need a GPU) by tune_score, without launching; returns the configs it
+    timed, in order."""
+    from spear.kernels import timing
+
+    timed = []
+
+    def fake_time(calls, reps=20):
+        timed.append(calls[0].keywords["cfg"])
+        return tune_score(calls[0].keywords["cfg"])
+
+    monkeypatch.setattr(timing, "time_in_graph", fake_time)
+    monkeypatch.setattr(w4_module, "TUNE_BYTES", 1)
+    return timed
+
+
+def test_tune_w4_with_an_ec_times_the_ec_launch_and_keeps_w4_s_pick(gen, monkeypatch, tune_cache):
     """tune_w4(..., ec=) runs each candidate with the EC (decode rows only) and stores its pick under the EC's key;
     W4's own pick is untouched. Timing is faked (CUDA graphs need a GPU): the candidate with the narrowest tile
     'wins', so the test knows which one must be chosen."""
@@ -255,3 +290,86 @@ def test_tune_w4_with_an_ec_times_the_ec_launch_and_keeps_w4_s_pick(gen, monkeyp
     assert list(chosen) == [1] and chosen[1] == best  # 256 rows is not a decode launch: not tuned with the EC
     assert all(e is ec for e in launched) and len(launched) == len(w4_module.DECODE_CANDIDATES)
     assert w4_module.decode_config(packed, 1, ec) == best and w4_module.decode_config(packed, 1) == w4_pick
+
+
+def test_tune_w4_reuses_the_choices_of_an_earlier_process(gen, monkeypatch, tune_cache):
+    """The choices go to the cache file; a new process (an empty _TUNED) takes them from it without timing."""
+    packed = pack_w4(random_w4(128, 256, -1, gen)).to(DEVICE)
+    timed = fake_timer(monkeypatch)
+    first = w4_module.tune_w4(packed, (1, 256))  # a decode bucket and a prefill one
+    assert first == {1: min(w4_module.DECODE_CANDIDATES, key=tune_score),
+                     256: min(w4_module.PREFILL_CANDIDATES, key=tune_score)}
+    assert first[1] != DecodeConfig() and first[256] != PrefillConfig()  # not what an untuned launch would take
+    assert len(timed) == len(w4_module.DECODE_CANDIDATES) + len(w4_module.PREFILL_CANDIDATES)
+    entries = json.loads(tune_cache.read_text())
+    assert sorted(entries.values(), key=lambda e: e["kind"]) == [
+        {"kind": "DecodeConfig", "fields": dataclasses.asdict(first[1])},
+        {"kind": "PrefillConfig", "fields": dataclasses.asdict(first[256])}]
+    assert all(key.startswith(str(DEVICE.type) if DEVICE.type != "cuda" else torch.cuda.get_device_name(DEVICE))
+               for key in entries)
+
+    monkeypatch.setattr(w4_module, "_TUNED", {})  # a new process
+    timed.clear()
+    assert w4_module.tune_w4(packed, (1, 256)) == first and timed == []
+    assert w4_module.decode_config(packed, 1) == first[1]
+    assert w4_module.tune_w4(packed, (1,), timings={}) == {1: first[1]}  # an explicit timing request re-times
+    assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+    monkeypatch.setattr(w4_module, "_TUNED", {})  # a new process with changed kernels: the old choices do not apply
+    monkeypatch.setattr(tune_cache_module, "_kernel_hash", lambda: "changed")
+    timed.clear()
+    w4_module.tune_w4(packed, (1,))
+    assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+
+
+def test_a_corrupt_or_stale_tune_cache_is_timed_again_and_rewritten(gen, monkeypatch, tune_cache):
+    """A file that is not JSON, or an entry that no longer rebuilds as one of the candidates (a field the
+    dataclass lacks or is missing, another kind, a config no longer timed), is ignored: the bucket is timed
+    again and the file rewritten with a valid entry."""
+    packed = pack_w4(random_w4(128, 256, -1, gen)).to(DEVICE)
+    timed = fake_timer(monkeypatch)
+    tune_cache.parent.mkdir()
+    tune_cache.write_text('{"truncated": ')
+    chosen = w4_module.tune_w4(packed, (1,))
+    assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+    (key, entry), = json.loads(tune_cache.read_text()).items()
+    assert entry == {"kind": "DecodeConfig", "fields": dataclasses.asdict(chosen[1])}
+
+    fields = entry["fields"]
+    stale = [{"kind": "DecodeConfig", "fields": {**fields, "unroll": 2}},
+             {"kind": "DecodeConfig", "fields": {k: v for k, v in fields.items() if k != "block_kw"}},
+             {"kind": "PrefillConfig", "fields": fields},
+             {"kind": ["DecodeConfig"], "fields": fields},
+             {"kind": "DecodeConfig", "fields": {**fields, "block_n": 8}},
+             "decode"]
+    for bad in stale:
+        tune_cache.write_text(json.dumps({key: bad}))
+        monkeypatch.setattr(w4_module, "_TUNED", {})
+        timed.clear()
+        assert w4_module.tune_w4(packed, (1,)) == chosen, bad
+        assert len(timed) == len(w4_module.DECODE_CANDIDATES), f"{bad} was taken from the cache"
+        assert json.loads(tune_cache.read_text()) == {key: entry}
+
+
+def test_tune_cache_off_or_unwritable(gen, monkeypatch, tmp_path):
+    """SPEAR_TUNE_CACHE=0 writes no file anywhere (and reads none); a cache that cannot be written warns once
+    and tuning goes on."""
+    packed = pack_w4(random_w4(128, 256, -1, gen)).to(DEVICE)
+    timed = fake_timer(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "spear"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPEAR_TUNE_CACHE", "0")
+    for _ in range(2):  # the second time as a new process: no cache to read, timed again
+        monkeypatch.setattr(w4_module, "_TUNED", {})
+        timed.clear()
+        assert w4_module.tune_w4(packed, (1,)) == {1: min(w4_module.DECODE_CANDIDATES, key=tune_score)}
+        assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+    assert list(tmp_path.rglob("*")) == []
+
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("SPEAR_TUNE_CACHE", str(tmp_path / "a_file" / "w4_tuning.json"))  # its folder is a file
+    monkeypatch.setattr(tune_cache_module, "_warned", False)
+    with pytest.warns(UserWarning, match="not written"):
+        assert w4_module.tune_w4(packed, (4,)) == {4: min(w4_module.DECODE_CANDIDATES, key=tune_score)}
+    assert [p.name for p in tmp_path.rglob("*")] == ["a_file"]

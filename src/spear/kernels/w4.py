@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spear.kernels import tune_cache
 from spear.kernels.pack import PackedEC, PackedW4
 
 DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
@@ -809,6 +810,13 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     return y.view(*x.shape[:-1], w.out_features)
 
 
+def _tune_candidates(m: int) -> list[DecodeConfig] | list[PrefillConfig]:
+    """The configs tune_w4 times at m rows: the decode kernel's (the GEMV loop only where m ≤ 4), else prefill's."""
+    if m <= DECODE_KERNEL_MAX_M:
+        return [c for c in DECODE_CANDIDATES if m <= 4 or c.gemv_rows == 0]
+    return PREFILL_CANDIDATES
+
+
 def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings: dict | None = None,
             ec: PackedEC | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
@@ -817,7 +825,9 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
     fastest. Returns the choice per M. With `timings`, every bucket is timed again and every candidate's
     median µs goes into `timings[m]`; without, buckets tuned before keep their choice (an engine rebuilt in
     the same process does not tune twice). With `ec`, the decode launch with that EC (rows ≤
-    DECODE_KERNEL_MAX_M only); launches with an EC of a rank not tuned use W4's choice."""
+    DECODE_KERNEL_MAX_M only); launches with an EC of a rank not tuned use W4's choice. Choices persist in a
+    JSON file, per GPU and Triton and torch version (~/.cache/spear/w4_tuning.json; $SPEAR_TUNE_CACHE names
+    another file, or 0 for none): without `timings`, a bucket found there is not timed again."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -826,18 +836,24 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
     # Timed in a CUDA graph over enough weight copies to overflow the L2 cache: HBM reads, no launch overhead.
     if ec is not None:
         ms = tuple(m for m in ms if m <= DECODE_KERNEL_MAX_M)
+    cache = tune_cache.path()
+    if timings is None and cache is not None and any(_tune_key(w, m, ec) not in _TUNED for m in ms):
+        entries = tune_cache.read(cache)  # another process's choices, for the buckets not tuned in this one
+        for m in ms:
+            cfg = tune_cache.config(entries.get(tune_cache.key(w.qweight.device, _tune_key(w, m, ec))),
+                                    (DecodeConfig, PrefillConfig), _tune_candidates(m))
+            if cfg is not None:
+                _TUNED.setdefault(_tune_key(w, m, ec), cfg)
     chosen = {m: _TUNED[_tune_key(w, m, ec)] for m in ms if timings is None and _tune_key(w, m, ec) in _TUNED}
     if len(chosen) == len(ms):
         return chosen
+    to_time = [m for m in ms if m not in chosen]
     copies = [w] + [w.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
-    for m in (m for m in ms if m not in chosen):
+    for m in to_time:
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
-        if m <= DECODE_KERNEL_MAX_M:
-            run, candidates = w4_decode, [c for c in DECODE_CANDIDATES if m <= 4 or c.gemv_rows == 0]
-        else:
-            run, candidates = w4_prefill_fused, PREFILL_CANDIDATES
+        run = w4_decode if m <= DECODE_KERNEL_MAX_M else w4_prefill_fused
         measured = []
-        for cfg in candidates:
+        for cfg in _tune_candidates(m):
             try:
                 calls = [functools.partial(run, x, copy, ec, cfg=cfg) for copy in copies]
                 measured.append((time_in_graph(calls, reps=5), cfg))
@@ -846,4 +862,6 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
         chosen[m] = _TUNED[_tune_key(w, m, ec)] = min(measured, key=lambda t: t[0])[1]
         if timings is not None:
             timings[m] = [(round(us, 2), cfg) for us, cfg in sorted(measured, key=lambda t: t[0])]
+    if cache is not None:
+        tune_cache.write(cache, {tune_cache.key(w.qweight.device, _tune_key(w, m, ec)): chosen[m] for m in to_time})
     return chosen
