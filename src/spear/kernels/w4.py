@@ -826,7 +826,7 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
     median µs goes into `timings[m]`; without, buckets tuned before keep their choice (an engine rebuilt in
     the same process does not tune twice). With `ec`, the decode launch with that EC (rows ≤
     DECODE_KERNEL_MAX_M only); launches with an EC of a rank not tuned use W4's choice. Choices persist in a
-    JSON file, per GPU and Triton and torch version (~/.cache/spear/w4_tuning.json; $SPEAR_TUNE_CACHE names
+    JSON file, per GPU, Triton and torch version and kernel source (kernels.tune_cache; $SPEAR_TUNE_CACHE names
     another file, or 0 for none): without `timings`, a bucket found there is not timed again."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources

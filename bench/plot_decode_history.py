@@ -1,0 +1,81 @@
+"""Llama-2-7B batch-1 decode speed through the engine, every committed H200 run in date order (issue 5).
+
+    python bench/plot_decode_history.py --out bench/results/decode_history_h200.png
+
+Reads the `decode_h200*.json` files under bench/results (bench/decode.py's output; single-GPU runs only)
+and plots ms/token of fp16, W4 and W4+EC38 per run, with the issue's targets as lines: W4 within 1.5× of
+its bandwidth floor, W4 at 2.5× fp16's tokens/s (from the run's own fp16), fp16 within 1.2× of its floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SETTINGS = {"fp16": "tab:gray", "w4": "tab:blue", "w4+ec38": "tab:orange"}
+
+
+def runs(model: str = "llama2-7b", batch: int = 1) -> list[dict]:
+    """One entry per JSON file with any of SETTINGS at this model and batch: its date, commit and ms/token and
+    floor per setting."""
+    out = []
+    for path in RESULTS.glob("decode_h200*.json"):
+        data = json.loads(path.read_text())
+        if data.get("tp", 1) not in (None, 1):
+            continue
+        rows = {r["setting"]: r for r in data.get("rows", []) if r["model"] == model and r["batch"] == batch}
+        if any(s in rows for s in SETTINGS):
+            prov = data["provenance"]
+            out.append({"date": prov["date"], "commit": prov["commit"][:7] + (" PDL" if prov.get("pdl") else ""),
+                        "file": path.name,
+                        "ms": {s: rows[s]["ms_per_token"] for s in SETTINGS if s in rows},
+                        "floor": {s: rows[s]["floor_ms_per_token"] for s in SETTINGS if s in rows}})
+    return sorted(out, key=lambda r: r["date"])
+
+
+def plot(history: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5.4))
+    xs = range(len(history))
+    for setting, color in SETTINGS.items():
+        points = [(x, r["ms"][setting]) for x, r in zip(xs, history) if setting in r["ms"]]
+        ax.plot(*zip(*points), "o-", color=color, label=setting)
+    w4_floor = next(r["floor"]["w4"] for r in reversed(history) if "w4" in r["floor"])
+    fp16_floor = next(r["floor"]["fp16"] for r in reversed(history) if "fp16" in r["floor"])
+    ax.axhline(1.5 * w4_floor, color="tab:blue", ls=":", label=f"target: W4 ≤ 1.5× its floor ({1.5 * w4_floor:.2f} ms)")
+    ax.axhline(1.2 * fp16_floor, color="tab:gray", ls=":", label=f"target: fp16 ≤ 1.2× its floor ({1.2 * fp16_floor:.2f} ms)")
+    goal = [(x, r["ms"]["fp16"] / 2.5) for x, r in zip(xs, history) if "fp16" in r["ms"]]
+    ax.plot(*zip(*goal), "_", color="tab:blue", markersize=14, label="target: W4 at 2.5× fp16 tokens/s")
+    ax.set_xticks(list(xs), [f"{r['date'][5:16].replace('T', ' ')} {r['commit']}" for r in history], fontsize=7,
+                  rotation=35, ha="right")
+    ax.set_ylabel("ms / token (batch 1)")
+    ax.set_ylim(0, None)
+    ax.set_title("Llama-2-7B decode through the SPEAR engine on one H200, every committed run")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    tmp.rename(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=RESULTS / "decode_history_h200.png")
+    args = p.parse_args()
+    history = runs()
+    for r in history:
+        print(f"{r['date'][:16]}  {r['commit']}  " + "  ".join(f"{s} {ms:.2f}" for s, ms in r["ms"].items())
+              + f"  ({r['file']})")
+    plot(history, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
