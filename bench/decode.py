@@ -87,10 +87,12 @@ def weight_bytes(model: Transformer) -> int:
 
 
 def measure(model: Transformer, batch: int, prompt_tokens: int, new_tokens: int, cuda_graphs: bool,
-            channel: StepChannel | None = None) -> dict | None:
-    """The row of one batch size; under TP (`channel`) rank 0's, and None on the other ranks."""
+            channel: StepChannel | None = None, overlap: bool = False) -> dict | None:
+    """The row of one batch size; under TP (`channel`) rank 0's, and None on the other ranks. With `overlap`, a
+    step's time is its launch and the previous step's tokens (EngineConfig.overlap): in a steady decode, the
+    period of the GPU's steps."""
     config = EngineConfig(max_num_seqs=batch, max_model_len=prompt_tokens + new_tokens,
-                          policy=StaticChunkPolicy(batch * prompt_tokens), cuda_graphs=cuda_graphs)
+                          policy=StaticChunkPolicy(batch * prompt_tokens), cuda_graphs=cuda_graphs, overlap=overlap)
     start = time.perf_counter()
     runner = make_runner(model, config)
     if channel is not None and dist.get_rank() > 0:
@@ -136,10 +138,14 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, started here (default 1)")
     p.add_argument("--tp-reduction", choices=["p2p", "symmetric", "collective"], default="p2p",
                    help="how the row-parallel W4 layers reduce on GPUs (spear.runtime.tp.set_reduction; default p2p)")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlap the engine's host work with the GPU step (EngineConfig.overlap; not with --tp)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
+    if args.overlap and args.tp > 1:
+        p.error("--overlap is not supported with --tp")
     if args.tp == 1:
         run(args)
     else:
@@ -168,6 +174,7 @@ def run(args: argparse.Namespace) -> None:
         write_json(args.json, {
             "dtype": str(dtype), "quant": quant.to_dict(), "ec": {"rank": args.rank, "gate_hidden": 8},
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cuda_graphs": not args.no_cuda_graphs, "tp": args.tp,
+            "overlap": args.overlap,
             "tp_reduction": args.tp_reduction if args.tp > 1 and device.type == "cuda" else "collective",
             "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows,
         })
@@ -185,7 +192,7 @@ def run(args: argparse.Namespace) -> None:
             nbytes = weight_bytes(model)
             label = setting if fraction is not None or dtype == torch.float16 else "fp32"
             for batch in batches:
-                measured = measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs, channel)
+                measured = measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs, channel, args.overlap)
                 if measured is None:
                     continue
                 row = {"model": name, "setting": label, "weight_bytes": nbytes, "build_s": build_seconds,

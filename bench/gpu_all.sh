@@ -2,7 +2,8 @@
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes (M = $MS, default 1 16; W4 and W4+EC);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then an eager batch-1 W4 step's kernels (profile_step), the
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then an eager batch-1 W4 step's kernels (profile_step),
+#          W4 and W4+EC38 through the engine with overlapped steps (bench/decode.py --overlap), the
 #          engine's host time per decode step on this host's CPU (bench/host_step.py: no GPU work), and the
 #          decode-kernel grid on Llama-2-70B shapes (M = 1, 16);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -29,6 +30,9 @@ gpu1() {
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
   timeout 60 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json /tmp/gpu_all/profile_b1.json \
     > $log/6_profile_b1.log 2>&1
+  # the engine with its host work overlapped with the GPU step (EngineConfig.overlap), against GPU 0's run
+  timeout 200 python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --overlap \
+    --json "$out/decode_h200_overlap.json" > $log/5_decode_overlap.log 2>&1
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
   timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 \
     --time-limit 90 > $log/9_kernels_70b.log 2>&1

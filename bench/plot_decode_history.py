@@ -28,7 +28,8 @@ def runs(model: str = "llama2-7b", batch: int = 1) -> list[dict]:
         rows = {r["setting"]: r for r in data.get("rows", []) if r["model"] == model and r["batch"] == batch}
         if any(s in rows for s in SETTINGS):
             prov = data["provenance"]
-            out.append({"date": prov["date"], "commit": prov["commit"][:7] + (" PDL" if prov.get("pdl") else ""),
+            out.append({"date": prov["date"], "commit": prov["commit"][:7] + (" PDL" if prov.get("pdl") else "")
+                        + (" overlap" if data.get("overlap") else ""),
                         "file": path.name,
                         "ms": {s: rows[s]["ms_per_token"] for s in SETTINGS if s in rows},
                         "floor": {s: rows[s]["floor_ms_per_token"] for s in SETTINGS if s in rows}})

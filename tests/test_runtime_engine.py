@@ -296,3 +296,60 @@ def test_runner_picks_a_whole_step_graph_the_pieces_or_eager(tiny, row_graph_tok
         assert path == ("graph" if whole else "pieces" if tokens <= 16 else "eager"), (chunks, tokens, path)
     mixed_rows = (2, 3, "graph") if row_graph_tokens else (2, 3, "pieces")  # a decode beside the prompt's last 2
     assert {(2, 16, "pieces"), (2, 17, "eager"), mixed_rows, (2, 2, "graph")} <= set(steps)
+
+
+def test_overlapped_steps_give_the_same_outputs(tiny):
+    """EngineConfig.overlap (a step launched before the previous one's tokens are read) changes no output:
+    chunked prefill beside decodes, admission as slots free up, stop strings, stop tokens, length limits
+    (max_tokens and the context), an abort mid-way; every block is back in the pool at the end."""
+    ids = prompt(10, 3)
+    full = run(build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128)),
+               {"a": (ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))})["a"]
+    requests = {
+        "stop_string": (ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(full["text"][12:15],))),
+        "stop_token": (ids, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                           stop_token_ids=(full["ids"][5],))),
+        "long_prompt": (prompt(45, 2), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)),
+        "context": (prompt(60, 4), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)),  # 64-token context
+        "one_token": (prompt(7, 5), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)),
+        # sampled (greedy on the tiny random model repeats one token, which would hide a token fed late)
+        "sampled": (prompt(9, 6), SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)),
+        "sampled_top_k": (prompt(30, 7), SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=12,
+                                                        ignore_eos=True)),
+        **{f"r{i}": (prompt(5 + i, 10 + i), SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True))
+           for i in range(6)},
+    }
+
+    def serve(overlap: bool) -> tuple[dict, Engine]:
+        engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(
+            max_model_len=64, max_num_seqs=4, policy=StaticChunkPolicy(16), overlap=overlap))
+        for rid, (p, params) in requests.items():
+            engine.add_request(rid, p, params)
+        results = {rid: {"ids": [], "text": "", "reason": None} for rid in requests}
+        steps = engine.decode_rows = 0
+        while engine.has_unfinished():
+            steps += 1
+            if steps == 6:
+                engine.abort("r5")
+            before = engine.num_steps
+            outputs = engine.step()
+            engine.decode_rows += engine.last_step.num_decodes if engine.num_steps > before else 0
+            for out in outputs:
+                r = results[out.request_id]
+                assert r["reason"] is None, "no output after finishing"
+                r["ids"] += out.new_token_ids
+                r["text"] += out.new_text
+                r["reason"] = out.finish_reason
+        return results, engine
+
+    plain, plain_engine = serve(False)
+    overlapped, engine = serve(True)
+    assert overlapped == plain
+    # the only rows thrown away: one decode of each request that stopped on a token or string, or was aborted,
+    # while its last token was in flight (a length limit is known ahead: no row past it)
+    assert plain_engine.decode_rows <= engine.decode_rows <= plain_engine.decode_rows + 3
+    assert plain["stop_string"]["reason"] == plain["stop_token"]["reason"] == "stop"
+    assert plain["context"]["reason"] == "length" and len(plain["context"]["ids"]) == 4
+    assert plain["r5"]["reason"] == "abort" and plain["r0"]["ids"] and len(plain["r4"]["ids"]) == 11
+    assert len(set(plain["sampled"]["ids"])) > 5  # tokens that differ from step to step
+    assert engine.kv_blocks_used == 0 and engine.num_running == 0

@@ -22,8 +22,8 @@ from spear.runtime.detokenizer import Detokenizer
 from spear.runtime.kv_cache import BlockAllocator, Chunk, KVCache, cdiv
 from spear.runtime.model import Transformer, build_runtime_model
 from spear.runtime.requests import RequestOutput, SamplingParams
-from spear.runtime.runner import ModelRunner
-from spear.runtime.sampler import sample
+from spear.runtime.runner import ModelRunner, TokenPatch
+from spear.runtime.sampler import sample_tokens
 from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -51,6 +51,22 @@ class EngineConfig:
     # buckets run up to the first power of two ≥ max(max_num_seqs, row_graph_tokens).
     row_graph_tokens: int = 128
     seed: int = 0  # the generator of requests without their own seed
+    # Overlap the host's work with the GPU's (one step behind, as SGLang's overlap scheduler): a step is launched
+    # with the previous step's samples still on the device (runner.TokenPatch), and that step's tokens are then
+    # read, appended and returned while the new one runs. A sequence that stops on a token or a stop string
+    # thereby computes one more step, thrown away. Not with tensor parallelism.
+    overlap: bool = False
+
+
+@dataclass
+class InFlight:
+    """A launched step's samples: row i is seqs[i]'s token; with overlap, copied to the host when `ready` is done."""
+
+    number: int  # Engine.num_launched when it was launched
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [B] on the device
+    host: torch.Tensor  # [B] its copy on the host (pinned on CUDA)
+    ready: torch.cuda.Event | None
 
 
 @dataclass
@@ -71,15 +87,25 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    pending_row: int | None = None  # overlapped steps: its last token is this row of the step in flight's samples
+    pending_step: int = -1  # that step's number (Engine.num_launched)
+    finished: bool = False
 
     @property
     def prefilled(self) -> bool:
         return self.num_computed >= len(self.prompt_ids)
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens, a sampled one still on the device included."""
+        return len(self.prompt_ids) + len(self.output_ids) + (self.pending_row is not None)
+
     def next_chunk(self, budget: int) -> Chunk:
-        """The decode token, or up to `budget` prompt tokens still to prefill."""
+        """The decode token, or up to `budget` prompt tokens still to prefill. A token still on the device is a
+        placeholder here, patched on the device (runner.TokenPatch)."""
         if self.prefilled:
-            return Chunk([self.output_ids[-1]], self.num_computed, self.block_table)
+            return Chunk([0 if self.pending_row is not None else self.output_ids[-1]], self.num_computed,
+                         self.block_table)
         tokens = self.prompt_ids[self.num_computed:self.num_computed + budget]
         return Chunk(tokens, self.num_computed, self.block_table)
 
@@ -134,8 +160,11 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._aborted: list[RequestOutput] = []
+        self._in_flight: InFlight | None = None  # the launched step whose tokens are not read yet
+        self.num_launched = 0
         self.last_step = StepStats()
         self.num_steps = 0
+        self._previous_tokens: torch.Tensor | None = None
 
     # Counters the server's /metrics reads.
     @property
@@ -155,7 +184,7 @@ class Engine:
         return self.allocator.num_total
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        return bool(self.waiting or self.running or self._aborted or self._in_flight)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -181,23 +210,52 @@ class Engine:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
+                    seq.finished = True  # a token of it still in flight is dropped
                     self.allocator.free(seq.block_table)
                     self._aborted.append(self._output(seq, [], "abort"))
                     return
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of this step (EngineConfig.overlap: of the one before)."""
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
-        work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled]
+        in_flight, self._in_flight = self._in_flight, None
+        # A sequence whose token in flight reaches its length limit is done: a decode of it would be thrown away.
+        work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled and not self._at_length(seq)]
         num_decodes = len(work)
         waiting_tokens = sum(len(s.prompt_ids) - s.num_computed for s in (*self.running, *self.waiting) if not s.prefilled)
         budget = self.policy.prefill_budget(num_decodes, sum(c.start + 1 for _, c in work), waiting_tokens)
         if num_decodes == 0:
             budget = max(budget, 1)  # with nothing to decode, a step must make progress
         work += self._prefill_chunks(budget)
+        if work:
+            self._launch(work)
+        if in_flight is not None:  # overlapped: the previous step's tokens, while this one runs
+            outputs += self._finish(in_flight)
+        if not self.config.overlap and self._in_flight is not None:  # this step's own
+            outputs += self._finish(self._in_flight)
+            self._in_flight = None
         if not work:
             return outputs
-        logits = self.runner.forward([chunk for _, chunk in work])  # [B, vocab]
+        self.last_step = StepStats(time.perf_counter() - start, num_decodes, sum(len(c.tokens) for _, c in work[num_decodes:]))
+        self.num_steps += 1
+        if hasattr(self.policy, "observe"):  # feedback policies (SLOPolicy) correct their predictions
+            self.policy.observe(self.last_step)
+        return outputs
+
+    def _at_length(self, seq: Sequence) -> bool:
+        return len(seq.output_ids) + (seq.pending_row is not None) >= seq.params.max_tokens or seq.num_tokens >= seq.max_len
+
+    def _launch(self, work: list[tuple[Sequence, Chunk]]) -> None:
+        """Run the step's forward and sample (tokens in flight: not waited for)."""
+        index, rows, first = [], [], 0
+        for seq, chunk in work:
+            if seq.pending_row is not None and seq.prefilled:  # its decode token is a sample still on the device
+                index.append(first)
+                rows.append(seq.pending_row)
+            first += len(chunk.tokens)
+        patch = TokenPatch(index, rows, self._previous_tokens) if index else None  # all from the one step in flight
+        logits = self.runner.forward([chunk for _, chunk in work], patch)  # [B, vocab]
         rows = []
         for i, (seq, chunk) in enumerate(work):
             seq.num_computed += len(chunk.tokens)
@@ -206,12 +264,32 @@ class Engine:
         seqs = [work[i][0] for i in rows]
         if len(rows) < len(work):  # sequences still mid-prompt have no token to sample
             logits = logits[rows]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        outputs += [self._append(seq, token) for seq, token in zip(seqs, tokens)]
-        self.last_step = StepStats(time.perf_counter() - start, num_decodes, sum(len(c.tokens) for _, c in work[num_decodes:]))
-        self.num_steps += 1
-        if hasattr(self.policy, "observe"):  # feedback policies (SLOPolicy) correct their predictions
-            self.policy.observe(self.last_step)
+        tokens = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        ready = None
+        if tokens.is_cuda and self.config.overlap:  # else _finish's tolist() waits for the step
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = tokens
+        self.num_launched += 1
+        self._in_flight = InFlight(self.num_launched, seqs, tokens, host, ready)
+        self._previous_tokens = tokens
+        if self.config.overlap:
+            for i, seq in enumerate(seqs):
+                seq.pending_row, seq.pending_step = i, self.num_launched
+
+    def _finish(self, step: InFlight) -> list[RequestOutput]:
+        """Append a launched step's tokens to its sequences (finished or aborted ones since: dropped)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        outputs = []
+        for seq, token in zip(step.seqs, step.host.tolist()):
+            if seq.pending_step == step.number:  # no later step sampled for it yet
+                seq.pending_row = None
+            if not seq.finished:
+                outputs.append(self._append(seq, token))
         return outputs
 
     def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, Chunk]]:
@@ -242,6 +320,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             self.running.remove(seq)
+            seq.finished = True
             self.allocator.free(seq.block_table)
         return self._output(seq, [token], reason)
 

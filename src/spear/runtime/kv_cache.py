@@ -170,7 +170,11 @@ class Batch:
                     row[: len(table)] = table
             elif n:
                 host[start:start + n] = part
-        storage = torch.from_numpy(host).to(device)
+        storage = torch.from_numpy(host)
+        if device.type == "cuda":  # from pinned memory, asynchronously: a pageable copy would wait for the GPU's
+            storage = storage.pin_memory().to(device, non_blocking=True)  # previous step (EngineConfig.overlap)
+        else:
+            storage = storage.to(device)
         pieces = storage.split([m for n in sizes for m in (n, n % 2)])  # each field, then its alignment pad
         views = [piece.view(shape) for piece, shape in zip(pieces[::2], shapes)]
         if not tiles:

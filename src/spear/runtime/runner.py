@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from spear.errors import SpearError
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv, paged_attention
 from spear.runtime.model import Transformer
 from spear.runtime.ops import attention_tile_rows
@@ -139,18 +141,21 @@ class ModelRunner:
                 self.mixed[tokens] = MixedStepGraphs(model, cache, tokens, max_num_seqs, capture)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [B, vocab] at the last token of each chunk; their K/V land in the cache."""
+    def forward(self, chunks: list[Chunk], patch: TokenPatch | None = None) -> torch.Tensor:
+        """Logits [B, vocab] at the last token of each chunk; their K/V land in the cache. `patch`: tokens not on
+        the host yet (the engine's overlapped steps), written into the step's tokens on the device."""
         if self.on_step is not None:
+            if patch is not None:
+                raise SpearError("overlapped steps need every token on the host under tensor parallelism")
             self.on_step(chunks)
         num_tokens = sum(len(c.tokens) for c in chunks)
         whole = num_tokens == len(chunks) or num_tokens <= self.row_graph_tokens  # a decode step, or a small one
         size = next((s for s in sorted(self.graphs) if s >= num_tokens), None) if whole else None
         if size is not None:  # only then split the step into rows (a long prompt's chunk need not be)
-            rows, last = token_rows(chunks)
-            logits = self.graphs[size].run(self.padded_batch(rows, size))
+            rows, last = token_rows(chunks)  # rows keep the step's token order: the patch's indices hold
+            logits = self.graphs[size].run(_patched(self.padded_batch(rows, size), patch))
             return logits[: len(rows)] if len(rows) == len(chunks) else logits[torch.tensor(last, device=logits.device)]
-        batch = Batch.build(chunks, self.cache.block_size, self.cache.device)
+        batch = _patched(Batch.build(chunks, self.cache.block_size, self.cache.device), patch)
         tokens = next((t for t in sorted(self.mixed) if t >= batch.tokens.shape[0]), None)
         if tokens is not None and not batch.decode and len(chunks) <= self.max_num_seqs:
             return self.mixed[tokens].run(batch, len(chunks))
@@ -167,6 +172,23 @@ class ModelRunner:
         """The most attention tiles `size` rows can need: each of at most max_num_seqs sequences starts a tile,
         every tile_rows rows of a sequence another, and the padding rows need cdiv(pad, tile_rows)."""
         return min(size, self.max_num_seqs + cdiv(size, self.tile_rows) + 1)
+
+
+@dataclass(frozen=True)
+class TokenPatch:
+    """Tokens of a step that are still on the device: token `index[i]` of the step (in its chunks' order) is
+    `source[rows[i]]` (the engine's overlapped steps: the previous step's samples)."""
+
+    index: list[int]
+    rows: list[int]
+    source: torch.Tensor
+
+
+def _patched(batch: Batch, patch: TokenPatch | None) -> Batch:
+    if patch is not None and patch.index:
+        where = torch.tensor([patch.index, patch.rows], device=batch.tokens.device)  # one host → device copy
+        batch.tokens[where[0]] = patch.source[where[1]].to(batch.tokens.dtype)
+    return batch
 
 
 def token_rows(chunks: list[Chunk]) -> tuple[list[Chunk], list[int]]:
