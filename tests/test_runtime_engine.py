@@ -353,3 +353,24 @@ def test_overlapped_steps_give_the_same_outputs(tiny):
     assert plain["r5"]["reason"] == "abort" and plain["r0"]["ids"] and len(plain["r4"]["ids"]) == 11
     assert len(set(plain["sampled"]["ids"])) > 5  # tokens that differ from step to step
     assert engine.kv_blocks_used == 0 and engine.num_running == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs, pinned copies and events need a GPU")
+def test_overlapped_steps_on_the_gpu_give_the_same_outputs(tiny_model_dir):
+    """On CUDA (whole-step graphs, the samples patched in on the device, copied to the host by an event), overlapped
+    steps give exactly the plain steps' outputs, greedy and seeded."""
+    from spear.api import load
+
+    lm = load(str(tiny_model_dir), torch.device("cuda"), torch.float16)
+    requests = {f"g{i}": (prompt(6 + 3 * i, i), SamplingParams(max_tokens=5 + 4 * i, temperature=0, ignore_eos=True))
+                for i in range(4)}
+    requests |= {f"s{i}": (prompt(9 + i, 20 + i), SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=True))
+                 for i in range(3)}
+
+    def serve(overlap: bool) -> dict:
+        config = EngineConfig(max_model_len=128, max_num_seqs=4, policy=StaticChunkPolicy(16), overlap=overlap)
+        return run(build_engine(lm.model, lm.tokenizer, config), requests)
+
+    plain = serve(False)
+    assert serve(True) == plain
+    assert len(set(plain["s0"]["ids"])) > 5
