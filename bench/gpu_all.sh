@@ -3,9 +3,9 @@
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes (M = $MS, default 1 16; W4 and W4+EC);
 #   GPU 1: with SLO=1 the SLO experiment (all EC densities), then an eager batch-1 W4 step's kernels (profile_step),
-#          W4 and W4+EC38 through the engine with overlapped steps (bench/decode.py --overlap), the
-#          engine's host time per decode step on this host's CPU (bench/host_step.py: no GPU work), and the
-#          decode-kernel grid on Llama-2-70B shapes (M = 1, 16);
+#          W4 and W4+EC38 through the engine with overlapped steps (bench/decode.py --overlap), W4 with decode
+#          attention merged in its partitions and with a combine launch (SPEAR_ATTN_COMBINE), and the engine's
+#          host time per decode step on this host's CPU (bench/host_step.py: no GPU work);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -33,9 +33,12 @@ gpu1() {
   # the engine with its host work overlapped with the GPU step (EngineConfig.overlap), against GPU 0's run
   timeout 200 python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --overlap \
     --json "$out/decode_h200_overlap.json" > $log/5_decode_overlap.log 2>&1
+  # decode attention's partitions merged by the last of them (the default) against a combine launch, one GPU
+  for combine in partitions launch; do
+    SPEAR_ATTN_COMBINE=$combine timeout 110 python bench/decode.py --models llama2-7b --settings w4 --batches 1 8 \
+      --json "$out/decode_h200_combine_$combine.json" > $log/5_decode_combine_$combine.log 2>&1
+  done
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
-  timeout 120 python bench/kernels.py --json "$out/kernels_h200_70b_rows.json" --models 70b --ms 1 16 \
-    --time-limit 90 > $log/9_kernels_70b.log 2>&1
 }
 if [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
