@@ -27,7 +27,7 @@ def provenance() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         # decode attention's partitions merged by the last of them, or by a combine launch (SPEAR_ATTN_COMBINE)
-        "attention_combine": os.environ.get("SPEAR_ATTN_COMBINE", "partitions"),
+        "attention_combine": os.environ.get("SPEAR_ATTN_COMBINE", "launch"),
     }
     try:
         import triton

@@ -33,7 +33,7 @@ gpu1() {
   # the engine with its host work overlapped with the GPU step (EngineConfig.overlap), against GPU 0's run
   timeout 200 python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --overlap \
     --json "$out/decode_h200_overlap.json" > $log/5_decode_overlap.log 2>&1
-  # decode attention's partitions merged by the last of them (the default) against a combine launch, one GPU
+  # decode attention's partitions merged by the last of them against a combine launch (the default), one GPU
   for combine in partitions launch; do
     SPEAR_ATTN_COMBINE=$combine timeout 110 python bench/decode.py --models llama2-7b --settings w4 --batches 1 8 \
       --json "$out/decode_h200_combine_$combine.json" > $log/5_decode_combine_$combine.log 2>&1

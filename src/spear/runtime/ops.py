@@ -9,7 +9,7 @@ each layer launches ~40 of them. Fused here, one launch each:
   silu_mul                silu(gate) * up                                  (the SwiGLU activation)
   rope_write_kv           RoPE on q and k, k and v stored at their cache slots, rotated q returned
   paged_decode_attention  one-token queries over their sequences' cached blocks (flash-decoding:
-                          partitions of the context in parallel, the last to finish merging them); with
+                          partitions of the context in parallel, then a small combine kernel); with
                           `tiles`, up to 16 rows of one sequence at consecutive positions (a prefill
                           chunk's tokens as rows) share one pass over the keys
 
@@ -378,9 +378,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
     a mixed step's prefill tokens as rows); None: every row alone.
 
-    Triton: grid (NT or B, KV, cdiv(W * block_size, partition)), the last partition of each (tile, KV head) to
-    finish merging them (COMBINE_IN_PARTITIONS; else a combine launch, grid (B, H)): shapes alone set the grids
-    and the float32 workspace, so the launch can be captured in a CUDA graph.
+    Triton: grid (NT or B, KV, cdiv(W * block_size, partition)), then a combine launch, grid (B, H) (or, with
+    COMBINE_IN_PARTITIONS, the last partition of each (tile, KV head) to finish merges them): shapes alone set
+    the grids and the float32 workspace, so the launch can be captured in a CUDA graph.
     """
     if not _triton(use_triton, q):
         return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
@@ -415,9 +415,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-# The partition kernel merges its partitions itself (one launch for decode attention instead of two); False (or
-# SPEAR_ATTN_COMBINE=launch): the combine kernel does, as before session 7, kept to time one against the other.
-COMBINE_IN_PARTITIONS = os.environ.get("SPEAR_ATTN_COMBINE", "partitions") != "launch"
+# True (SPEAR_ATTN_COMBINE=partitions): the partition kernel merges its partitions itself, one launch for decode
+# attention instead of two. Built in session 7 after its last GPU call: off until timed on the H200 against the
+# combine launch (gpu_all.sh times both); the loser goes.
+COMBINE_IN_PARTITIONS = os.environ.get("SPEAR_ATTN_COMBINE", "launch") == "partitions"
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown counter buffers a captured CUDA graph may still point at
 
