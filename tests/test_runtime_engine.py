@@ -327,13 +327,15 @@ def test_overlapped_steps_give_the_same_outputs(tiny):
             engine.add_request(rid, p, params)
         results = {rid: {"ids": [], "text": "", "reason": None} for rid in requests}
         steps = engine.decode_rows = 0
+        engine.admitted_at = {}  # request → the step that admitted it
         while engine.has_unfinished():
             steps += 1
             if steps == 6:
                 engine.abort("r5")
-            before = engine.num_steps
+            before, waiting = engine.num_steps, {s.request_id for s in engine.waiting}
             outputs = engine.step()
             engine.decode_rows += engine.last_step.num_decodes if engine.num_steps > before else 0
+            engine.admitted_at |= {rid: steps for rid in waiting - {s.request_id for s in engine.waiting}}
             for out in outputs:
                 r = results[out.request_id]
                 assert r["reason"] is None, "no output after finishing"
@@ -346,8 +348,10 @@ def test_overlapped_steps_give_the_same_outputs(tiny):
     overlapped, engine = serve(True)
     assert overlapped == plain
     # the only rows thrown away: one decode of each request that stopped on a token or string, or was aborted,
-    # while its last token was in flight (a length limit is known ahead: no row past it)
+    # while its last token was in flight (a length limit is known ahead: no row past it, and its slot and blocks
+    # go to the next request as early as without overlap)
     assert plain_engine.decode_rows <= engine.decode_rows <= plain_engine.decode_rows + 3
+    assert engine.admitted_at == plain_engine.admitted_at
     assert plain["stop_string"]["reason"] == plain["stop_token"]["reason"] == "stop"
     assert plain["context"]["reason"] == "length" and len(plain["context"]["ids"]) == 4
     assert plain["r5"]["reason"] == "abort" and plain["r0"]["ids"] and len(plain["r4"]["ids"]) == 11

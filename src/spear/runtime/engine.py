@@ -89,6 +89,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     pending_row: int | None = None  # overlapped steps: its last token is this row of the step in flight's samples
     pending_step: int = -1  # that step's number (Engine.num_launched)
+    released: bool = False  # out of the running set, its blocks freed (Engine._release)
     finished: bool = False
 
     @property
@@ -211,6 +212,7 @@ class Engine:
                 if seq.request_id == request_id:
                     queue.remove(seq)
                     seq.finished = True  # a token of it still in flight is dropped
+                    seq.released = True
                     self.allocator.free(seq.block_table)
                     self._aborted.append(self._output(seq, [], "abort"))
                     return
@@ -220,8 +222,9 @@ class Engine:
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         in_flight, self._in_flight = self._in_flight, None
-        # A sequence whose token in flight reaches its length limit is done: a decode of it would be thrown away.
-        work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled and not self._at_length(seq)]
+        for seq in [s for s in self.running if s.pending_row is not None and self._at_length(s)]:
+            self._release(seq)  # its token in flight ends it: its slot and blocks go to the next requests now
+        work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled]
         num_decodes = len(work)
         waiting_tokens = sum(len(s.prompt_ids) - s.num_computed for s in (*self.running, *self.waiting) if not s.prefilled)
         budget = self.policy.prefill_budget(num_decodes, sum(c.start + 1 for _, c in work), waiting_tokens)
@@ -245,6 +248,13 @@ class Engine:
 
     def _at_length(self, seq: Sequence) -> bool:
         return len(seq.output_ids) + (seq.pending_row is not None) >= seq.params.max_tokens or seq.num_tokens >= seq.max_len
+
+    def _release(self, seq: Sequence) -> None:
+        """Out of the running set, its blocks back in the pool (a step in flight may still write them: the steps
+        of the requests that get them run after it, in stream order)."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.released = True
 
     def _launch(self, work: list[tuple[Sequence, Chunk]]) -> None:
         """Run the step's forward and sample (tokens in flight: not waited for)."""
@@ -319,9 +329,9 @@ class Engine:
         elif len(seq.output_ids) >= seq.params.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
             reason = "length"
         if reason is not None:
-            self.running.remove(seq)
+            if not seq.released:
+                self._release(seq)
             seq.finished = True
-            self.allocator.free(seq.block_table)
         return self._output(seq, [token], reason)
 
     def _output(self, seq: Sequence, new_ids: list[int], reason: str | None) -> RequestOutput:
