@@ -96,10 +96,10 @@ class Sequence:
     def prefilled(self) -> bool:
         return self.num_computed >= len(self.prompt_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        """Prompt and output tokens, a sampled one still on the device included."""
-        return len(self.prompt_ids) + len(self.output_ids) + (self.pending_row is not None)
+    def at_length(self, extra: int = 0) -> bool:
+        """Its output has max_tokens tokens, or it fills its context, with `extra` tokens more (a sample in flight)."""
+        done = len(self.output_ids) + extra
+        return done >= self.params.max_tokens or len(self.prompt_ids) + done >= self.max_len
 
     def next_chunk(self, budget: int) -> Chunk:
         """The decode token, or up to `budget` prompt tokens still to prefill. A token still on the device is a
@@ -165,7 +165,6 @@ class Engine:
         self.num_launched = 0
         self.last_step = StepStats()
         self.num_steps = 0
-        self._previous_tokens: torch.Tensor | None = None
 
     # Counters the server's /metrics reads.
     @property
@@ -222,7 +221,7 @@ class Engine:
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         in_flight, self._in_flight = self._in_flight, None
-        for seq in [s for s in self.running if s.pending_row is not None and self._at_length(s)]:
+        for seq in [s for s in self.running if s.pending_row is not None and s.at_length(extra=1)]:
             self._release(seq)  # its token in flight ends it: its slot and blocks go to the next requests now
         work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled]
         num_decodes = len(work)
@@ -232,7 +231,7 @@ class Engine:
             budget = max(budget, 1)  # with nothing to decode, a step must make progress
         work += self._prefill_chunks(budget)
         if work:
-            self._launch(work)
+            self._launch(work, in_flight)
         if in_flight is not None:  # overlapped: the previous step's tokens, while this one runs
             outputs += self._finish(in_flight)
         if not self.config.overlap and self._in_flight is not None:  # this step's own
@@ -246,9 +245,6 @@ class Engine:
             self.policy.observe(self.last_step)
         return outputs
 
-    def _at_length(self, seq: Sequence) -> bool:
-        return len(seq.output_ids) + (seq.pending_row is not None) >= seq.params.max_tokens or seq.num_tokens >= seq.max_len
-
     def _release(self, seq: Sequence) -> None:
         """Out of the running set, its blocks back in the pool (a step in flight may still write them: the steps
         of the requests that get them run after it, in stream order)."""
@@ -256,15 +252,16 @@ class Engine:
         self.allocator.free(seq.block_table)
         seq.released = True
 
-    def _launch(self, work: list[tuple[Sequence, Chunk]]) -> None:
-        """Run the step's forward and sample (tokens in flight: not waited for)."""
+    def _launch(self, work: list[tuple[Sequence, Chunk]], previous: InFlight | None) -> None:
+        """Run the step's forward and sample (tokens in flight: not waited for); decode tokens still on the device
+        come from the `previous` step's samples."""
         index, rows, first = [], [], 0
         for seq, chunk in work:
             if seq.pending_row is not None and seq.prefilled:  # its decode token is a sample still on the device
                 index.append(first)
                 rows.append(seq.pending_row)
             first += len(chunk.tokens)
-        patch = TokenPatch(index, rows, self._previous_tokens) if index else None  # all from the one step in flight
+        patch = TokenPatch(index, rows, previous.tokens) if index else None
         logits = self.runner.forward([chunk for _, chunk in work], patch)  # [B, vocab]
         rows = []
         for i, (seq, chunk) in enumerate(work):
@@ -285,7 +282,6 @@ class Engine:
             host = tokens
         self.num_launched += 1
         self._in_flight = InFlight(self.num_launched, seqs, tokens, host, ready)
-        self._previous_tokens = tokens
         if self.config.overlap:
             for i, seq in enumerate(seqs):
                 seq.pending_row, seq.pending_step = i, self.num_launched
@@ -326,7 +322,7 @@ class Engine:
         reason = None
         if token in stop_ids or seq.detokenizer.add(token):
             reason = "stop"
-        elif len(seq.output_ids) >= seq.params.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
+        elif seq.at_length():
             reason = "length"
         if reason is not None:
             if not seq.released:
