@@ -12,8 +12,6 @@ from pathlib import Path
 
 import torch
 
-from spear.runtime import ops
-
 
 def provenance() -> dict:
     # The device machine's copy of the tree may carry a stale .git: pass SPEAR_COMMIT=$(git rev-parse HEAD).
@@ -28,8 +26,6 @@ def provenance() -> dict:
         "commit": commit,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        # decode attention's partitions merged by the last of them, or by a combine launch (SPEAR_ATTN_COMBINE)
-        "attention_combine": "partitions" if ops.COMBINE_IN_PARTITIONS else "launch",
     }
     try:
         import triton

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
-#          on Llama-2-7B, then the decode-kernel grid on Llama-2-7B shapes (M = $MS, default 1 16; W4 and W4+EC);
+#          on Llama-2-7B, then the decode-kernel grid (7B, 70B, 13B, 8B shapes as time allows; M = $MS, default 1 16);
 #   GPU 1: with SLO=1 the SLO experiment (all EC densities), then an eager batch-1 W4 step's kernels (profile_step),
-#          W4 and W4+EC38 through the engine with overlapped steps (bench/decode.py --overlap), W4 with decode
-#          attention merged in its partitions and with a combine launch (SPEAR_ATTN_COMBINE), and the engine's
-#          host time per decode step on this host's CPU (bench/host_step.py: no GPU work);
+#          W4 and W4+EC38 through the engine with and without overlapped steps (bench/decode.py --overlap), and
+#          the engine's host time per decode step on this host's CPU (bench/host_step.py: no GPU work);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -25,21 +24,18 @@ gpu0() {
   grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log  # pyproject adds -q; -qq hides it
   timeout 190 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
   left=$((570 - SECONDS))  # the kernel grid takes what is left of the call's 10 minutes
-  timeout $left python bench/kernels.py --json "$out/kernels_h200_7b_rows.json" --models 7b --ms ${MS:-1 16} \
+  timeout $left python bench/kernels.py --json "$out/kernels_h200_rows.json" --models ${MODELS:-7b 70b 13b 8b} --ms ${MS:-1 16} \
     --time-limit $((left - 50)) > $log/3_kernels.log 2>&1
 }
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  timeout 60 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json /tmp/gpu_all/profile_b1.json \
+  timeout 120 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json "$out/profile_b1.json" \
     > $log/6_profile_b1.log 2>&1
-  # the engine with its host work overlapped with the GPU step (EngineConfig.overlap), against GPU 0's run
-  timeout 200 python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --overlap \
-    --json "$out/decode_h200_overlap.json" > $log/5_decode_overlap.log 2>&1
-  # decode attention's partitions merged by the last of them against a combine launch (the default), one GPU
-  for combine in partitions launch; do
-    SPEAR_ATTN_COMBINE=$combine timeout 110 python bench/decode.py --models llama2-7b --settings w4 --batches 1 8 \
-      --json "$out/decode_h200_combine_$combine.json" > $log/5_decode_combine_$combine.log 2>&1
+  # the engine with its host work overlapped with the GPU step (EngineConfig.overlap), against plain steps, one GPU
+  for mode in overlap plain; do
+    timeout 150 python bench/decode.py --models llama2-7b --settings w4 w4+ec38 $([ $mode = overlap ] && echo --overlap) \
+      --json "$out/decode_h200_$mode.json" > $log/5_decode_$mode.log 2>&1
   done
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
 }

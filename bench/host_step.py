@@ -45,11 +45,11 @@ def host_us_per_step(batch: int, steps: int) -> dict:
     size = 1 << (batch - 1).bit_length()
     eager_forward = runner.forward
 
-    def replay_host_side(chunks):
+    def replay_host_side(chunks, patch=None):
         if all(len(c.tokens) == 1 for c in chunks):  # a decode step: the host side of a graph replay
             runner.padded_batch(chunks, size)
             return logits[: len(chunks)]
-        return eager_forward(chunks)  # the prompts' prefill, before timing
+        return eager_forward(chunks, patch)  # the prompts' prefill, before timing
 
     runner.forward = replay_host_side
     for i in range(batch):

@@ -35,3 +35,15 @@ def test_spear_bench_decode_runs_the_script(tmp_path, monkeypatch, capsys):
     assert main(["bench", "decode", "--tiny", "--batches", "2", "--new-tokens", "3", "--settings", "w4", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"][0]["tokens_per_s"] > 0
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_host_step_bench_runs_end_to_end(tmp_path):
+    """bench/host_step.py drives the engine with a stand-in forward: the engine's forward signature is its contract."""
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "host_step.py"), "--batches", "1", "2", "--steps", "5",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["host_us"] > 0 for r in rows)

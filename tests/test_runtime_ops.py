@@ -164,24 +164,6 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads}")
 
 
-def test_paged_attention_merge_in_the_partitions_equals_the_combine_launch(monkeypatch, gen):
-    """The last partition of each (row, KV head) merging them gives the separate combine kernel's result, and leaves
-    its arrival counters at zero for the next launch (a second launch of other lengths is as exact)."""
-    block_size, width, head_dim, kv_heads, dtype = 8, 8, 32, 2, torch.float16
-    out = {}
-    for seq_lens in ([1, 8, 33, 64, 17], [64, 2, 40]):
-        tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim,
-                                                                dtype, gen)
-        q = randn(len(seq_lens), 6, head_dim, gen=gen, dtype=dtype)
-        lens = torch.tensor(seq_lens, device=DEVICE)
-        for merge in (True, False):
-            monkeypatch.setattr(ops, "COMBINE_IN_PARTITIONS", merge)
-            out[merge] = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, use_triton=True, partition=16)
-        assert torch.equal(out[True], out[False]), f"lengths {seq_lens}"
-        assert_close(out[True], ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens), f"lengths {seq_lens}")
-        assert not ops._COUNTERS[q.device].any(), "arrival counters left non-zero"
-
-
 def test_model_steps_with_kernels_match_references(monkeypatch, gen):
     """The ops as the model wires them: prefill, mixed steps (a one-token prefill piece among decodes, then a longer
     chunk beside them), then a decode step, with every op forced to Triton or to PyTorch."""

@@ -88,7 +88,6 @@ _DIVISIBLE = ("KW", "K", "N", "stride_xm", "stride_ym", "k_per_split", "ax_k_per
 def variants() -> dict[str, tuple]:
     """name → (kernel, pointer types, constexprs, num_warps) for each kernel variant the host code launches."""
     from spear.kernels import ec_epilogue, w4
-    from spear.runtime import ops
 
     f16 = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
@@ -131,15 +130,6 @@ def variants() -> dict[str, tuple]:
                                                                  "state_ptr": I32, "out_ptr": F16},
                             dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
                                  BLOCK_H=16), 4)
-    # decode attention, its partitions merged by the last to finish (and by a combine launch)
-    attn = {"q_ptr": F16, "k_pool_ptr": F16, "v_pool_ptr": F16, "tables_ptr": I64, "seq_lens_ptr": I64,
-            "tiles_ptr": I64, "m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "cnt_ptr": I32, "out_ptr": F16,
-            "scale": "fp32"}
-    for combine in (True, False):
-        out[f"paged attention tiles combine={combine}"] = (
-            ops._paged_decode_partition_kernel, attn,
-            dict(GROUP=4, BLOCK_G=4, BLOCK_Q=16, HAS_TILES=True, D=128, PARTITION=256, BLOCK_N=64, PRECISION="tf32",
-                 COMBINE=combine), 4)
     return out
 
 

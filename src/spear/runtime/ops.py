@@ -22,8 +22,6 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -249,23 +247,18 @@ def attention_tile_rows(group: int) -> int:
 
 @_jit(do_not_specialize=("num_partitions", "stride_table"))
 def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
-                                   m_ptr, l_ptr, acc_ptr, cnt_ptr, out_ptr,
+                                   m_ptr, l_ptr, acc_ptr,
                                    scale, H, num_partitions, block_size, stride_table,
                                    stride_pool_block, stride_pool_offset,
                                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                    HAS_TILES: tl.constexpr, D: tl.constexpr,
-                                   PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                                   COMBINE: tl.constexpr):
+                                   PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over keys [p * PARTITION, (p + 1) * PARTITION)
     by online softmax; row r sees keys 0 .. seq_len_r - 1. Writes each (row, head)'s running max m, sum
     l = Σ exp(s - m) and acc = Σ exp(s - m) v (float32) for the partition; a partition past a row's end
-    writes m = -inf, l = 0 only. Without tiles every row is a tile of its own (a decode step).
-
-    COMBINE: the last of a (tile, kv)'s partitions to finish (an arrival counter, cnt_ptr [tiles, KV], zero
-    between launches) merges them for its rows and heads as _paged_decode_combine_kernel would, in partition
-    order, and writes the output: no combine launch."""
+    writes m = -inf, l = 0 only. Without tiles every row is a tile of its own (a decode step)."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
         first = tl.load(tiles_ptr + 2 * tile)  # the tile's first row and its row count (0: a padding tile)
@@ -311,38 +304,6 @@ def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, se
         tl.store(l_ptr + out, l, mask=ok)
         # the combine never reads a partition that starts past a row's end
         tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
-        if COMBINE:
-            used = tl.cdiv(seq_len, PARTITION)  # partitions that saw keys of the tile's last row
-            if p < used:
-                tl.debug_barrier()
-                cnt = cnt_ptr + tile * tl.num_programs(1) + kv
-                if tl.atomic_add(cnt, 1, sem="acq_rel") == used - 1:  # the last of them: merge
-                    tl.atomic_xchg(cnt, 0)
-                    _merge_partitions(m_ptr, l_ptr, acc_ptr, out_ptr, (row * H + head) * num_partitions,
-                                      row * H + head, tl.cdiv(row_len, PARTITION), ok, used, d, D)
-
-
-@_jit
-def _merge_partitions(m_ptr, l_ptr, acc_ptr, out_ptr, first, out_row, used_by_row, ok, used, d, D: tl.constexpr):
-    """out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p over each lane's partitions 0 .. used_by_row - 1, running in
-    partition order (as _paged_decode_combine_kernel); the partials were written by other programs (.cg: not
-    from this SM's L1)."""
-    m = tl.load(m_ptr + first, mask=ok, other=0.0, cache_modifier=".cg")
-    l = tl.load(l_ptr + first, mask=ok, other=1.0, cache_modifier=".cg")
-    acc = tl.load(acc_ptr + first[:, None] * D + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-    for p in range(1, used):
-        lane = ok & (p < used_by_row)
-        m_p = tl.load(m_ptr + first + p, mask=lane, other=float("-inf"), cache_modifier=".cg")
-        l_p = tl.load(l_ptr + first + p, mask=lane, other=0.0, cache_modifier=".cg")
-        acc_p = tl.load(acc_ptr + (first + p)[:, None] * D + d[None, :], mask=lane[:, None], other=0.0,
-                        cache_modifier=".cg")
-        m_new = tl.where(lane, tl.maximum(m, m_p), m)
-        alpha, beta = tl.exp(m - m_new), tl.exp(m_p - m_new)
-        l = tl.where(lane, l * alpha + l_p * beta, l)
-        acc = tl.where(lane[:, None], acc * alpha[:, None] + acc_p * beta[:, None], acc)
-        m = m_new
-    tl.store(out_ptr + out_row[:, None] * D + d[None, :], (acc / l[:, None]).to(out_ptr.dtype.element_ty),
-             mask=ok[:, None])
 
 
 @_jit(do_not_specialize=("num_partitions",))
@@ -378,9 +339,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
     a mixed step's prefill tokens as rows); None: every row alone.
 
-    Triton: grid (NT or B, KV, cdiv(W * block_size, partition)), then a combine launch, grid (B, H) (or, with
-    COMBINE_IN_PARTITIONS, the last partition of each (tile, KV head) to finish merges them): shapes alone set
-    the grids and the float32 workspace, so the launch can be captured in a CUDA graph.
+    Triton: grid (NT or B, KV, cdiv(W * block_size, partition)) then (B, H): shapes alone set the grids and
+    the float32 workspace, so the launch can be captured in a CUDA graph.
     """
     if not _triton(use_triton, q):
         return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
@@ -398,38 +358,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     group = H // KV
     block_g = _next_pow2(group)
     rows = tile_rows if tiles is not None else 1
-    num_tiles = tiles.shape[0] if tiles is not None else B
-    out = torch.empty_like(q)
-    combine = COMBINE_IN_PARTITIONS
-    _paged_decode_partition_kernel[(num_tiles, KV, num_partitions)](
+    _paged_decode_partition_kernel[(tiles.shape[0] if tiles is not None else B, KV, num_partitions)](
         q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc,
-        _arrival_counters(q.device, num_tiles * KV), out,
         D**-0.5 if scale is None else scale, H, num_partitions,
         block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
-        D=D, PARTITION=partition, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        COMBINE=combine)
-    if not combine:
-        _paged_decode_combine_kernel[(B, H)](m, l, acc, seq_lens, out, num_partitions, D=D, PARTITION=partition,
-                                             num_warps=1)
+        D=D, PARTITION=partition, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    out = torch.empty_like(q)
+    _paged_decode_combine_kernel[(B, H)](m, l, acc, seq_lens, out, num_partitions, D=D, PARTITION=partition,
+                                         num_warps=1)
     return out
-
-
-# True (SPEAR_ATTN_COMBINE=partitions): the partition kernel merges its partitions itself, one launch for decode
-# attention instead of two. Built in session 7 after its last GPU call: off until timed on the H200 against the
-# combine launch (gpu_all.sh times both); the loser goes.
-COMBINE_IN_PARTITIONS = os.environ.get("SPEAR_ATTN_COMBINE", "launch") == "partitions"
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers a captured CUDA graph may still point at
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """int32 counters, zero between launches (each launch's merging programs reset theirs); one buffer per device
-    for every launch (launches on one stream run in order), grown when a launch needs more."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if have is not None:
-            _RETIRED.append(have)
-        _COUNTERS[device] = have = torch.zeros(max(n, 2 * (0 if have is None else have.numel())), dtype=torch.int32,
-                                               device=device)
-    return have
