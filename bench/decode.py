@@ -108,7 +108,10 @@ def measure(model: Transformer, batch: int, prompt_tokens: int, new_tokens: int,
         engine.add_request(str(i), torch.randint(model.args.vocab, (prompt_tokens,), generator=gen).tolist(), params)
     decode_steps, prefill_seconds, generated = [], 0.0, 0
     while engine.has_unfinished():
+        launched = engine.num_steps
         generated += sum(len(o.new_token_ids) for o in engine.step())
+        if engine.num_steps == launched:  # overlapped: the last call only read the step in flight
+            continue
         stats = engine.last_step
         if stats.num_prefill_tokens:
             prefill_seconds += stats.seconds
@@ -138,14 +141,17 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, started here (default 1)")
     p.add_argument("--tp-reduction", choices=["p2p", "symmetric", "collective"], default="p2p",
                    help="how the row-parallel W4 layers reduce on GPUs (spear.runtime.tp.set_reduction; default p2p)")
-    p.add_argument("--overlap", action="store_true",
-                   help="overlap the engine's host work with the GPU step (EngineConfig.overlap; not with --tp)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the engine's host work with the GPU step, as spear serve does (EngineConfig.overlap; "
+                        "default: on, off with --tp, where it is not supported)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
     if args.overlap and args.tp > 1:
         p.error("--overlap is not supported with --tp")
+    if args.overlap is None:
+        args.overlap = args.tp == 1
     if args.tp == 1:
         run(args)
     else:

@@ -70,8 +70,9 @@ def test_prompt_longer_than_context_is_400(tiny):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * 200}])
 
 
-def test_disconnect_mid_stream_frees_kv_blocks(tiny):
-    async_engine, server = tiny_server(tiny)
+@pytest.mark.parametrize("overlap", [False, True])  # True: spear serve's default (EngineConfig.overlap)
+def test_disconnect_mid_stream_frees_kv_blocks(tiny, overlap):
+    async_engine, server = tiny_server(tiny, overlap=overlap)
     step = async_engine.engine.step
 
     def slow_step():  # 100 tokens take over a second: the client is surely gone before the end
@@ -91,7 +92,8 @@ def test_disconnect_mid_stream_frees_kv_blocks(tiny):
 
 
 def test_64_concurrent_streams_match_unstreamed_greedy(smollm2):
-    engine = build_engine(smollm2.model, smollm2.tokenizer, EngineConfig(max_model_len=256))
+    # overlapped steps, as spear serve runs them (ServeConfig.overlap)
+    engine = build_engine(smollm2.model, smollm2.tokenizer, EngineConfig(max_model_len=256, overlap=True))
     async_engine = AsyncEngine(engine)
     prompts = [f"Fact number {i}: the {['sun', 'sea', 'moon', 'wind'][i % 4]} is" for i in range(64)]
     args = {"model": "smollm2", "max_tokens": 8, "temperature": 0}
@@ -144,3 +146,11 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_serve_overlaps_steps_on_one_rank_only():
+    from spear.server.launch import ServeConfig, _engine_config
+
+    assert _engine_config(ServeConfig()).overlap
+    assert not _engine_config(ServeConfig(overlap=False)).overlap
+    assert not _engine_config(ServeConfig(tp=2)).overlap  # the TP step channel needs every token on the host

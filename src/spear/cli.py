@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp-reduction", default="p2p",
                    help="how the row-parallel layers of 4-bit models reduce on GPUs: p2p (the W4 kernel writes to the "
                         "peers, default), symmetric (one symmetric-memory all-reduce) or collective (NCCL)")
+    s.add_argument("--no-overlap", action="store_true",
+                   help="read each step's tokens before launching the next (default: the host's work for one step "
+                        "overlaps the GPU's next step; always off with --tp)")
     s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
 
     pr = sub.add_parser("profile", help="measure engine step latency (decode batch x prefill tokens) for the SLO scheduler")
@@ -237,7 +240,7 @@ def cmd_serve(args) -> int:
     from spear.server.launch import ServeConfig, serve
 
     config = ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms,
-                         args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction)
+                         args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap)
     serve(args.model, config, device=_device(args))
     return 0
 
