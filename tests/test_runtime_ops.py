@@ -113,16 +113,17 @@ def random_cache(seq_lens: list[int], width: int, block_size: int, kv_heads: int
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2), (4, 1)])  # GQA 1, 3, 4
 def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, gen):
-    """Lengths 1, a block, a block and a bit, the full table; 32-token partitions, so up to 3 per sequence."""
+    """Lengths 1, a block, a block and a bit, the full table; the keys in 1, 3 (not a power of two: the
+    combine's padding) and 16 splits (more than the longest row has steps: empty splits), and the default."""
     block_size, width, head_dim = 16, 5, 32
     seq_lens = [1, 16, 37, 80]
     tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
     q = randn(len(seq_lens), heads, head_dim, gen=gen, dtype=dtype)
     lens = torch.tensor(seq_lens, device=DEVICE)
     ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens)
-    for partition in (32, ops.PARTITION):  # several partitions to combine, and the default (one here)
-        out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, use_triton=True, partition=partition)
-        assert_close(out, ref, f"decode attention H={heads} KV={kv_heads} {dtype} partition={partition}")
+    for splits in (1, 3, 16, None):
+        out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, use_triton=True, splits=splits, block_n=16)
+        assert_close(out, ref, f"decode attention H={heads} KV={kv_heads} {dtype} splits={splits}")
 
 
 def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
@@ -132,7 +133,7 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
     tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
     q = randn(len(seq_lens), 8, head_dim, gen=gen, dtype=dtype)
     lens = torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32)
-    out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, use_triton=True, partition=16)
+    out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, use_triton=True, splits=4, block_n=16)
     assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
 
 
@@ -140,7 +141,7 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
 def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, gen):
     """A mixed step's tokens as rows: two prompts' chunks (rows at consecutive positions, grouped into tiles of
     one sequence) and two decodes (tiles of one row), then padding tiles; each row sees keys up to its own
-    position, across partitions that start past some rows of a tile."""
+    position, across splits that start past some rows of a tile."""
     block_size, width, head_dim, dtype = 8, 6, 32, torch.float16
     seq_lens = [45, 20, 7, 30]  # the sequences' lengths after this step
     new = [29, 20, 1, 1]  # this step's tokens of each: a later chunk, a whole prompt, two decodes
@@ -159,7 +160,7 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     lens = torch.tensor([pos + 1 for _, pos in rows], device=DEVICE)
     q = randn(len(rows), heads, head_dim, gen=gen, dtype=dtype)
     ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, row_tables, lens)
-    out = ops.paged_decode_attention(q, k_pool, v_pool, row_tables, lens, use_triton=True, partition=16,
+    out = ops.paged_decode_attention(q, k_pool, v_pool, row_tables, lens, use_triton=True, splits=3, block_n=16,
                                      tiles=torch.tensor(tiles, device=DEVICE), tile_rows=tile_rows)
     assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads}")
 
@@ -216,3 +217,13 @@ def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, ge
     assert padded.tiles[:, 1].tolist() == [1, 16, 6, 6, 3, 0, 0, 0, 0]  # decode, chunk 16 + 6, prompt, padding
     tiled = forward(True, padded)
     assert_close(tiled[last], chunked, "mixed step as tiled token rows vs chunked", tol=1e-4)
+
+
+def test_decode_splits_fill_the_gpu_and_follow_the_table():
+    """Few rows: many splits (the GPU's programs come from the keys); many rows: one; never more than the
+    table's BLOCK_N steps or MAX_SPLITS; a power of two where the table is long."""
+    cpu = torch.device("cpu")  # 4 "SMs"
+    assert ops.decode_splits(1, 4096, 64, cpu) == min(ops.MAX_SPLITS, 4 * ops.ATTENTION_PROGRAMS_PER_SM)
+    assert ops.decode_splits(1, 100, 64, cpu) == 2  # two steps of keys at most
+    assert ops.decode_splits(10_000, 4096, 64, cpu) == 1
+    assert all(s & (s - 1) == 0 for s in (ops.decode_splits(n, 4096, 64, cpu) for n in range(1, 40)))

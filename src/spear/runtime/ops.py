@@ -9,7 +9,7 @@ each layer launches ~40 of them. Fused here, one launch each:
   silu_mul                silu(gate) * up                                  (the SwiGLU activation)
   rope_write_kv           RoPE on q and k, k and v stored at their cache slots, rotated q returned
   paged_decode_attention  one-token queries over their sequences' cached blocks (flash-decoding:
-                          partitions of the context in parallel, then a small combine kernel); with
+                          splits of the context in parallel, then a small combine kernel); with
                           `tiles`, up to 16 rows of one sequence at consecutive positions (a prefill
                           chunk's tokens as rows) share one pass over the keys
 
@@ -41,8 +41,11 @@ def _jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
     return fn if triton is None else triton.jit(fn, do_not_specialize=list(do_not_specialize))
 
 
-PARTITION = 256  # tokens per flash-decoding partition (a multiple of BLOCK_N)
 BLOCK_N = 64  # keys per inner step of the attention kernel
+# Decode attention's splits of the keys (flash-decoding, decode_splits). Session 7's fixed 256-key partitions
+# took 11 µs a layer at batch 1 on the H200 (Llama-2-7B, ~130 keys: 2-3 dependent steps in one program).
+MAX_SPLITS = 16
+ATTENTION_PROGRAMS_PER_SM = 4
 
 
 def _triton(use_triton: bool | None, x: torch.Tensor) -> bool:
@@ -245,20 +248,23 @@ def attention_tile_rows(group: int) -> int:
     return max(1, 16 // _next_pow2(group))
 
 
-@_jit(do_not_specialize=("num_partitions", "stride_table"))
-def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
-                                   m_ptr, l_ptr, acc_ptr,
-                                   scale, H, num_partitions, block_size, stride_table,
-                                   stride_pool_block, stride_pool_offset,
-                                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                                   HAS_TILES: tl.constexpr, D: tl.constexpr,
-                                   PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+@_jit(do_not_specialize=("stride_table",))
+def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
+                               m_ptr, l_ptr, acc_ptr,
+                               scale, H, block_size, stride_table,
+                               stride_pool_block, stride_pool_offset,
+                               GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+                               HAS_TILES: tl.constexpr, D: tl.constexpr,
+                               SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
-    and the keys they read: a prefill chunk's tokens as rows), over keys [p * PARTITION, (p + 1) * PARTITION)
-    by online softmax; row r sees keys 0 .. seq_len_r - 1. Writes each (row, head)'s running max m, sum
-    l = Σ exp(s - m) and acc = Σ exp(s - m) v (float32) for the partition; a partition past a row's end
-    writes m = -inf, l = 0 only. Without tiles every row is a tile of its own (a decode step)."""
+    and the keys they read: a prefill chunk's tokens as rows), over split p of the tile's keys by online
+    softmax; row r sees keys 0 .. seq_len_r - 1. The keys of the tile's longest row are cut into SPLITS
+    splits of whole BLOCK_N steps, split p = [p * L, (p + 1) * L) with L = BLOCK_N * cdiv(seq_len, SPLITS *
+    BLOCK_N): the splits follow the sequence's length, not the table's width, so a short context is one
+    step a program. Writes each (row, head)'s running max m, sum l = Σ exp(s - m) and acc = Σ exp(s - m) v
+    (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. Without tiles every row
+    is a tile of its own (a decode step)."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
         first = tl.load(tiles_ptr + 2 * tile)  # the tile's first row and its row count (0: a padding tile)
@@ -276,13 +282,14 @@ def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, se
         row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
         last = first + count - 1  # the tile's last row sees the most keys, and its table has all their blocks
         seq_len = tl.load(seq_lens_ptr + last)
-        start = p * PARTITION
-        end = tl.minimum(start + PARTITION, seq_len)
+        split_len = tl.cdiv(seq_len, SPLITS * BLOCK_N) * BLOCK_N
+        start = p * split_len
+        end = tl.minimum(start + split_len, seq_len)
 
         m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):  # no steps past the end: an empty partition just writes (-inf, 0)
+        for n0 in range(start, end, BLOCK_N):  # no steps past the end: an empty split just writes (-inf, 0)
             t = n0 + tl.arange(0, BLOCK_N)  # key positions
             t_ok = t < end
             block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t_ok, other=0)  # [BLOCK_N]
@@ -299,39 +306,35 @@ def _paged_decode_partition_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, se
             acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)  # prob in v's dtype
             m = m_new
 
-        out = (row * H + head) * num_partitions + p  # [BLOCK_Q] into the [B, H, P] workspace
+        out = (row * H + head) * SPLITS + p  # [BLOCK_Q] into the [B, H, SPLITS] workspace
         tl.store(m_ptr + out, m, mask=ok)
         tl.store(l_ptr + out, l, mask=ok)
-        # the combine never reads a partition that starts past a row's end
+        # the combine never reads the acc of a split that starts past a row's end (its m is -inf)
         tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
 
 
-@_jit(do_not_specialize=("num_partitions",))
-def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, seq_lens_ptr, out_ptr, num_partitions,
-                                 D: tl.constexpr, PARTITION: tl.constexpr):
-    """Program (b, h): merge the partitions that saw keys (all of them at least one):
+@_jit
+def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+                                 SPLITS_P2: tl.constexpr):
+    """Program (b, h): merge the splits, all at once (a split that saw no key has m = -inf, weight 0):
 
-        M = max m_p;  out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p   (running, one partition at a time)
+        M = max m_p;  out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p
     """
     bh = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    used = tl.cdiv(tl.load(seq_lens_ptr + tl.program_id(0)), PARTITION)
+    p = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, D)
-    row = bh * num_partitions
-    m, l = tl.load(m_ptr + row), tl.load(l_ptr + row)
-    acc = tl.load(acc_ptr + row * D + d)  # [D]
-    for p in range(1, used):
-        m_p, l_p = tl.load(m_ptr + row + p), tl.load(l_ptr + row + p)
-        m_new = tl.maximum(m, m_p)
-        alpha, beta = tl.exp(m - m_new), tl.exp(m_p - m_new)
-        l = l * alpha + l_p * beta
-        acc = acc * alpha + tl.load(acc_ptr + (row + p) * D + d) * beta
-        m = m_new
+    m = tl.load(m_ptr + bh * SPLITS + p, mask=p < SPLITS, other=float("-inf"))  # [SPLITS_P2]
+    saw_keys = m > float("-inf")  # every row sees a key, so at least one split did
+    weight = tl.exp(m - tl.max(m, axis=0))
+    l = tl.sum(weight * tl.load(l_ptr + bh * SPLITS + p, mask=saw_keys, other=0.0), axis=0)
+    acc = tl.load(acc_ptr + (bh * SPLITS + p)[:, None] * D + d[None, :], mask=saw_keys[:, None], other=0.0)
+    acc = tl.sum(weight[:, None] * acc, axis=0)  # [D]
     tl.store(out_ptr + bh * D + d, (acc / l).to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, *, use_triton: bool | None = None,
-                           partition: int = PARTITION, tiles: torch.Tensor | None = None,
+                           splits: int | None = None, block_n: int = BLOCK_N, tiles: torch.Tensor | None = None,
                            tile_rows: int = 1) -> torch.Tensor:
     """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1), pools
     [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
@@ -339,8 +342,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
     a mixed step's prefill tokens as rows); None: every row alone.
 
-    Triton: grid (NT or B, KV, cdiv(W * block_size, partition)) then (B, H): shapes alone set the grids and
-    the float32 workspace, so the launch can be captured in a CUDA graph.
+    Triton: grid (NT or B, KV, splits) then a combine launch, grid (B, H); `splits` None: decode_splits's
+    pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace, so the launch can be
+    captured in a CUDA graph.
     """
     if not _triton(use_triton, q):
         return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
@@ -348,23 +352,34 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     _, block_size, KV, _ = k_pool.shape
     assert D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16, got {D}"
     _check_pools(k_pool, v_pool, D)
-    block_n = min(BLOCK_N, partition)
-    assert block_n >= 16 and partition % block_n == 0, f"partition must be a multiple of 16 (and of {BLOCK_N} above it)"
-    num_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition)
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
+    num_tiles = tiles.shape[0] if tiles is not None else B
+    if splits is None:
+        splits = decode_splits(num_tiles * KV, block_tables.shape[1] * block_size, block_n, q.device)
     q = q.contiguous()
-    m = torch.empty(B, H, num_partitions, dtype=torch.float32, device=q.device)
+    m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    acc = torch.empty(B, H, num_partitions, D, dtype=torch.float32, device=q.device)
+    acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     group = H // KV
     block_g = _next_pow2(group)
     rows = tile_rows if tiles is not None else 1
-    _paged_decode_partition_kernel[(tiles.shape[0] if tiles is not None else B, KV, num_partitions)](
+    _paged_decode_split_kernel[(num_tiles, KV, splits)](
         q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc,
-        D**-0.5 if scale is None else scale, H, num_partitions,
+        D**-0.5 if scale is None else scale, H,
         block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
-        D=D, PARTITION=partition, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     out = torch.empty_like(q)
-    _paged_decode_combine_kernel[(B, H)](m, l, acc, seq_lens, out, num_partitions, D=D, PARTITION=partition,
-                                         num_warps=1)
+    _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
+                                         num_warps=1 if splits * D <= 1024 else 2)
     return out
+
+
+def decode_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
+    """Splits of each row's keys for decode attention with `programs` (tile, KV head) pairs: a power of two that
+    brings the grid to about ATTENTION_PROGRAMS_PER_SM an SM (a step of few rows is one dependent chain of
+    loads a program: splitting is what runs it in parallel), at most MAX_SPLITS and no more than the table
+    has BLOCK_N steps."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = max(1, ATTENTION_PROGRAMS_PER_SM * sms // programs)
+    return min(1 << (want.bit_length() - 1), MAX_SPLITS, triton.cdiv(max_keys, block_n))
