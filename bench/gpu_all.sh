@@ -34,7 +34,7 @@ gpu1() {
     > $log/6_profile_b1.log 2>&1
   # the engine with its host work overlapped with the GPU step (EngineConfig.overlap), against plain steps, one GPU
   for mode in overlap plain; do
-    timeout 150 python bench/decode.py --models llama2-7b --settings w4 w4+ec38 $([ $mode = overlap ] && echo --overlap) \
+    timeout 150 python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --$([ $mode = plain ] && echo no-)overlap \
       --json "$out/decode_h200_$mode.json" > $log/5_decode_$mode.log 2>&1
   done
   timeout 60 python bench/host_step.py --steps 600 --json "$out/host_step_h200host.json" > $log/7_host_step.log 2>&1
