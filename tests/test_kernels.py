@@ -127,9 +127,16 @@ def test_decode_gemv_loop_matches_reference(group, gen):
         assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group} split_k={split_k} block_kw={block_kw}")
 
 
-def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen):
+# 0: the kernel as it runs; the exact lab variants of bench/ec_ablation.py: 5 the readers of g counted in groups (3
+# groups over the 4 tiles: a group of two), 7 g and B read after the main loop
+@pytest.mark.parametrize("ablate,groups", [(0, 32), (5, 3), (7, 32)])
+def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen, monkeypatch, ablate, groups):
     """The in-kernel counters and scratch reset themselves (the readers of g counted before their stores, the last
     one emptying g): repeated launches with new inputs stay exact."""
+    from spear.kernels import w4
+
+    monkeypatch.setattr(w4, "EC_ABLATE", ablate)
+    monkeypatch.setattr(w4, "READER_GROUPS", groups)
     n, k = 128, 576  # SmolLM2's hidden size
     packed = pack_w4(random_w4(n, k, 64, gen)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 24, gen)).to(DEVICE)  # rank 24 → padded to 32

@@ -93,7 +93,7 @@ def variants() -> dict[str, tuple]:
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I32, "cnt_ptr": I32}
     out = {}
-    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1)  # the GEMV loop unpipelined
+    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, READER_GROUPS=w4.READER_GROUPS)  # the GEMV loop unpipelined
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
@@ -105,6 +105,9 @@ def variants() -> dict[str, tuple]:
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                      BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
         out[f"decode rows=1 ec={ec} warps=8"] = (w4._w4_decode_kernel, decode_ptrs, const, 8)
+    for lab in (5, 7):  # bench/ec_ablation.py's exact lab variants: the readers of g counted in groups; late g and B
+        out[f"decode rows=1 ec=True warps=8 lab={lab}"] = (w4._w4_decode_kernel, decode_ptrs,
+                                                           {**const, "HAS_EC": True, "GATED": True, "EC_ABLATE": lab}, 8)
     # the GEMV loop pipelined through shared memory (as the tuner's 3-stage candidates run it)
     out["decode rows=1 ec=False warps=8 stages=3"] = (w4._w4_decode_kernel, decode_ptrs,
                                                       {**const, "HAS_EC": False, "GATED": False, "GEMV_STAGES": 3}, 8)

@@ -43,7 +43,8 @@ DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
 # dequantize + cuBLAS (the fp16 weight written and read again, twice the fp16 GEMM's traffic).
 DECODE_PATH_MAX_M = 128
-TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
+TWO_38: tl.constexpr = tl.constexpr(2.0**38)
+READER_GROUPS = 32  # lab (EC_ABLATE 5): counters the readers of g are spread over  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
 # An element of the decode kernel's g not written yet: a float32 NaN whose payload no arithmetic produces (GPUs
 # give NaN results the canonical payload 0x7FFFFF), so that any computed g, NaN included, reads as ready.
 G_EMPTY: tl.constexpr = tl.constexpr(0x7FBADBAD)
@@ -305,6 +306,23 @@ def _signal_peers(counter_ptr, arrivals, peer_signals_ptr, PEERS: tl.constexpr):
             tl.atomic_add(signal, 1, sem="release", scope="sys")
 
 
+@triton.jit
+def _count_reader_in_groups(cnt_ptr, pid_n, num_tiles, READER_GROUPS: tl.constexpr):
+    """Whether this tile is the last of the launch's num_tiles readers of g, counted first in its group of tiles
+    (pid_n mod READER_GROUPS: counters cnt_ptr[2 + num_tiles + group]) and then, by each group's last, in
+    cnt_ptr[1]: READER_GROUPS times fewer atomics on any one address than one count of every tile (lab,
+    EC_ABLATE 5). Relaxed, as the single count: a tile's g is in registers before it counts."""
+    group = pid_n % READER_GROUPS
+    in_group = (num_tiles - 1 - group) // READER_GROUPS + 1  # tiles with pid_n ≡ group
+    group_ptr = cnt_ptr + 2 + num_tiles + group
+    last_reader = pid_n < 0  # False, as a tensor
+    if tl.atomic_add(group_ptr, 1, sem="relaxed") == in_group - 1:
+        tl.atomic_xchg(group_ptr, 0)
+        groups = tl.minimum(num_tiles, READER_GROUPS)
+        last_reader = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == groups - 1
+    return last_reader
+
+
 # --- decode: one launch ---------------------------------------------------------------
 
 
@@ -319,14 +337,15 @@ def _w4_decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     GEMV_STAGES: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
-    EC_ABLATE: tl.constexpr,
+    EC_ABLATE: tl.constexpr, READER_GROUPS: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
     # g_ptr [BM, R] int32: g = gamma(u) ⊙ u as float32 bits, G_EMPTY where not yet written. The last u-program
     # stores it; a tile takes an element as ready when it is not G_EMPTY (flag in the data, as in NCCL's LL
     # protocol: one load, no separate flag to acquire first), and the last tile to read g empties it again.
-    # cnt_ptr: [0] u-programs arrived, [1] tiles that read g, [2 + n] splits arrived at tile n.
+    # cnt_ptr: [0] u-programs arrived, [1] tiles that read g, [2 + n] splits arrived at tile n, [2 + num_tiles + i]
+    # tiles of group i that read g (lab, EC_ABLATE 5).
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
@@ -371,8 +390,8 @@ def _w4_decode_kernel(
         pid_k = gid % split_k
         offs_n = pid_n * BN + tl.arange(0, BN)
         mask_n = offs_n < N
-        if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
-            b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+        if HAS_EC and PEERS == 0 and EC_ABLATE != 7:  # read before the main loop: later waves of tiles find g there
+            b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)  # and wait for nothing
             if BM * R <= 2048:
                 g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
             else:  # wide row tiles: g's registers through the main loop would spill; read it after
@@ -405,21 +424,29 @@ def _w4_decode_kernel(
             _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
         elif last:
             if HAS_EC and PEERS == 0:
-                if EC_ABLATE == 0:
+                if EC_ABLATE == 7:  # lab: g and B read after the main loop
+                    b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+                    g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
+                if EC_ABLATE == 0 or EC_ABLATE >= 5:
                     while tl.sum((g_bits == G_EMPTY).to(tl.int32)) > 0:  # until the last u-program has stored g
                         g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
                 g = g_bits.to(tl.float32, bitcast=True)
                 # g is in registers: count this tile as a reader now, relaxed, its latency under the store below
                 # (an acq_rel count after the store fenced on it: 3-5% slower at M = 1, ec_ablation session 7)
                 tl.debug_barrier()
-                done = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed")
+                if EC_ABLATE == 5:  # lab: the count spread over READER_GROUPS counters, then one count of groups
+                    last_reader = _count_reader_in_groups(cnt_ptr, pid_n, num_tiles, READER_GROUPS)
+                elif EC_ABLATE == 6:  # lab: no count (g is never emptied: later launches read a stale g)
+                    last_reader = pid_n < 0
+                else:
+                    last_reader = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == num_tiles - 1
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
             _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
                               HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if HAS_EC and PEERS == 0:
-                if done == num_tiles - 1:  # the last reader of g: empty it for the next launch
+                if last_reader:  # the last reader of g: empty it for the next launch
                     tl.store(g_rows, tl.full((BM, R), G_EMPTY, tl.int32), mask=mask_m[:, None])
                     tl.atomic_xchg(cnt_ptr + 1, 0)
 
@@ -534,9 +561,11 @@ PREFILL_CANDIDATES = [
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
-# Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3 and 4): 1 tiles do not wait for g,
-# 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue. Measured in sessions 6-7
-# (NOTES-kernels.md v10): 4 alone keeps most of W4+EC's cost at M = 1.
+# Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3, 4 and 6): 1 tiles do not wait for
+# g, 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue, 5 the readers of g counted in
+# READER_GROUPS groups first (exact), 6 no reader count (g never emptied: after the first launch tiles neither
+# wait nor read their launch's g), 7 g and B read after the main loop (exact). Measured in sessions 6-7
+# (NOTES-kernels.md v10): 4 alone keeps most of W4+EC's cost at M = 1; 5-7 (session 8) are not timed yet.
 EC_ABLATE = 0
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
@@ -670,7 +699,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
         num_ax = triton.cdiv(k, ax_k) if EC_ABLATE not in (3, 4) else 0  # 3, 4: no u-programs
-    y_part, u_part, g_cells, counters = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R, tiles)
+    y_part, u_part, g_cells, counters = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R,
+                                                       tiles + READER_GROUPS)
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
         y, stride_y = x, peers.width
     else:
@@ -688,7 +718,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE,
+        EC_ABLATE=EC_ABLATE, READER_GROUPS=READER_GROUPS,
     )
     return y
 
