@@ -137,8 +137,9 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
     assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
 
 
+@pytest.mark.parametrize("splits", [1, 3])  # 1: the split kernel writes the output, no combine launch
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA (16 rows a tile) and GQA 3 (4 rows a tile)
-def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, gen):
+def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, splits, gen):
     """A mixed step's tokens as rows: two prompts' chunks (rows at consecutive positions, grouped into tiles of
     one sequence) and two decodes (tiles of one row), then padding tiles; each row sees keys up to its own
     position, across splits that start past some rows of a tile."""
@@ -160,9 +161,9 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     lens = torch.tensor([pos + 1 for _, pos in rows], device=DEVICE)
     q = randn(len(rows), heads, head_dim, gen=gen, dtype=dtype)
     ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, row_tables, lens)
-    out = ops.paged_decode_attention(q, k_pool, v_pool, row_tables, lens, use_triton=True, splits=3, block_n=16,
+    out = ops.paged_decode_attention(q, k_pool, v_pool, row_tables, lens, use_triton=True, splits=splits, block_n=16,
                                      tiles=torch.tensor(tiles, device=DEVICE), tile_rows=tile_rows)
-    assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads}")
+    assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads} splits={splits}")
 
 
 def test_model_steps_with_kernels_match_references(monkeypatch, gen):

@@ -250,7 +250,7 @@ def attention_tile_rows(group: int) -> int:
 
 @_jit(do_not_specialize=("stride_table",))
 def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
-                               m_ptr, l_ptr, acc_ptr,
+                               m_ptr, l_ptr, acc_ptr, out_ptr,
                                scale, H, block_size, stride_table,
                                stride_pool_block, stride_pool_offset,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -263,8 +263,8 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     splits of whole BLOCK_N steps, split p = [p * L, (p + 1) * L) with L = BLOCK_N * cdiv(seq_len, SPLITS *
     BLOCK_N): the splits follow the sequence's length, not the table's width, so a short context is one
     step a program. Writes each (row, head)'s running max m, sum l = Σ exp(s - m) and acc = Σ exp(s - m) v
-    (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. Without tiles every row
-    is a tile of its own (a decode step)."""
+    (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
+    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step)."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
         first = tl.load(tiles_ptr + 2 * tile)  # the tile's first row and its row count (0: a padding tile)
@@ -306,11 +306,16 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
             acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)  # prob in v's dtype
             m = m_new
 
-        out = (row * H + head) * SPLITS + p  # [BLOCK_Q] into the [B, H, SPLITS] workspace
-        tl.store(m_ptr + out, m, mask=ok)
-        tl.store(l_ptr + out, l, mask=ok)
-        # the combine never reads the acc of a split that starts past a row's end (its m is -inf)
-        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
+        if SPLITS == 1:  # every key in this program: the output
+            out = (row * H + head)[:, None] * D + d[None, :]
+            l = tl.where(ok, l, 1.0)  # padding lanes saw no key: l = 0
+            tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+        else:
+            out = (row * H + head) * SPLITS + p  # [BLOCK_Q] into the [B, H, SPLITS] workspace
+            tl.store(m_ptr + out, m, mask=ok)
+            tl.store(l_ptr + out, l, mask=ok)
+            # the combine never reads the acc of a split that starts past a row's end (its m is -inf)
+            tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
 
 
 @_jit
@@ -342,7 +347,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
     a mixed step's prefill tokens as rows); None: every row alone.
 
-    Triton: grid (NT or B, KV, splits) then a combine launch, grid (B, H); `splits` None: decode_splits's
+    Triton: grid (NT or B, KV, splits), then with more than one split a combine launch, grid (B, H); `splits`
+    None: decode_splits's
     pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace, so the launch can be
     captured in a CUDA graph.
     """
@@ -357,21 +363,25 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if splits is None:
         splits = decode_splits(num_tiles * KV, block_tables.shape[1] * block_size, block_n, q.device)
     q = q.contiguous()
-    m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if splits > 1:
+        m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+    else:  # the split kernel writes the output itself
+        m = l = acc = out
     group = H // KV
     block_g = _next_pow2(group)
     rows = tile_rows if tiles is not None else 1
     _paged_decode_split_kernel[(num_tiles, KV, splits)](
-        q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc,
+        q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out,
         D**-0.5 if scale is None else scale, H,
         block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    out = torch.empty_like(q)
-    _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
-                                         num_warps=1 if splits * D <= 1024 else 2)
+    if splits > 1:
+        _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
+                                             num_warps=1 if splits * D <= 1024 else 2)
     return out
 
 
