@@ -122,3 +122,47 @@ def test_fused_model_matches_separate_layers(gen):
     out = logits(model, ids, prefill=5)
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, f"fused vs separate logits: {err:.2e}; seed {SEED}"
+
+
+@pytest.mark.parametrize("m,block_n,split_k", [(1, 32, 1), (3, 16, 3), (16, 64, 2)])  # GEMV loop, then dot loop
+@pytest.mark.parametrize("with_ec,group", [(True, 32), (False, -1), (True, -1)])
+def test_swiglu_in_the_epilogue_equals_silu_of_the_fused_output(m, block_n, split_k, with_ec, group, gen):
+    """w4_decode(swiglu=True) on stacked [gate; up] gives silu(gate) ⊙ up of the plain launch's halves: each tile
+    computes rows of gate and the same rows of up."""
+    from spear.kernels.w4 import DecodeConfig, w4_decode
+
+    inter = 128
+    parts = [pack_w4(rtn_quantize(torch.randn(inter, K, generator=gen), QuantConfig(4, group))).to(DEVICE)
+             for _ in range(2)]
+    ecs = [pack_ec(random_ec(inter, K, 8, gen)).to(DEVICE) if with_ec else None for _ in range(2)]
+    w, ec = concat_w4(parts), concat_ec(ecs, [inter, inter], K, DEVICE)
+    bias = (torch.randn(2 * inter, generator=gen) * 0.1).half().to(DEVICE)
+    x = torch.randn(m, K, generator=gen).half().to(DEVICE)
+    cfg = DecodeConfig(block_n=block_n, split_k=split_k, gemv_rows=4, block_kw=16)
+    act = w4_decode(x, w, ec, bias, cfg, swiglu=True)
+    y = w4_linear_ref(x, w, ec, bias).float()
+    ref = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+    assert act.shape == (m, inter)
+    assert_close(act, ref, f"swiglu m={m} block_n={block_n} split_k={split_k} ec={with_ec} group={group}")
+
+
+def test_fused_swiglu_model_matches_silu_mul(monkeypatch, gen):
+    """The runtime model with FUSE_SWIGLU: gate/up's activation from the launch's epilogue on decode-sized steps (the
+    5-token prefill included), the same logits as the separate SiLU·up op."""
+    from spear.runtime import model as model_module
+
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, device=DEVICE, kernels=False,
+                         seed=SEED % 1000)
+    assert all(m.use_kernels() for m in model.modules() if isinstance(m, SpearLinear))
+    fuse_projections(model)
+    ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
+    ref = logits(model, ids, prefill=5)
+    calls = []
+    swiglu = FusedLinear.swiglu
+    monkeypatch.setattr(FusedLinear, "swiglu", lambda self, x: calls.append(x.shape[0]) or swiglu(self, x))
+    monkeypatch.setattr(model_module, "FUSE_SWIGLU", True)
+    out = logits(model, ids, prefill=5)
+    assert calls == [5, 5, 1, 1, 1, 1], f"fused SwiGLU launches by rows: {calls}"
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, f"fused SwiGLU vs SiLU·up logits: {err:.2e}; seed {SEED}"

@@ -270,15 +270,42 @@ def _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED: tl.constexpr, R: tl.constexp
 
 
 @triton.jit
-def _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
-                      HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[offs_m, offs_n] = accᵀ + bias + ((alpha·B) g)ᵀ for acc [BN, BM], g [BM, R], b = (alpha·B)_tile [BN, R]."""
+def _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """accᵀ + bias + ((alpha·B) g)ᵀ for acc [BN, BM], g [BM, R], b = (alpha·B)_tile [BN, R] (as [BN, BM])."""
     if HAS_EC:
         acc += tl.dot(b, tl.trans(g.to(tl.float16)))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
+                      HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[offs_m, offs_n] = accᵀ + bias + ((alpha·B) g)ᵀ (_add_ec_and_bias)."""
+    acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC, HAS_BIAS)
     tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _swiglu_rows(pid_n, N, BN: tl.constexpr):
+    """A SwiGLU tile's rows of the stacked [gate; up] weight (N rows): BN / 2 rows of gate, then the same rows of
+    up (N / 2 further), and the mask of the real ones."""
+    j = tl.arange(0, BN)
+    row = pid_n * (BN // 2) + j % (BN // 2)
+    return row + (j >= BN // 2).to(tl.int32) * (N // 2), row < N // 2
+
+
+@triton.jit
+def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.constexpr, BM: tl.constexpr):
+    """y[offs_m, rows] = silu(gate) ⊙ up for a SwiGLU tile's acc [BN, BM] (gate rows, then up's: _swiglu_rows),
+    rows its BN / 2 columns of the [M, N / 2] activation."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))  # each [BN / 2, BM]
+    act = gate * tl.sigmoid(gate) * up
+    rows = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], act.to(y_ptr.dtype.element_ty),
+             mask=(rows < N // 2)[:, None] & mask_m[None, :])
 
 
 @triton.jit
@@ -337,7 +364,7 @@ def _w4_decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     GEMV_STAGES: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
-    EC_ABLATE: tl.constexpr, READER_GROUPS: tl.constexpr,
+    EC_ABLATE: tl.constexpr, READER_GROUPS: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -388,8 +415,11 @@ def _w4_decode_kernel(
         gid = pid - num_ax
         pid_n = gid // split_k
         pid_k = gid % split_k
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        mask_n = offs_n < N
+        if SWIGLU:  # the tile's rows: BN / 2 of gate and the same of up, for BN / 2 columns of silu(gate) ⊙ up
+            offs_n, mask_n = _swiglu_rows(pid_n, N, BN)
+        else:
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            mask_n = offs_n < N
         if HAS_EC and PEERS == 0 and EC_ABLATE != 7:  # read before the main loop: later waves of tiles find g there
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)  # and wait for nothing
             if BM * R <= 2048:
@@ -443,8 +473,12 @@ def _w4_decode_kernel(
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
-            _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
-                              HAS_EC and EC_ABLATE != 4, HAS_BIAS)
+            if SWIGLU:
+                acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
+                _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
+            else:
+                _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
+                                  HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if HAS_EC and PEERS == 0:
                 if last_reader:  # the last reader of g: empty it for the next launch
                     tl.store(g_rows, tl.full((BM, R), G_EMPTY, tl.int32), mask=mask_m[:, None])
@@ -673,13 +707,17 @@ def w4_decode_to_peers(x: torch.Tensor, w: PackedW4, ec: PackedEC | None, peers:
 
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
               cfg: DecodeConfig | None = None, out: torch.Tensor | None = None,
-              peers: PeerRows | None = None) -> torch.Tensor:
+              peers: PeerRows | None = None, swiglu: bool = False) -> torch.Tensor:
     """y [M, N] for x [M, K] with M ≤ DECODE_KERNEL_MAX_M, in one launch (see the module docstring); into `out`
-    if given. With `peers`, see w4_decode_to_peers (and the result is x, untouched)."""
+    if given. With `peers`, see w4_decode_to_peers (and the result is x, untouched). With `swiglu`, w stacks
+    [gate; up] (N / 2 rows each) and the result is silu(gate) ⊙ up [M, N / 2], from the tiles' epilogue (each tile
+    computes rows of gate and the same rows of up)."""
     m, k = x.shape
     n = w.out_features
     if m > DECODE_KERNEL_MAX_M:
         raise ValueError(f"the decode kernel takes at most {DECODE_KERNEL_MAX_M} rows, got {m}")
+    if swiglu and (n % 2 or peers is not None):
+        raise ValueError(f"swiglu needs [gate; up] stacked in equal halves and no peers (out_features {n})")
     bm = _row_tile(m)
     cfg = cfg or decode_config(w, m, ec)
     kw = w.qweight.shape[1]
@@ -704,7 +742,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
         y, stride_y = x, peers.width
     else:
-        y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = out if out is not None else torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
         stride_y = y.stride(0)
 
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
@@ -718,7 +756,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, READER_GROUPS=READER_GROUPS,
+        EC_ABLATE=EC_ABLATE, READER_GROUPS=READER_GROUPS, SWIGLU=swiglu,
     )
     return y
 

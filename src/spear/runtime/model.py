@@ -13,6 +13,7 @@ Once packed for the kernels, q/k/v and gate/up each run as one W4 launch (FusedL
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,11 @@ from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
+
+# silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
+# launch a layer fewer. Built in session 8 after its last GPU call: off until timed on the H200
+# (SPEAR_FUSE_SWIGLU=1 turns it on); the loser goes.
+FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "0") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -154,6 +160,14 @@ class FusedLinear(nn.Module):
             y = w4_linear_ref(x, self.packed, self.packed_ec, self.bias)
         return y.split(self.sizes, dim=-1)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) ⊙ up [T, N / 2] of fused [gate; up] parts in one W4 decode launch (the activation in its
+        epilogue), for fp16 x [T, K] with T ≤ DECODE_PATH_MAX_M."""
+        from spear.kernels.w4 import w4_decode
+
+        assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
+        return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True)
+
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
@@ -185,6 +199,11 @@ class FeedForward(nn.Module):
         self.w_gate_up: FusedLinear | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if FUSE_SWIGLU and self.w_gate_up is not None and x.dtype == torch.float16:  # the kernels' dtype
+            from spear.kernels.w4 import DECODE_PATH_MAX_M
+
+            if x.shape[0] <= DECODE_PATH_MAX_M:
+                return self.w_down(self.w_gate_up.swiglu(x))
         gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
         return self.w_down(silu_mul(gate, up))
 
