@@ -120,7 +120,8 @@ def test_decode_gemv_loop_matches_reference(group, gen):
     n, k = 128, 640 if group == 128 else 576
     packed = pack_w4(random_w4(n, k, group, gen, sym=group == -1)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
-    for m, split_k, block_kw in ((1, 1, 32), (2, 3, 16), (3, 2, 32), (4, 1, 16), (5, 2, 32)):
+    # 128 words a step: the u-programs take 64 columns of A a step (w4.ax_block), the others 128
+    for m, split_k, block_kw in ((1, 1, 32), (2, 3, 16), (3, 2, 32), (4, 1, 16), (5, 2, 32), (1, 1, 128), (2, 2, 128)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw)
         y = w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n))

@@ -102,9 +102,12 @@ def variants() -> dict[str, tuple]:
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
-        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
-                     BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
+        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=w4.ax_block(1, 128), SPG=8,
+                     GEMV_ROWS=1, BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
         out[f"decode rows=1 ec={ec} warps=8"] = (w4._w4_decode_kernel, decode_ptrs, const, 8)
+    # the same with as many columns of A a u-program step as GEMV words a step (what w4.ax_block avoids), for the test
+    out["decode rows=1 ec=False warps=8 bk=128"] = (w4._w4_decode_kernel, decode_ptrs,
+                                                    {**const, "HAS_EC": False, "GATED": False, "BK": 128}, 8)
     for lab in (5, 7):  # bench/ec_ablation.py's exact lab variants: the readers of g counted in groups; late g and B
         out[f"decode rows=1 ec=True warps=8 lab={lab}"] = (w4._w4_decode_kernel, decode_ptrs,
                                                            {**const, "HAS_EC": True, "GATED": True, "EC_ABLATE": lab}, 8)

@@ -594,7 +594,7 @@ PREFILL_CANDIDATES = [
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
-AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs
+AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs (ax_block)
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3, 4 and 6): 1 tiles do not wait for
 # g, 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue, 5 the readers of g counted in
 # READER_GROUPS groups first (exact), 6 no reader count (g never emptied: after the first launch tiles neither
@@ -626,6 +626,15 @@ def decode_config(w: PackedW4, m: int, ec: PackedEC | None = None) -> DecodeConf
     """The decode launch's config: W4+EC's own pick where tune_w4 timed it with an EC of this rank, else W4's,
     else the untuned default."""
     return _TUNED.get(_tune_key(w, m, ec)) or _TUNED.get(_tune_key(w, m), DecodeConfig())
+
+
+def ax_block(gemv_rows: int, block_kw: int) -> int:
+    """Columns of A a u-program step takes: AX_BLOCK, or half of it where the GEMV loop takes as many code words a
+    step. With the two ranges of one length, the compiler lays the GEMV loop's x out as the u-programs' dot wants
+    it, in every program (sm_90 SASS, triton 3.6, W4 and W4+EC alike, `python -m spear.kernels.offline`): 8 warps
+    and 128 words went from 117 to 74 registers and from 585 to 516 instructions a step with half the columns;
+    64-word configs were as much worse with 64 columns of A as they are better with 128 (session 8)."""
+    return AX_BLOCK // 2 if gemv_rows and block_kw == AX_BLOCK else AX_BLOCK
 
 
 def u_chunk(bm: int, rank: int) -> int:
@@ -732,10 +741,11 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     split_k = triton.cdiv(blocks * 128, k_per_split)
     R = ec.padded_rank if ec is not None else 16
     H = ec.W1.shape[0] if ec is not None else 16
-    num_ax, ax_k = 0, AX_BLOCK
+    bk = ax_block(gemv_rows, cfg.block_kw)
+    num_ax, ax_k = 0, bk
     if ec is not None:
         num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
-        ax_k = triton.cdiv(triton.cdiv(k, num_ax), AX_BLOCK) * AX_BLOCK
+        ax_k = triton.cdiv(triton.cdiv(k, num_ax), bk) * bk
         num_ax = triton.cdiv(k, ax_k) if EC_ABLATE not in (3, 4) else 0  # 3, 4: no u-programs
     y_part, u_part, g_cells, counters = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R,
                                                        tiles + READER_GROUPS)
@@ -752,7 +762,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
-        BM=bm, BN=cfg.block_n, BK=AX_BLOCK, SPG=_slices_per_group(w.group_size),
+        BM=bm, BN=cfg.block_n, BK=bk, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
