@@ -30,7 +30,7 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -298,6 +298,46 @@ def _swiglu_rows(pid_n, N, BN: tl.constexpr):
 
 
 @triton.jit
+def _rope_rows(pid_n, N, BN: tl.constexpr, D: tl.constexpr):
+    """A RoPE tile's rows of the stacked [q; k; v] weight (heads of D rows): BN / 2 rows of one head's first half,
+    then the same rows of its second half (BN ≤ D: the tile stays inside the head), and the mask of the real ones."""
+    j = tl.arange(0, BN)
+    pair = pid_n * (BN // 2) + j % (BN // 2)
+    row = (pair // (D // 2)) * D + pair % (D // 2)
+    return row + (j >= BN // 2).to(tl.int32) * (D // 2), pair < N // 2
+
+
+@triton.jit
+def _store_rope(acc, offs_m, mask_m, pid_n, y_ptr, stride_ym, pos_ptr, inv_freq_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
+                HEADS, KV_HEADS, block_size, stride_pool_block, stride_pool_offset,
+                BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
+    """A RoPE tile's acc [BN, BM] (rows of a head's two halves: _rope_rows) as ops.rope_write_kv leaves it: a query
+    head rotated into y [M, HEADS · D], a key head rotated and a value head as it is into the pools [N, block_size,
+    KV_HEADS, D] at each token's slot; rotation [x1 cos - x2 sin, x2 cos + x1 sin], θ = position · inv_freq."""
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))  # each [BN / 2, BM]
+    head = (pid_n * (BN // 2)) // (D // 2)  # the tile's head: q heads, then k heads, then v heads
+    i = (pid_n * (BN // 2)) % (D // 2) + tl.arange(0, BN // 2)  # the rows' places in the head's first half
+    mask = mask_m[None, :] & (i < D // 2)[:, None]
+    if head < HEADS + KV_HEADS:
+        theta = tl.load(inv_freq_ptr + i)[:, None] * tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.float32)[None, :]
+        cos, sin = tl.cos(theta), tl.sin(theta)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if head < HEADS:
+        dst = y_ptr + offs_m[None, :] * stride_ym + head * D + i[:, None]
+        tl.store(dst, x1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + D // 2, x2.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)
+        at = ((slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset)[None, :] + i[:, None]
+        if head < HEADS + KV_HEADS:
+            dst = k_pool_ptr + at + (head - HEADS) * D
+        else:
+            dst = v_pool_ptr + at + (head - HEADS - KV_HEADS) * D
+        tl.store(dst, x1.to(k_pool_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + D // 2, x2.to(k_pool_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.constexpr, BM: tl.constexpr):
     """y[offs_m, rows] = silu(gate) ⊙ up for a SwiGLU tile's acc [BN, BM] (gate rows, then up's: _swiglu_rows),
     rows its BN / 2 columns of the [M, N / 2] activation."""
@@ -358,13 +398,15 @@ def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
     y_part_ptr, u_part_ptr, g_ptr, cnt_ptr, peer_rows_ptr, peer_signals_ptr,
+    pos_ptr, inv_freq_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
+    HEADS, KV_HEADS, block_size, stride_pool_block, stride_pool_offset,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     GEMV_STAGES: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
-    EC_ABLATE: tl.constexpr, READER_GROUPS: tl.constexpr, SWIGLU: tl.constexpr,
+    EC_ABLATE: tl.constexpr, READER_GROUPS: tl.constexpr, SWIGLU: tl.constexpr, ROPE_D: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -417,6 +459,8 @@ def _w4_decode_kernel(
         pid_k = gid % split_k
         if SWIGLU:  # the tile's rows: BN / 2 of gate and the same of up, for BN / 2 columns of silu(gate) ⊙ up
             offs_n, mask_n = _swiglu_rows(pid_n, N, BN)
+        elif ROPE_D > 0:  # BN / 2 rows of a head's first half and the same of its second: RoPE's pairs
+            offs_n, mask_n = _rope_rows(pid_n, N, BN, ROPE_D)
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             mask_n = offs_n < N
@@ -476,6 +520,11 @@ def _w4_decode_kernel(
             if SWIGLU:
                 acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
                 _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
+            elif ROPE_D > 0:
+                acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
+                _store_rope(acc, offs_m, mask_m, pid_n, y_ptr, stride_ym, pos_ptr, inv_freq_ptr, k_pool_ptr,
+                            v_pool_ptr, slots_ptr, HEADS, KV_HEADS, block_size, stride_pool_block,
+                            stride_pool_offset, BN, BM, ROPE_D)
             else:
                 _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
                                   HAS_EC and EC_ABLATE != 4, HAS_BIAS)
@@ -695,6 +744,22 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class RopeOut:
+    """Where w4_decode(rope=...) puts a fused [q; k; v] launch's output, as ops.rope_write_kv would: the rotated
+    queries into the result [M, heads · head_dim], the rotated keys and the values into the pools [N, block_size,
+    kv_heads, head_dim] at each token's slot; θ = positions · inv_freq (float32 [head_dim / 2])."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    slots: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class PeerRows:
     """Where w4_decode_to_peers writes, for each rank p of the tensor-parallel group: rows[p] (int64) the address of
     this rank's float32 [y | u] row block in p's buffer, `width` floats a row; signals[p] (int64) the address of
@@ -716,19 +781,28 @@ def w4_decode_to_peers(x: torch.Tensor, w: PackedW4, ec: PackedEC | None, peers:
 
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
               cfg: DecodeConfig | None = None, out: torch.Tensor | None = None,
-              peers: PeerRows | None = None, swiglu: bool = False) -> torch.Tensor:
+              peers: PeerRows | None = None, swiglu: bool = False, rope: RopeOut | None = None) -> torch.Tensor:
     """y [M, N] for x [M, K] with M ≤ DECODE_KERNEL_MAX_M, in one launch (see the module docstring); into `out`
     if given. With `peers`, see w4_decode_to_peers (and the result is x, untouched). With `swiglu`, w stacks
     [gate; up] (N / 2 rows each) and the result is silu(gate) ⊙ up [M, N / 2], from the tiles' epilogue (each tile
-    computes rows of gate and the same rows of up)."""
+    computes rows of gate and the same rows of up). With `rope`, w stacks [q; k; v] and the result is the rotated
+    queries [M, heads · head_dim], the keys and values going to the pools (RopeOut; a tile takes at most head_dim
+    rows, so a wider tuned tile is narrowed)."""
     m, k = x.shape
     n = w.out_features
     if m > DECODE_KERNEL_MAX_M:
         raise ValueError(f"the decode kernel takes at most {DECODE_KERNEL_MAX_M} rows, got {m}")
     if swiglu and (n % 2 or peers is not None):
         raise ValueError(f"swiglu needs [gate; up] stacked in equal halves and no peers (out_features {n})")
+    if rope is not None and (rope.k_pool.stride() != rope.v_pool.stride() or rope.k_pool.stride()[2:] != (rope.head_dim, 1)):
+        raise ValueError("rope needs both pools laid out alike, a slot's KV heads one dense [kv_heads, head_dim] row")
+    if rope is not None and (n != (rope.heads + 2 * rope.kv_heads) * rope.head_dim or peers is not None or swiglu):
+        raise ValueError(f"rope needs [q; k; v] stacked ({rope.heads} + 2 × {rope.kv_heads} heads of {rope.head_dim}), "
+                         f"got out_features {n}")
     bm = _row_tile(m)
     cfg = cfg or decode_config(w, m, ec)
+    if rope is not None and cfg.block_n > rope.head_dim:
+        cfg = replace(cfg, block_n=rope.head_dim)
     kw = w.qweight.shape[1]
     blocks = kw // 16
     tiles = triton.cdiv(n, cfg.block_n)
@@ -752,21 +826,25 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
         y, stride_y = x, peers.width
     else:
-        y = out if out is not None else torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+        width = n // 2 if swiglu else rope.heads * rope.head_dim if rope is not None else n
+        y = out if out is not None else torch.empty(m, width, dtype=x.dtype, device=x.device)
         stride_y = y.stride(0)
 
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
         y_part, u_part, g_cells, counters, *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
+        *((rope.positions, rope.inv_freq, rope.k_pool, rope.v_pool, rope.slots) if rope is not None else (x,) * 5),
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
         split_k, k_per_split, num_ax, ax_k, tiles,
+        *((rope.heads, rope.kv_heads, rope.k_pool.shape[1], rope.k_pool.stride(0), rope.k_pool.stride(1))
+          if rope is not None else (0,) * 5),
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=bk, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, READER_GROUPS=READER_GROUPS, SWIGLU=swiglu,
+        EC_ABLATE=EC_ABLATE, READER_GROUPS=READER_GROUPS, SWIGLU=swiglu, ROPE_D=0 if rope is None else rope.head_dim,
     )
     return y
 

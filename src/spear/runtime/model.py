@@ -32,6 +32,8 @@ from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
 # launch a layer fewer. Built in session 8 after its last GPU call: off until timed on the H200
 # (SPEAR_FUSE_SWIGLU=1 turns it on); the loser goes.
 FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "0") == "1"
+# RoPE and the K/V cache write in the q/k/v launch's epilogue (FusedLinear.rope), likewise: SPEAR_FUSE_ROPE=1.
+FUSE_ROPE = os.environ.get("SPEAR_FUSE_ROPE", "0") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -168,6 +170,14 @@ class FusedLinear(nn.Module):
         assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
         return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True)
 
+    def rope(self, x: torch.Tensor, rope) -> torch.Tensor:
+        """The rotated queries [T, heads · head_dim] of fused [q; k; v] parts in one W4 decode launch, its epilogue
+        rotating q and k and storing k and v in the cache (`rope`: kernels.w4.RopeOut), for fp16 x [T, K] with
+        T ≤ DECODE_PATH_MAX_M."""
+        from spear.kernels.w4 import w4_decode
+
+        return w4_decode(x, self.packed, self.packed_ec, self.bias, rope=rope)
+
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
@@ -184,6 +194,12 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
         T = x.shape[0]
+        if FUSE_ROPE and self.wqkv is not None and x.dtype == torch.float16:  # the kernels' dtype
+            from spear.kernels.w4 import DECODE_PATH_MAX_M, RopeOut
+
+            if T <= DECODE_PATH_MAX_M:
+                out = RopeOut(positions, inv_freq, *kv, slots, self.n_heads, self.n_kv_heads, self.head_dim)
+                return self.wqkv.rope(x, out).view(T, self.n_heads, self.head_dim)
         q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
