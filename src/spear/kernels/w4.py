@@ -20,7 +20,9 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   are dispatched first and the wait cannot deadlock. Each launch leaves its counters zeroed and
   g's cells empty for the next one. (The u-programs in a launch of their own, the tiles loading g
   without waiting, measured slower at every shape and row count on the H200: BENCHMARKS.md §4,
-  session 5.)
+  session 5.) The epilogue may also do the layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of
+  stacked [gate; up]; `rope`: RoPE and the K/V cache write of stacked [q; k; v]): a tile then gathers
+  rows of the two halves that op pairs (gate and up rows; a head's first and second half).
 * prefill (M > DECODE_PATH_MAX_M): the weight is dequantized once into scratch and multiplied by cuBLAS;
   the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
   y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
@@ -43,8 +45,8 @@ DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
 # dequantize + cuBLAS (the fp16 weight written and read again, twice the fp16 GEMM's traffic).
 DECODE_PATH_MAX_M = 128
-TWO_38: tl.constexpr = tl.constexpr(2.0**38)
-READER_GROUPS = 32  # lab (EC_ABLATE 5): counters the readers of g are spread over  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
+TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
+READER_GROUPS = 32  # lab (EC_ABLATE 5): counters the readers of g are spread over
 # An element of the decode kernel's g not written yet: a float32 NaN whose payload no arithmetic produces (GPUs
 # give NaN results the canonical payload 0x7FFFFF), so that any computed g, NaN included, reads as ready.
 G_EMPTY: tl.constexpr = tl.constexpr(0x7FBADBAD)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
+
+if TYPE_CHECKING:
+    from spear.kernels.w4 import RopeOut
 
 # silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
 # launch a layer fewer. Built in session 8 after its last GPU call: off until timed on the H200
@@ -170,7 +174,7 @@ class FusedLinear(nn.Module):
         assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
         return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True)
 
-    def rope(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, rope: RopeOut) -> torch.Tensor:
         """The rotated queries [T, heads · head_dim] of fused [q; k; v] parts in one W4 decode launch, its epilogue
         rotating q and k and storing k and v in the cache (`rope`: kernels.w4.RopeOut), for fp16 x [T, K] with
         T ≤ DECODE_PATH_MAX_M."""
