@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
@@ -361,15 +362,19 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
         parts = {id(p) for m in model.modules() for p in _fused_parts(m)}  # they no longer launch on their own
         launchers = [m for m in packed if id(m) not in parts] + fused
         shapes = {(m.packed.out_features, m.packed.in_features, m.packed.group_size): m.packed for m in launchers}
-        for w in shapes.values():
-            tune_w4(w)
         with_ec = {}
         for m in launchers:
             if m.packed_ec is not None:
                 w = m.packed
                 with_ec[w.out_features, w.in_features, w.group_size, m.packed_ec.padded_rank] = (w, m.packed_ec)
-        for w, ec in with_ec.values():  # one row (batch-1 decode): W4+EC's own pick (kernels.w4._tune_key)
-            tune_w4(w, (1,), ec=ec)
+        # W4 at every row bucket, then W4+EC at one row (batch-1 decode: its own pick, kernels.w4._tune_key);
+        # seconds a shape on a fresh machine, nothing where the tuning cache has them
+        jobs = [(w, None) for w in shapes.values()] + list(with_ec.values())
+        for w, ec in tqdm(jobs, desc="tuning the W4 kernels", unit="shape", leave=False):
+            if ec is None:
+                tune_w4(w)
+            else:
+                tune_w4(w, (1,), ec=ec)
     return len(packed)
 
 
