@@ -378,3 +378,35 @@ def test_overlapped_steps_on_the_gpu_give_the_same_outputs(tiny_model_dir):
     plain = serve(False)
     assert serve(True) == plain
     assert len(set(plain["s0"]["ids"])) > 5
+
+
+def test_overlapped_steps_feed_the_policy_each_steps_own_composition(tiny):
+    """With overlap the call that launches a step times the step before, so a feedback policy (SLOPolicy.observe)
+    gets each step when its tokens are read: its own decodes and prefill tokens, in launch order, every step once."""
+
+    class Recording(StaticChunkPolicy):
+        def __init__(self):
+            super().__init__(16)
+            self.seen = []
+
+        def observe(self, stats):
+            assert stats.seconds > 0
+            self.seen.append((stats.num_decodes, stats.num_prefill_tokens))
+
+    launched = {}
+    for overlap in (False, True):
+        policy = Recording()
+        engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=64, max_num_seqs=4, policy=policy,
+                                                                       overlap=overlap))
+        for i in range(5):
+            engine.add_request(f"r{i}", prompt(20 + 7 * i, i), SamplingParams(max_tokens=4 + i, temperature=0,
+                                                                              ignore_eos=True))
+        steps = []
+        while engine.has_unfinished():
+            before = engine.num_steps
+            engine.step()
+            if engine.num_steps > before:
+                steps.append((engine.last_step.num_decodes, engine.last_step.num_prefill_tokens))
+        launched[overlap] = steps
+        assert policy.seen == steps, f"overlap={overlap}: observed {policy.seen}, launched {steps}"
+    assert any(p for _, p in launched[True]) and any(d for d, _ in launched[True])  # mixed steps were fed back

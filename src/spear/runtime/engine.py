@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -67,6 +67,8 @@ class InFlight:
     tokens: torch.Tensor  # [B] on the device
     host: torch.Tensor  # [B] its copy on the host (pinned on CUDA)
     ready: torch.cuda.Event | None
+    launched_at: float = 0.0  # time.perf_counter() at its launch
+    stats: StepStats | None = None  # its decodes and prefill tokens (Engine.step sets them after the launch)
 
 
 @dataclass
@@ -165,6 +167,7 @@ class Engine:
         self.num_launched = 0
         self.last_step = StepStats()
         self.num_steps = 0
+        self._last_ready = 0.0  # overlapped: when the last step's tokens were read (time.perf_counter())
 
     # Counters the server's /metrics reads.
     @property
@@ -234,6 +237,7 @@ class Engine:
             self._launch(work, in_flight)
         if in_flight is not None:  # overlapped: the previous step's tokens, while this one runs
             outputs += self._finish(in_flight)
+            self._observe_finished(in_flight)
         if not self.config.overlap and self._in_flight is not None:  # this step's own
             outputs += self._finish(self._in_flight)
             self._in_flight = None
@@ -241,9 +245,20 @@ class Engine:
             return outputs
         self.last_step = StepStats(time.perf_counter() - start, num_decodes, sum(len(c.tokens) for _, c in work[num_decodes:]))
         self.num_steps += 1
-        if hasattr(self.policy, "observe"):  # feedback policies (SLOPolicy) correct their predictions
+        if self.config.overlap:  # this call timed the step before: feedback waits for this one's tokens
+            self._in_flight.stats = self.last_step
+        elif hasattr(self.policy, "observe"):  # feedback policies (SLOPolicy) correct their predictions
             self.policy.observe(self.last_step)
         return outputs
+
+    def _observe_finished(self, step: InFlight) -> None:
+        """Overlapped: feedback policies see a step's own time, from its launch or the step before's tokens,
+        whichever came later, to its tokens (the gap a client sees between tokens), with its own decodes and
+        prefill tokens; the call that launched it timed the step before."""
+        now = time.perf_counter()
+        seconds, self._last_ready = now - max(step.launched_at, self._last_ready), now
+        if step.stats is not None and hasattr(self.policy, "observe"):
+            self.policy.observe(replace(step.stats, seconds=seconds))
 
     def _release(self, seq: Sequence) -> None:
         """Out of the running set, its blocks back in the pool (a step in flight may still write them: the steps
@@ -255,6 +270,7 @@ class Engine:
     def _launch(self, work: list[tuple[Sequence, Chunk]], previous: InFlight | None) -> None:
         """Run the step's forward and sample (tokens in flight: not waited for); decode tokens still on the device
         come from the `previous` step's samples."""
+        launched_at = time.perf_counter()
         index, rows, first = [], [], 0
         for seq, chunk in work:
             if seq.pending_row is not None and seq.prefilled:  # its decode token is a sample still on the device
@@ -281,7 +297,7 @@ class Engine:
         else:
             host = tokens
         self.num_launched += 1
-        self._in_flight = InFlight(self.num_launched, seqs, tokens, host, ready)
+        self._in_flight = InFlight(self.num_launched, seqs, tokens, host, ready, launched_at)
         if self.config.overlap:
             for i, seq in enumerate(seqs):
                 seq.pending_row, seq.pending_step = i, self.num_launched
