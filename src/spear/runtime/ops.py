@@ -22,6 +22,8 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -385,11 +387,16 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere, so that CPU tests see splits)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def decode_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
     """Splits of each row's keys for decode attention with `programs` (tile, KV head) pairs: a power of two that
     brings the grid to about ATTENTION_PROGRAMS_PER_SM an SM (a step of few rows is one dependent chain of
     loads a program: splitting is what runs it in parallel), at most MAX_SPLITS and no more than the table
     has BLOCK_N steps."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = max(1, ATTENTION_PROGRAMS_PER_SM * sms // programs)
+    want = max(1, ATTENTION_PROGRAMS_PER_SM * _num_sms(device) // programs)
     return min(1 << (want.bit_length() - 1), MAX_SPLITS, triton.cdiv(max_keys, block_n))
