@@ -282,41 +282,46 @@ def _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC: tl.constexpr, 
 
 
 @triton.jit
-def _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
-                      HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[offs_m, offs_n] = accᵀ + bias + ((alpha·B) g)ᵀ (_add_ec_and_bias)."""
-    acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC, HAS_BIAS)
+def _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym):
+    """y[offs_m, offs_n] = accᵀ for acc [BN, BM]."""
     tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit
-def _swiglu_rows(pid_n, N, BN: tl.constexpr):
-    """A SwiGLU tile's rows of the stacked [gate; up] weight (N rows): BN / 2 rows of gate, then the same rows of
-    up (N / 2 further), and the mask of the real ones."""
-    j = tl.arange(0, BN)
-    row = pid_n * (BN // 2) + j % (BN // 2)
-    return row + (j >= BN // 2).to(tl.int32) * (N // 2), row < N // 2
+def _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
+                      HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[offs_m, offs_n] = accᵀ + bias + ((alpha·B) g)ᵀ (_add_ec_and_bias)."""
+    _store_tile(_add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC, HAS_BIAS), offs_m, mask_m, offs_n,
+                mask_n, y_ptr, stride_ym)
 
 
 @triton.jit
-def _rope_rows(pid_n, N, BN: tl.constexpr, D: tl.constexpr):
-    """A RoPE tile's rows of the stacked [q; k; v] weight (heads of D rows): BN / 2 rows of one head's first half,
-    then the same rows of its second half (BN ≤ D: the tile stays inside the head), and the mask of the real ones."""
+def _pair_rows(pid_n, N, half, BN: tl.constexpr):
+    """A tile of row pairs of the stacked weight (N rows), in spans of 2·half rows paired half apart (a head of
+    [q; k; v] for RoPE, half = head_dim / 2; the whole [gate; up] for SwiGLU, half = N / 2): BN / 2 rows of a
+    span's first half, then the same rows of its second half (BN / 2 ≤ half: the tile stays in one span), and
+    the mask of the real ones."""
     j = tl.arange(0, BN)
     pair = pid_n * (BN // 2) + j % (BN // 2)
-    row = (pair // (D // 2)) * D + pair % (D // 2)
-    return row + (j >= BN // 2).to(tl.int32) * (D // 2), pair < N // 2
+    row = (pair // half) * (2 * half) + pair % half
+    return row + (j >= BN // 2).to(tl.int32) * half, pair < N // 2
+
+
+@triton.jit
+def _halves(acc, BN: tl.constexpr, BM: tl.constexpr):
+    """A pair tile's acc [BN, BM] (_pair_rows) as its first-half rows and its second-half rows, each [BN / 2, BM]."""
+    return tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))
 
 
 @triton.jit
 def _store_rope(acc, offs_m, mask_m, pid_n, y_ptr, stride_ym, pos_ptr, inv_freq_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
                 HEADS, KV_HEADS, block_size, stride_pool_block, stride_pool_offset,
                 BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
-    """A RoPE tile's acc [BN, BM] (rows of a head's two halves: _rope_rows) as ops.rope_write_kv leaves it: a query
+    """A RoPE tile's acc [BN, BM] (rows of a head's two halves: _pair_rows) as ops.rope_write_kv leaves it: a query
     head rotated into y [M, HEADS · D], a key head rotated and a value head as it is into the pools [N, block_size,
     KV_HEADS, D] at each token's slot; rotation [x1 cos - x2 sin, x2 cos + x1 sin], θ = position · inv_freq."""
-    x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))  # each [BN / 2, BM]
+    x1, x2 = _halves(acc, BN, BM)
     head = (pid_n * (BN // 2)) // (D // 2)  # the tile's head: q heads, then k heads, then v heads
     i = (pid_n * (BN // 2)) % (D // 2) + tl.arange(0, BN // 2)  # the rows' places in the head's first half
     mask = mask_m[None, :] & (i < D // 2)[:, None]
@@ -341,9 +346,9 @@ def _store_rope(acc, offs_m, mask_m, pid_n, y_ptr, stride_ym, pos_ptr, inv_freq_
 
 @triton.jit
 def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.constexpr, BM: tl.constexpr):
-    """y[offs_m, rows] = silu(gate) ⊙ up for a SwiGLU tile's acc [BN, BM] (gate rows, then up's: _swiglu_rows),
+    """y[offs_m, rows] = silu(gate) ⊙ up for a SwiGLU tile's acc [BN, BM] (gate rows, then up's: _pair_rows),
     rows its BN / 2 columns of the [M, N / 2] activation."""
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))  # each [BN / 2, BM]
+    gate, up = _halves(acc, BN, BM)
     act = gate * tl.sigmoid(gate) * up
     rows = pid_n * (BN // 2) + tl.arange(0, BN // 2)
     tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], act.to(y_ptr.dtype.element_ty),
@@ -460,9 +465,9 @@ def _w4_decode_kernel(
         pid_n = gid // split_k
         pid_k = gid % split_k
         if SWIGLU:  # the tile's rows: BN / 2 of gate and the same of up, for BN / 2 columns of silu(gate) ⊙ up
-            offs_n, mask_n = _swiglu_rows(pid_n, N, BN)
+            offs_n, mask_n = _pair_rows(pid_n, N, N // 2, BN)
         elif ROPE_D > 0:  # BN / 2 rows of a head's first half and the same of its second: RoPE's pairs
-            offs_n, mask_n = _rope_rows(pid_n, N, BN, ROPE_D)
+            offs_n, mask_n = _pair_rows(pid_n, N, ROPE_D // 2, BN)
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             mask_n = offs_n < N
@@ -519,17 +524,15 @@ def _w4_decode_kernel(
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
+            acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if SWIGLU:
-                acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
                 _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
             elif ROPE_D > 0:
-                acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
                 _store_rope(acc, offs_m, mask_m, pid_n, y_ptr, stride_ym, pos_ptr, inv_freq_ptr, k_pool_ptr,
                             v_pool_ptr, slots_ptr, HEADS, KV_HEADS, block_size, stride_pool_block,
                             stride_pool_offset, BN, BM, ROPE_D)
             else:
-                _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr,
-                                  HAS_EC and EC_ABLATE != 4, HAS_BIAS)
+                _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym)
             if HAS_EC and PEERS == 0:
                 if last_reader:  # the last reader of g: empty it for the next launch
                     tl.store(g_rows, tl.full((BM, R), G_EMPTY, tl.int32), mask=mask_m[:, None])
@@ -736,7 +739,8 @@ _WORKSPACE = _Workspace()
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere, so that CPU tests see split grids)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
@@ -808,7 +812,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     kw = w.qweight.shape[1]
     blocks = kw // 16
     tiles = triton.cdiv(n, cfg.block_n)
-    sms = _num_sms(x.device)
+    sms = num_sms(x.device)
     gemv_rows = _gemv_rows(m, cfg.gemv_rows)
     step = cfg.block_kw * 8 if gemv_rows else 128  # columns per main-loop step; a split holds whole steps
     steps = triton.cdiv(blocks * 128, step)

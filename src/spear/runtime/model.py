@@ -188,6 +188,16 @@ class FusedLinear(nn.Module):
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
 
 
+def _decode_launch(x: torch.Tensor) -> bool:
+    """Whether a W4 launch on x [T, K] takes the decode kernel (fp16, T ≤ DECODE_PATH_MAX_M): the steps whose
+    epilogue fusions (FUSE_SWIGLU, FUSE_ROPE) apply."""
+    if x.dtype != torch.float16:  # the kernels' dtype (checked first: triton may be missing off the GPU)
+        return False
+    from spear.kernels.w4 import DECODE_PATH_MAX_M
+
+    return x.shape[0] <= DECODE_PATH_MAX_M
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, wq: nn.Module, wk: nn.Module, wv: nn.Module, wo: nn.Module):
         super().__init__()
@@ -199,12 +209,11 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
         T = x.shape[0]
-        if FUSE_ROPE and self.wqkv is not None and x.dtype == torch.float16:  # the kernels' dtype
-            from spear.kernels.w4 import DECODE_PATH_MAX_M, RopeOut
+        if FUSE_ROPE and self.wqkv is not None and _decode_launch(x):
+            from spear.kernels.w4 import RopeOut
 
-            if T <= DECODE_PATH_MAX_M:
-                out = RopeOut(positions, inv_freq, *kv, slots, self.n_heads, self.n_kv_heads, self.head_dim)
-                return self.wqkv.rope(x, out).view(T, self.n_heads, self.head_dim)
+            out = RopeOut(positions, inv_freq, *kv, slots, self.n_heads, self.n_kv_heads, self.head_dim)
+            return self.wqkv.rope(x, out).view(T, self.n_heads, self.head_dim)
         q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
@@ -220,11 +229,8 @@ class FeedForward(nn.Module):
         self.w_gate_up: FusedLinear | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if FUSE_SWIGLU and self.w_gate_up is not None and x.dtype == torch.float16:  # the kernels' dtype
-            from spear.kernels.w4 import DECODE_PATH_MAX_M
-
-            if x.shape[0] <= DECODE_PATH_MAX_M:
-                return self.w_down(self.w_gate_up.swiglu(x))
+        if FUSE_SWIGLU and self.w_gate_up is not None and _decode_launch(x):
+            return self.w_down(self.w_gate_up.swiglu(x))
         gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
         return self.w_down(silu_mul(gate, up))
 

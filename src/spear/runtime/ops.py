@@ -22,8 +22,6 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -350,9 +348,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     a mixed step's prefill tokens as rows); None: every row alone.
 
     Triton: grid (NT or B, KV, splits), then with more than one split a combine launch, grid (B, H); `splits`
-    None: decode_splits's
-    pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace, so the launch can be
-    captured in a CUDA graph.
+    None: decode_splits's pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace,
+    so the launch can be captured in a CUDA graph.
     """
     if not _triton(use_triton, q):
         return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
@@ -387,16 +384,12 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return out
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 elsewhere, so that CPU tests see splits)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def decode_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
     """Splits of each row's keys for decode attention with `programs` (tile, KV head) pairs: a power of two that
     brings the grid to about ATTENTION_PROGRAMS_PER_SM an SM (a step of few rows is one dependent chain of
     loads a program: splitting is what runs it in parallel), at most MAX_SPLITS and no more than the table
     has BLOCK_N steps."""
-    want = max(1, ATTENTION_PROGRAMS_PER_SM * _num_sms(device) // programs)
+    from spear.kernels.w4 import num_sms  # the Triton path only: triton is there
+
+    want = max(1, ATTENTION_PROGRAMS_PER_SM * num_sms(device) // programs)
     return min(1 << (want.bit_length() - 1), MAX_SPLITS, triton.cdiv(max_keys, block_n))

@@ -19,13 +19,9 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """One token per row of logits [B, V]; rows with temperature 0 are greedy."""
-    return sample_tokens(logits, params, generators).tolist()
-
-
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """sample() as a [B] int64 tensor on the logits' device, without waiting for it (no host sync)."""
+    """One token per row of logits [B, V] (rows with temperature 0 greedy), as a [B] int64 tensor on the logits'
+    device, without waiting for it (no host sync)."""
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not rows:  # all greedy: argmax over the logits as they are (no float32 copy)
         return logits.argmax(dim=-1)
