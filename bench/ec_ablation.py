@@ -30,7 +30,7 @@ from spear.quant.record import QuantConfig, rtn_quantize
 SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
           "70b/gate_up": (28672, 8192), "70b/down": (8192, 28672)}
 VARIANTS = {"ec": 0, "no_wait": 1, "no_u_programs": 3, "no_u_no_epilogue": 4,  # sessions 6-7
-            "count_in_groups": 5, "no_count": 6, "late_g_b": 7}  # session 8: the reader count, the early loads
+            "no_count": 6}  # session 8-9: what the count of g's readers costs
 
 
 def main() -> None:
@@ -56,8 +56,8 @@ def main() -> None:
                     print(f"{name} M={m} {variant}: {str(error).splitlines()[-1][:300]}", flush=True)
                 finally:
                     w4mod.EC_ABLATE = 0
-                    if code == 6:  # g was never emptied: empty it for the variants after
-                        w4mod._WORKSPACE.buffers[x.device][2].fill_(w4mod.G_EMPTY.value)
+                    if code == 6:  # the epoch did not advance: advance it for the variants after
+                        w4mod._WORKSPACE.buffers[x.device][4].add_(w4mod.READS_PER_LAUNCH.value)
             # every decode candidate for this M, with and without the EC: is W4's tuned config also W4+EC's best?
             per_config = []
             for cfg in w4mod.DECODE_CANDIDATES:

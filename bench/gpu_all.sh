@@ -2,10 +2,9 @@
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid (7B, 70B, 13B, 8B shapes as time allows; M = $MS, default 1 16);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then W4 with SiLU·up and RoPE fused into the W4
-#          launches or not (SPEAR_FUSE_SWIGLU, SPEAR_FUSE_ROPE), an eager batch-1 W4 step's kernels (profile_step),
-#          and the fused EC's lab variants at one row (bench/ec_ablation.py) (bench/host_step.py: the engine's
-#          host time per step, not run here since session 8);
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the decode benchmark on Llama-3-8B (fp16, W4,
+#          W4+EC38), the fused EC's lab variants at one row (bench/ec_ablation.py), and an eager batch-1 W4 step's
+#          kernels (profile_step) (bench/host_step.py: the engine's host time per step, not run here since session 8);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -31,17 +30,13 @@ gpu0() {
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  # SiLU·up in the gate/up launch's epilogue (model.FUSE_SWIGLU), then RoPE + the K/V write in the q/k/v launch's
-  # as well (model.FUSE_ROPE), against neither, one GPU (the first run tunes the W4 launches on a fresh machine)
-  for fuse in none swiglu both; do
-    SPEAR_FUSE_SWIGLU=$([ $fuse = none ] && echo 0 || echo 1) SPEAR_FUSE_ROPE=$([ $fuse = both ] && echo 1 || echo 0) \
-      timeout $([ $fuse = none ] && echo 150 || echo 90) python bench/decode.py --models llama2-7b --settings w4 \
-      --batches 1 8 --json "$out/decode_h200_fuse_$fuse.json" > $log/5_decode_fuse_$fuse.log 2>&1
-  done
-  timeout 80 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json /tmp/gpu_all/profile_b1.json \
-    > $log/6_profile_b1.log 2>&1  # the table is in the log: $OUT holds 8 files
+  # Llama-3-8B through the engine (GQA, a 128k vocabulary; the first run tunes its W4 launches on a fresh machine)
+  timeout 240 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
+    --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1
   # where the fused EC's time goes: the lab variants of the decode kernel (kernels.w4.EC_ABLATE), one row
   timeout 160 python bench/ec_ablation.py --ms 1 --json "$out/ec_ablation_h200.json" > $log/5_ec_ablation.log 2>&1
+  timeout 80 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json /tmp/gpu_all/profile_b1.json \
+    > $log/6_profile_b1.log 2>&1  # the table is in the log: $OUT holds 8 files
 }
 if [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1

@@ -22,7 +22,7 @@ from spear.kernels.pack import pack_ec, pack_w4, unpack_w4
 from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.w4 import (
     _WORKSPACE,
-    G_EMPTY,
+    READS_SHIFT,
     DecodeConfig,
     PrefillConfig,
     dequantize_w4_into,
@@ -128,26 +128,24 @@ def test_decode_gemv_loop_matches_reference(group, gen):
         assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group} split_k={split_k} block_kw={block_kw}")
 
 
-# 0: the kernel as it runs; the exact lab variants of bench/ec_ablation.py: 5 the readers of g counted in groups (3
-# groups over the 4 tiles: a group of two), 7 g and B read after the main loop
-@pytest.mark.parametrize("ablate,groups", [(0, 32), (5, 3), (7, 32)])
-def test_decode_kernel_leaves_its_workspace_clean_for_the_next_launch(gen, monkeypatch, ablate, groups):
-    """The in-kernel counters and scratch reset themselves (the readers of g counted before their stores, the last
-    one emptying g): repeated launches with new inputs stay exact."""
-    from spear.kernels import w4
-
-    monkeypatch.setattr(w4, "EC_ABLATE", ablate)
-    monkeypatch.setattr(w4, "READER_GROUPS", groups)
+def test_decode_kernel_leaves_its_workspace_ready_for_the_next_launch(gen):
+    """The in-kernel counters reset themselves and each launch with an EC advances the reads count by exactly
+    2^READS_SHIFT (the epoch g's cells are tagged with): repeated launches with new inputs stay exact, with split-K
+    and without, and a launch without an EC leaves the count alone."""
     n, k = 128, 576  # SmolLM2's hidden size
     packed = pack_w4(random_w4(n, k, 64, gen)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 24, gen)).to(DEVICE)  # rank 24 → padded to 32
-    for m in (1, 7, 2):
+    for m, split_k, with_ec in ((1, 4, True), (7, 1, True), (2, 4, False), (2, 2, True), (1, 1, True)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=32, split_k=4), out=poisoned(m, n))
-        assert_close(y, w4_linear_ref(x, packed, ec), f"repeat m={m}")
-        _, _, g_cells, counters = _WORKSPACE.buffers[x.device]
-        assert (g_cells == G_EMPTY.value).all(), f"g left written after m={m}: the next launch would read it"
+        e = ec if with_ec else None
+        before = _WORKSPACE.buffers[x.device][4].item() if x.device in _WORKSPACE.buffers else 0
+        y = w4_decode(x, packed, e, None, DecodeConfig(block_n=32, split_k=split_k), out=poisoned(m, n))
+        assert_close(y, w4_linear_ref(x, packed, e), f"repeat m={m} split_k={split_k} ec={with_ec}")
+        _, _, g_cells, counters, reads = _WORKSPACE.buffers[x.device]
         assert (counters == 0).all(), f"counters left at {counters.nonzero().flatten().tolist()} after m={m}"
+        assert reads.item() - before == (1 << READS_SHIFT.value) * with_ec, f"reads advanced by {reads.item() - before}"
+        if with_ec:  # g's cells of the launch's rows carry its epoch (the count's high bits before it advanced)
+            assert ((g_cells[: m * 32] >> 16) == (reads.item() >> READS_SHIFT.value) - 1).all(), "g's tags"
 
 
 def test_decode_kernel_is_bit_reproducible(gen):

@@ -146,46 +146,10 @@ def test_swiglu_in_the_epilogue_equals_silu_of_the_fused_output(m, block_n, spli
     assert_close(act, ref, f"swiglu m={m} block_n={block_n} split_k={split_k} ec={with_ec} group={group}")
 
 
-@pytest.mark.parametrize("m,block_n,split_k,with_ec", [(1, 32, 1, True), (3, 64, 2, False), (16, 128, 2, True)])
-def test_rope_in_the_epilogue_equals_rope_write_kv(m, block_n, split_k, with_ec, gen):
-    """w4_decode(rope=...) on stacked [q; k; v] (GQA: 4 query heads, 2 KV heads of 32) gives ops.rope_write_kv's
-    rotated queries and leaves its keys and values in the pools; a tile wider than a head is narrowed to one."""
-    from spear.kernels.w4 import DecodeConfig, RopeOut, w4_decode
-    from spear.runtime import ops
-
-    heads, kv_heads, d, block_size = 4, 2, 32, 4
-    sizes = [heads * d, kv_heads * d, kv_heads * d]
-    parts = [pack_w4(rtn_quantize(torch.randn(n, K, generator=gen), QuantConfig(4, 32))).to(DEVICE) for n in sizes]
-    ecs = [pack_ec(random_ec(n, K, 8, gen)).to(DEVICE) if with_ec else None for n in sizes]
-    w, ec = concat_w4(parts), concat_ec(ecs, sizes, K, DEVICE)
-    bias = (torch.randn(sum(sizes), generator=gen) * 0.1).half().to(DEVICE)
-    x = torch.randn(m, K, generator=gen).half().to(DEVICE)
-    positions = torch.randperm(40, generator=gen)[:m].to(DEVICE)
-    slots = torch.randperm(10 * block_size, generator=gen)[:m].to(DEVICE)
-    inv_freq = (1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float) / d)).to(DEVICE)
-    pools = [torch.zeros(10, block_size, kv_heads, d, dtype=dtype, device=DEVICE)
-             for dtype in (torch.float16, torch.float16, torch.float32, torch.float32)]  # the kernel's, the reference's
-    cfg = DecodeConfig(block_n=block_n, split_k=split_k, gemv_rows=4, block_kw=16)
-    q = w4_decode(x, w, ec, bias, cfg, rope=RopeOut(positions, inv_freq, pools[0], pools[1], slots, heads, kv_heads, d))
-    y = w4_linear_ref(x, w, ec, bias).float()
-    yq, yk, yv = y.split(sizes, dim=1)
-    ref = ops.rope_write_kv_ref(yq.view(m, heads, d), yk.view(m, kv_heads, d), yv.view(m, kv_heads, d), positions,
-                                inv_freq, *pools[2:], slots)
-    case = f"rope m={m} block_n={block_n} split_k={split_k} ec={with_ec}"
-    assert q.shape == (m, heads * d)
-    assert_close(q.view(m, heads, d), ref, case)
-    assert_close(pools[0], pools[2], case + ": keys in the cache")
-    assert_close(pools[1], pools[3], case + ": values in the cache")
-    with pytest.raises(ValueError, match="rope needs"):  # heads that do not add up to the stacked weight
-        w4_decode(x, w, ec, bias, cfg, rope=RopeOut(positions, inv_freq, pools[0], pools[1], slots, heads, 1, d))
-
-
-@pytest.mark.parametrize("switch,method", [("FUSE_SWIGLU", "swiglu"), ("FUSE_ROPE", "rope")])
-def test_epilogue_fusions_keep_the_model_logits(switch, method, monkeypatch, gen):
-    """The runtime model with FUSE_SWIGLU (gate/up's activation from the launch's epilogue) or FUSE_ROPE (queries,
-    keys and values from the q/k/v launch's epilogue, the attention then reading the keys it stored): the fused
-    launch runs on every decode-sized step (the 5-token prefill included) and the logits stay those of the
-    separate SiLU·up and RoPE ops."""
+def test_swiglu_in_the_epilogue_keeps_the_model_logits(monkeypatch, gen):
+    """The runtime model with FUSE_SWIGLU (gate/up's activation from the launch's epilogue, the default) against
+    the separate SiLU·up op: the fused launch runs on every decode-sized step (the 5-token prefill included) and
+    the logits stay the same."""
     from spear.runtime import model as model_module
 
     args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64,
@@ -195,12 +159,13 @@ def test_epilogue_fusions_keep_the_model_logits(switch, method, monkeypatch, gen
     assert all(m.use_kernels() for m in model.modules() if isinstance(m, SpearLinear))
     fuse_projections(model)
     ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
+    monkeypatch.setattr(model_module, "FUSE_SWIGLU", False)
     ref = logits(model, ids, prefill=5)
     calls = []
-    fused = getattr(FusedLinear, method)
-    monkeypatch.setattr(FusedLinear, method, lambda self, x, *rest: calls.append(x.shape[0]) or fused(self, x, *rest))
-    monkeypatch.setattr(model_module, switch, True)
+    fused = FusedLinear.swiglu
+    monkeypatch.setattr(FusedLinear, "swiglu", lambda self, x: calls.append(x.shape[0]) or fused(self, x))
+    monkeypatch.setattr(model_module, "FUSE_SWIGLU", True)
     out = logits(model, ids, prefill=5)
-    assert calls == [5, 5, 1, 1, 1, 1], f"{method} launches by rows: {calls}"
+    assert calls == [5, 5, 1, 1, 1, 1], f"swiglu launches by rows: {calls}"
     err = ((out - ref).abs().max() / ref.abs().max()).item()
-    assert err < 1e-2, f"{method} in the epilogue vs the separate op, logits: {err:.2e}; seed {SEED}"
+    assert err < 1e-2, f"swiglu in the epilogue vs the separate op, logits: {err:.2e}; seed {SEED}"

@@ -91,10 +91,10 @@ def variants() -> dict[str, tuple]:
 
     f16 = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
-    decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I32, "cnt_ptr": I32}
+    decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
+                   "reads_ptr": I64}
     out = {}
-    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, READER_GROUPS=w4.READER_GROUPS, SWIGLU=False,  # GEMV loop unpipelined
-                   ROPE_D=0)
+    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False)  # the GEMV loop unpipelined
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
@@ -109,19 +109,10 @@ def variants() -> dict[str, tuple]:
     # the same with as many columns of A a u-program step as GEMV words a step (what w4.ax_block avoids), for the test
     out["decode rows=1 ec=False warps=8 bk=128"] = (w4._w4_decode_kernel, decode_ptrs,
                                                     {**const, "HAS_EC": False, "GATED": False, "BK": 128}, 8)
-    for lab in (5, 7):  # bench/ec_ablation.py's exact lab variants: the readers of g counted in groups; late g and B
-        out[f"decode rows=1 ec=True warps=8 lab={lab}"] = (w4._w4_decode_kernel, decode_ptrs,
-                                                           {**const, "HAS_EC": True, "GATED": True, "EC_ABLATE": lab}, 8)
     for rows in (1, 0):  # gate/up with silu(gate) ⊙ up in the epilogue (model.FUSE_SWIGLU), GEMV and dot loops
         out[f"decode rows={rows or 'dot'} ec=True swiglu"] = (w4._w4_decode_kernel, decode_ptrs,
                                                               {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
                                                                "GEMV_ROWS": rows}, 8)
-    rope_ptrs = {**decode_ptrs, "pos_ptr": I64, "inv_freq_ptr": F32, "k_pool_ptr": F16, "v_pool_ptr": F16,
-                 "slots_ptr": I64}
-    for rows in (1, 0):  # q/k/v with RoPE and the cache write in the epilogue (model.FUSE_ROPE), head_dim 128
-        out[f"decode rows={rows or 'dot'} ec=True rope"] = (w4._w4_decode_kernel, rope_ptrs,
-                                                            {**const, "HAS_EC": True, "GATED": True, "ROPE_D": 128,
-                                                             "GEMV_ROWS": rows}, 8)
     # the GEMV loop pipelined through shared memory (as the tuner's 3-stage candidates run it)
     out["decode rows=1 ec=False warps=8 stages=3"] = (w4._w4_decode_kernel, decode_ptrs,
                                                       {**const, "HAS_EC": False, "GATED": False, "GEMV_STAGES": 3}, 8)

@@ -12,17 +12,17 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   to finish an output tile (a per-tile arrival counter) sums the splits' partials in split
   order, and adds (alpha·B)_tile g in registers to it, g = gamma(u) ⊙ u, then writes the output
   once. The last u-program to arrive sums the partial u in program order, applies the gate once
-  and stores g in cells that hold an "empty" bit pattern between launches: the flag is in the data
-  (NCCL's LL protocol), so a tile reads g with one load and no flag to acquire first. Each tile
-  issues that read and its B tile's before its main loop, so that only the first wave of tiles can
-  find g not yet written (and re-reads it); the last tile to use g empties it for the next launch.
+  and stores g in cells tagged with the launch's epoch: the flag is in the data (NCCL's LL
+  protocol), so a tile reads g with one load and no flag to acquire first. Each tile issues that
+  read and its B tile's before its main loop, so that only the first wave of tiles can find g not
+  yet written (and re-reads it). The epoch comes from a count of g's reads that each tile advances
+  when done, without waiting for the atomic's result; nothing is emptied or reset between launches.
   No float atomics: the result is bit-reproducible. The u-programs have the lowest ids, so they
-  are dispatched first and the wait cannot deadlock. Each launch leaves its counters zeroed and
-  g's cells empty for the next one. (The u-programs in a launch of their own, the tiles loading g
-  without waiting, measured slower at every shape and row count on the H200: BENCHMARKS.md §4,
-  session 5.) The epilogue may also do the layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of
-  stacked [gate; up]; `rope`: RoPE and the K/V cache write of stacked [q; k; v]): a tile then gathers
-  rows of the two halves that op pairs (gate and up rows; a head's first and second half).
+  are dispatched first and the wait cannot deadlock. Each launch leaves its counters zeroed for the
+  next one. (The u-programs in a launch of their own, the tiles loading g without waiting, measured
+  slower at every shape and row count on the H200: BENCHMARKS.md §4, session 5.) The epilogue may
+  also do the layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of stacked [gate; up]): a tile
+  then gathers rows of the two halves (BN / 2 rows of gate and the same rows of up).
 * prefill (M > DECODE_PATH_MAX_M): the weight is dequantized once into scratch and multiplied by cuBLAS;
   the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
   y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
@@ -32,7 +32,7 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -46,10 +46,10 @@ DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # dequantize + cuBLAS (the fp16 weight written and read again, twice the fp16 GEMM's traffic).
 DECODE_PATH_MAX_M = 128
 TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
-READER_GROUPS = 32  # lab (EC_ABLATE 5): counters the readers of g are spread over
-# An element of the decode kernel's g not written yet: a float32 NaN whose payload no arithmetic produces (GPUs
-# give NaN results the canonical payload 0x7FFFFF), so that any computed g, NaN included, reads as ready.
-G_EMPTY: tl.constexpr = tl.constexpr(0x7FBADBAD)
+# Each decode launch with an EC advances the workspace's reads count by 2^READS_SHIFT (its tiles' shares), so that
+# the count's high bits are the launch's epoch, the tag of g's cells (the kernel's comment); a launch has fewer tiles.
+READS_SHIFT: tl.constexpr = tl.constexpr(20)
+READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -297,58 +297,19 @@ def _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_y
 
 
 @triton.jit
-def _pair_rows(pid_n, N, half, BN: tl.constexpr):
-    """A tile of row pairs of the stacked weight (N rows), in spans of 2·half rows paired half apart (a head of
-    [q; k; v] for RoPE, half = head_dim / 2; the whole [gate; up] for SwiGLU, half = N / 2): BN / 2 rows of a
-    span's first half, then the same rows of its second half (BN / 2 ≤ half: the tile stays in one span), and
+def _swiglu_rows(pid_n, N, BN: tl.constexpr):
+    """A SwiGLU tile's rows of the stacked [gate; up] (N rows): BN / 2 rows of gate, then the same rows of up, and
     the mask of the real ones."""
     j = tl.arange(0, BN)
     pair = pid_n * (BN // 2) + j % (BN // 2)
-    row = (pair // half) * (2 * half) + pair % half
-    return row + (j >= BN // 2).to(tl.int32) * half, pair < N // 2
-
-
-@triton.jit
-def _halves(acc, BN: tl.constexpr, BM: tl.constexpr):
-    """A pair tile's acc [BN, BM] (_pair_rows) as its first-half rows and its second-half rows, each [BN / 2, BM]."""
-    return tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))
-
-
-@triton.jit
-def _store_rope(acc, offs_m, mask_m, pid_n, y_ptr, stride_ym, pos_ptr, inv_freq_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
-                HEADS, KV_HEADS, block_size, stride_pool_block, stride_pool_offset,
-                BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr):
-    """A RoPE tile's acc [BN, BM] (rows of a head's two halves: _pair_rows) as ops.rope_write_kv leaves it: a query
-    head rotated into y [M, HEADS · D], a key head rotated and a value head as it is into the pools [N, block_size,
-    KV_HEADS, D] at each token's slot; rotation [x1 cos - x2 sin, x2 cos + x1 sin], θ = position · inv_freq."""
-    x1, x2 = _halves(acc, BN, BM)
-    head = (pid_n * (BN // 2)) // (D // 2)  # the tile's head: q heads, then k heads, then v heads
-    i = (pid_n * (BN // 2)) % (D // 2) + tl.arange(0, BN // 2)  # the rows' places in the head's first half
-    mask = mask_m[None, :] & (i < D // 2)[:, None]
-    if head < HEADS + KV_HEADS:
-        theta = tl.load(inv_freq_ptr + i)[:, None] * tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.float32)[None, :]
-        cos, sin = tl.cos(theta), tl.sin(theta)
-        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    if head < HEADS:
-        dst = y_ptr + offs_m[None, :] * stride_ym + head * D + i[:, None]
-        tl.store(dst, x1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + D // 2, x2.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)
-        at = ((slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset)[None, :] + i[:, None]
-        if head < HEADS + KV_HEADS:
-            dst = k_pool_ptr + at + (head - HEADS) * D
-        else:
-            dst = v_pool_ptr + at + (head - HEADS - KV_HEADS) * D
-        tl.store(dst, x1.to(k_pool_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + D // 2, x2.to(k_pool_ptr.dtype.element_ty), mask=mask)
+    return pair + (j >= BN // 2).to(tl.int32) * (N // 2), pair < N // 2
 
 
 @triton.jit
 def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.constexpr, BM: tl.constexpr):
-    """y[offs_m, rows] = silu(gate) ⊙ up for a SwiGLU tile's acc [BN, BM] (gate rows, then up's: _pair_rows),
+    """y[offs_m, rows] = silu(gate) ⊙ up for a SwiGLU tile's acc [BN, BM] (gate rows, then up's: _swiglu_rows),
     rows its BN / 2 columns of the [M, N / 2] activation."""
-    gate, up = _halves(acc, BN, BM)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))  # [BN / 2, BM] each
     act = gate * tl.sigmoid(gate) * up
     rows = pid_n * (BN // 2) + tl.arange(0, BN // 2)
     tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], act.to(y_ptr.dtype.element_ty),
@@ -381,20 +342,20 @@ def _signal_peers(counter_ptr, arrivals, peer_signals_ptr, PEERS: tl.constexpr):
 
 
 @triton.jit
-def _count_reader_in_groups(cnt_ptr, pid_n, num_tiles, READER_GROUPS: tl.constexpr):
-    """Whether this tile is the last of the launch's num_tiles readers of g, counted first in its group of tiles
-    (pid_n mod READER_GROUPS: counters cnt_ptr[2 + num_tiles + group]) and then, by each group's last, in
-    cnt_ptr[1]: READER_GROUPS times fewer atomics on any one address than one count of every tile (lab,
-    EC_ABLATE 5). Relaxed, as the single count: a tile's g is in registers before it counts."""
-    group = pid_n % READER_GROUPS
-    in_group = (num_tiles - 1 - group) // READER_GROUPS + 1  # tiles with pid_n ≡ group
-    group_ptr = cnt_ptr + 2 + num_tiles + group
-    last_reader = pid_n < 0  # False, as a tensor
-    if tl.atomic_add(group_ptr, 1, sem="relaxed") == in_group - 1:
-        tl.atomic_xchg(group_ptr, 0)
-        groups = tl.minimum(num_tiles, READER_GROUPS)
-        last_reader = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == groups - 1
-    return last_reader
+def _g_cells(g, epoch):
+    """g's cells: fp16 bits (the epilogue's dot takes g in fp16) under the launch's epoch (mod 2^48), one 64-bit word
+    each, stored and loaded whole: a tile never sees a value without its tag."""
+    return (epoch << 16) | g.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def _read_g(g_rows, mask_m, epoch, WAIT: tl.constexpr):
+    """g [BM, R] float32 from its cells, re-read until every row this launch has is tagged with its epoch."""
+    cells = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
+    if WAIT:
+        while tl.sum((((cells ^ (epoch << 16)) >> 16 != 0) & mask_m[:, None]).to(tl.int32)) > 0:
+            cells = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
+    return cells.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 # --- decode: one launch ---------------------------------------------------------------
@@ -404,24 +365,25 @@ def _count_reader_in_groups(cnt_ptr, pid_n, num_tiles, READER_GROUPS: tl.constex
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-    y_part_ptr, u_part_ptr, g_ptr, cnt_ptr, peer_rows_ptr, peer_signals_ptr,
-    pos_ptr, inv_freq_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
+    y_part_ptr, u_part_ptr, g_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
-    HEADS, KV_HEADS, block_size, stride_pool_block, stride_pool_offset,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     GEMV_STAGES: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
-    EC_ABLATE: tl.constexpr, READER_GROUPS: tl.constexpr, SWIGLU: tl.constexpr, ROPE_D: tl.constexpr,
+    EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
-    # g_ptr [BM, R] int32: g = gamma(u) ⊙ u as float32 bits, G_EMPTY where not yet written. The last u-program
-    # stores it; a tile takes an element as ready when it is not G_EMPTY (flag in the data, as in NCCL's LL
-    # protocol: one load, no separate flag to acquire first), and the last tile to read g empties it again.
-    # cnt_ptr: [0] u-programs arrived, [1] tiles that read g, [2 + n] splits arrived at tile n, [2 + num_tiles + i]
-    # tiles of group i that read g (lab, EC_ABLATE 5).
+    # g_ptr [BM, R] int64: g = gamma(u) ⊙ u in cells tagged with the launch's epoch (_g_cells). The last u-program
+    # stores it; a tile takes a cell as ready when its tag is this launch's epoch (flag in the data, as in NCCL's
+    # LL protocol: one load, no separate flag to acquire first). reads_ptr: an int64 count that every launch with
+    # an EC advances by exactly READS_PER_LAUNCH = 2^READS_SHIFT, each tile adding its share once it has read g
+    # (relaxed, no result waited for, never reset). Until a tile has added its share the count is below
+    # (epoch + 1) · 2^READS_SHIFT, and the tiles add only after g is stored, so every program of a launch reads
+    # the same epoch from it.
+    # cnt_ptr: [0] u-programs arrived, [1] tiles finished (PEERS), [2 + n] splits arrived at tile n.
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
@@ -459,24 +421,22 @@ def _w4_decode_kernel(
                 _signal_peers(cnt_ptr + 1, num_tiles + 1, peer_signals_ptr, PEERS)
             else:
                 g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-                tl.store(g_rows, g.to(tl.int32, bitcast=True), mask=mask_m[:, None])
+                epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
+                tl.store(g_rows, _g_cells(g, epoch), mask=mask_m[:, None])
     else:
         gid = pid - num_ax
         pid_n = gid // split_k
         pid_k = gid % split_k
         if SWIGLU:  # the tile's rows: BN / 2 of gate and the same of up, for BN / 2 columns of silu(gate) ⊙ up
-            offs_n, mask_n = _pair_rows(pid_n, N, N // 2, BN)
-        elif ROPE_D > 0:  # BN / 2 rows of a head's first half and the same of its second: RoPE's pairs
-            offs_n, mask_n = _pair_rows(pid_n, N, ROPE_D // 2, BN)
+            offs_n, mask_n = _swiglu_rows(pid_n, N, BN)
         else:
             offs_n = pid_n * BN + tl.arange(0, BN)
             mask_n = offs_n < N
-        if HAS_EC and PEERS == 0 and EC_ABLATE != 7:  # read before the main loop: later waves of tiles find g there
-            b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)  # and wait for nothing
-            if BM * R <= 2048:
-                g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
-            else:  # wide row tiles: g's registers through the main loop would spill; read it after
-                g_bits = tl.full((BM, R), G_EMPTY, tl.int32)
+        if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
+            b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+            epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
+            if BM * R <= 2048:  # (wide row tiles: g's registers through the main loop would spill; read it after)
+                g = _read_g(g_rows, mask_m, epoch, False)
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
         if GEMV_ROWS > 0:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
@@ -505,38 +465,22 @@ def _w4_decode_kernel(
             _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
         elif last:
             if HAS_EC and PEERS == 0:
-                if EC_ABLATE == 7:  # lab: g and B read after the main loop
-                    b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
-                    g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
-                if EC_ABLATE == 0 or EC_ABLATE >= 5:
-                    while tl.sum((g_bits == G_EMPTY).to(tl.int32)) > 0:  # until the last u-program has stored g
-                        g_bits = tl.load(g_rows, mask=mask_m[:, None], other=0, volatile=True)
-                g = g_bits.to(tl.float32, bitcast=True)
-                # g is in registers: count this tile as a reader now, relaxed, its latency under the store below
-                # (an acq_rel count after the store fenced on it: 3-5% slower at M = 1, ec_ablation session 7)
+                if BM * R > 2048 or EC_ABLATE == 0 or EC_ABLATE == 6:  # until the last u-program has stored g
+                    g = _read_g(g_rows, mask_m, epoch, EC_ABLATE == 0 or EC_ABLATE == 6)
+                # g is in registers: add this tile's share to the reads (relaxed, nothing waits for it); the
+                # first tile's share makes the launch's total READS_PER_LAUNCH
                 tl.debug_barrier()
-                if EC_ABLATE == 5:  # lab: the count spread over READER_GROUPS counters, then one count of groups
-                    last_reader = _count_reader_in_groups(cnt_ptr, pid_n, num_tiles, READER_GROUPS)
-                elif EC_ABLATE == 6:  # lab: no count (g is never emptied: later launches read a stale g)
-                    last_reader = pid_n < 0
-                else:
-                    last_reader = tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == num_tiles - 1
+                if EC_ABLATE != 6:  # lab 6: no count, the epoch stays (later launches read a stale g)
+                    tl.atomic_add(reads_ptr, tl.where(pid_n == 0, 1 - num_tiles + READS_PER_LAUNCH, 1).to(tl.int64),
+                                  sem="relaxed")
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
             acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if SWIGLU:
                 _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
-            elif ROPE_D > 0:
-                _store_rope(acc, offs_m, mask_m, pid_n, y_ptr, stride_ym, pos_ptr, inv_freq_ptr, k_pool_ptr,
-                            v_pool_ptr, slots_ptr, HEADS, KV_HEADS, block_size, stride_pool_block,
-                            stride_pool_offset, BN, BM, ROPE_D)
             else:
                 _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym)
-            if HAS_EC and PEERS == 0:
-                if last_reader:  # the last reader of g: empty it for the next launch
-                    tl.store(g_rows, tl.full((BM, R), G_EMPTY, tl.int32), mask=mask_m[:, None])
-                    tl.atomic_xchg(cnt_ptr + 1, 0)
 
 
 # --- prefill: rank-space kernel + tensor-core GEMM ---------------------------------------
@@ -650,10 +594,10 @@ PREFILL_CANDIDATES = [
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs (ax_block)
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3, 4 and 6): 1 tiles do not wait for
-# g, 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue, 5 the readers of g counted in
-# READER_GROUPS groups first (exact), 6 no reader count (g never emptied: after the first launch tiles neither
-# wait nor read their launch's g), 7 g and B read after the main loop (exact). Measured in sessions 6-7
-# (NOTES-kernels.md v10): 4 alone keeps most of W4+EC's cost at M = 1; 5-7 (session 8) are not timed yet.
+# g, 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue, 6 no reads count (the epoch never
+# advances: after the first launch tiles neither wait nor read their launch's g). Measured in sessions 6-9
+# (NOTES-kernels.md): 4 alone keeps most of W4+EC's cost at M = 1; 6 was 1-4 µs faster than the former
+# per-tile count of readers that emptied g (session 9), hence the epoch tags.
 EC_ABLATE = 0
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
 
@@ -707,9 +651,10 @@ def _slices_per_group(group_size: int) -> int:
 
 
 class _Workspace:
-    """Per-device scratch for the decode kernel: float32 partial sums of y and u, g's int32 cells and the
-    counters. The counters are zero and g's cells G_EMPTY between launches (each launch restores them); the
-    partial sums need no reset (a launch reads only what it wrote).
+    """Per-device scratch for the decode kernel: float32 partial sums of y and u, g's int64 cells, the int32
+    counters and the int64 reads count. The counters are zero between launches (each launch restores them), the
+    reads count a multiple of 2^READS_SHIFT, and g's cells start tagged with an epoch no launch reaches (2^48 − 1);
+    the partial sums need no reset (a launch reads only what it wrote).
 
     Launches on one stream run in order, so one workspace serves every layer. It only grows;
     buffers it outgrows stay alive because a captured CUDA graph may still point at them.
@@ -720,8 +665,8 @@ class _Workspace:
         self.retired: list[torch.Tensor] = []
 
     def get(self, device: torch.device, y_elems: int, u_elems: int, g_elems: int, tiles: int) -> tuple[torch.Tensor, ...]:
-        """(y_part, u_part, g, counters) with at least these many elements (counters: 2 + tiles)."""
-        want = (y_elems, max(u_elems, 1), max(g_elems, 1), 2 + tiles)
+        """(y_part, u_part, g, counters, reads) with at least these many elements (counters: 2 + tiles)."""
+        want = (y_elems, max(u_elems, 1), max(g_elems, 1), 2 + tiles, 1)
         have = self.buffers.get(device)
         if have is None or any(t.numel() < n for t, n in zip(have, want, strict=True)):
             if have is not None:
@@ -729,8 +674,9 @@ class _Workspace:
                 self.retired.extend(have)
             have = (torch.empty(want[0], dtype=torch.float32, device=device),
                     torch.empty(want[1], dtype=torch.float32, device=device),
-                    torch.full((want[2],), G_EMPTY.value, dtype=torch.int32, device=device),
-                    torch.zeros(want[3], dtype=torch.int32, device=device))
+                    torch.full((want[2],), -1 << 16, dtype=torch.int64, device=device),
+                    torch.zeros(want[3], dtype=torch.int32, device=device),
+                    torch.zeros(1, dtype=torch.int64, device=device))
             self.buffers[device] = have
         return have
 
@@ -747,22 +693,6 @@ def num_sms(device: torch.device) -> int:
 def _flatten(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-@dataclass(frozen=True)
-class RopeOut:
-    """Where w4_decode(rope=...) puts a fused [q; k; v] launch's output, as ops.rope_write_kv would: the rotated
-    queries into the result [M, heads · head_dim], the rotated keys and the values into the pools [N, block_size,
-    kv_heads, head_dim] at each token's slot; θ = positions · inv_freq (float32 [head_dim / 2])."""
-
-    positions: torch.Tensor
-    inv_freq: torch.Tensor
-    k_pool: torch.Tensor
-    v_pool: torch.Tensor
-    slots: torch.Tensor
-    heads: int
-    kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -787,28 +717,19 @@ def w4_decode_to_peers(x: torch.Tensor, w: PackedW4, ec: PackedEC | None, peers:
 
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
               cfg: DecodeConfig | None = None, out: torch.Tensor | None = None,
-              peers: PeerRows | None = None, swiglu: bool = False, rope: RopeOut | None = None) -> torch.Tensor:
+              peers: PeerRows | None = None, swiglu: bool = False) -> torch.Tensor:
     """y [M, N] for x [M, K] with M ≤ DECODE_KERNEL_MAX_M, in one launch (see the module docstring); into `out`
     if given. With `peers`, see w4_decode_to_peers (and the result is x, untouched). With `swiglu`, w stacks
     [gate; up] (N / 2 rows each) and the result is silu(gate) ⊙ up [M, N / 2], from the tiles' epilogue (each tile
-    computes rows of gate and the same rows of up). With `rope`, w stacks [q; k; v] and the result is the rotated
-    queries [M, heads · head_dim], the keys and values going to the pools (RopeOut; a tile takes at most head_dim
-    rows, so a wider tuned tile is narrowed)."""
+    computes rows of gate and the same rows of up)."""
     m, k = x.shape
     n = w.out_features
     if m > DECODE_KERNEL_MAX_M:
         raise ValueError(f"the decode kernel takes at most {DECODE_KERNEL_MAX_M} rows, got {m}")
     if swiglu and (n % 2 or peers is not None):
         raise ValueError(f"swiglu needs [gate; up] stacked in equal halves and no peers (out_features {n})")
-    if rope is not None and (rope.k_pool.stride() != rope.v_pool.stride() or rope.k_pool.stride()[2:] != (rope.head_dim, 1)):
-        raise ValueError("rope needs both pools laid out alike, a slot's KV heads one dense [kv_heads, head_dim] row")
-    if rope is not None and (n != (rope.heads + 2 * rope.kv_heads) * rope.head_dim or peers is not None or swiglu):
-        raise ValueError(f"rope needs [q; k; v] stacked ({rope.heads} + 2 × {rope.kv_heads} heads of {rope.head_dim}), "
-                         f"got out_features {n}")
     bm = _row_tile(m)
     cfg = cfg or decode_config(w, m, ec)
-    if rope is not None and cfg.block_n > rope.head_dim:
-        cfg = replace(cfg, block_n=rope.head_dim)
     kw = w.qweight.shape[1]
     blocks = kw // 16
     tiles = triton.cdiv(n, cfg.block_n)
@@ -827,30 +748,28 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), bk) * bk
         num_ax = triton.cdiv(k, ax_k) if EC_ABLATE not in (3, 4) else 0  # 3, 4: no u-programs
-    y_part, u_part, g_cells, counters = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R,
-                                                       tiles + READER_GROUPS)
+    assert tiles < READS_PER_LAUNCH.value, "the reads count's per-launch total must exceed the tiles"
+    y_part, u_part, g_cells, counters, reads = _WORKSPACE.get(x.device, split_k * bm * n, num_ax * bm * R, bm * R, tiles)
     if peers is not None:  # no output tensor: y is a dummy pointer and the rows' stride is the buffer's
         y, stride_y = x, peers.width
     else:
-        width = n // 2 if swiglu else rope.heads * rope.head_dim if rope is not None else n
+        width = n // 2 if swiglu else n
         y = out if out is not None else torch.empty(m, width, dtype=x.dtype, device=x.device)
         stride_y = y.stride(0)
 
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
-        y_part, u_part, g_cells, counters, *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
-        *((rope.positions, rope.inv_freq, rope.k_pool, rope.v_pool, rope.slots) if rope is not None else (x,) * 5),
+        y_part, u_part, g_cells, counters, reads,
+        *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
         split_k, k_per_split, num_ax, ax_k, tiles,
-        *((rope.heads, rope.kv_heads, rope.k_pool.shape[1], rope.k_pool.stride(0), rope.k_pool.stride(1))
-          if rope is not None else (0,) * 5),
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=bk, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, READER_GROUPS=READER_GROUPS, SWIGLU=swiglu, ROPE_D=0 if rope is None else rope.head_dim,
+        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu,
     )
     return y
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,15 +29,11 @@ from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
 
-if TYPE_CHECKING:
-    from spear.kernels.w4 import RopeOut
-
 # silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
-# launch a layer fewer. Built in session 8 after its last GPU call: off until timed on the H200
-# (SPEAR_FUSE_SWIGLU=1 turns it on); the loser goes.
-FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "0") == "1"
-# RoPE and the K/V cache write in the q/k/v launch's epilogue (FusedLinear.rope), likewise: SPEAR_FUSE_ROPE=1.
-FUSE_ROPE = os.environ.get("SPEAR_FUSE_ROPE", "0") == "1"
+# launch a layer fewer. Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused, 2.40 / 4.31 not
+# (session 9, decode_h200_fuse_*_71458e1.json). SPEAR_FUSE_SWIGLU=0 turns it off. (RoPE and the K/V write fused
+# into the q/k/v launch's epilogue measured 2.47 / 4.19 on top of it, slower at batch 1: removed.)
+FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -175,14 +170,6 @@ class FusedLinear(nn.Module):
         assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
         return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True)
 
-    def rope(self, x: torch.Tensor, rope: RopeOut) -> torch.Tensor:
-        """The rotated queries [T, heads · head_dim] of fused [q; k; v] parts in one W4 decode launch, its epilogue
-        rotating q and k and storing k and v in the cache (`rope`: kernels.w4.RopeOut), for fp16 x [T, K] with
-        T ≤ DECODE_PATH_MAX_M."""
-        from spear.kernels.w4 import w4_decode
-
-        return w4_decode(x, self.packed, self.packed_ec, self.bias, rope=rope)
-
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
@@ -190,7 +177,7 @@ class FusedLinear(nn.Module):
 
 def _decode_launch(x: torch.Tensor) -> bool:
     """Whether a W4 launch on x [T, K] takes the decode kernel (fp16, T ≤ DECODE_PATH_MAX_M): the steps whose
-    epilogue fusions (FUSE_SWIGLU, FUSE_ROPE) apply."""
+    epilogue fusion (FUSE_SWIGLU) applies."""
     if x.dtype != torch.float16:  # the kernels' dtype (checked first: triton may be missing off the GPU)
         return False
     from spear.kernels.w4 import DECODE_PATH_MAX_M
@@ -209,11 +196,6 @@ class Attention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
         T = x.shape[0]
-        if FUSE_ROPE and self.wqkv is not None and _decode_launch(x):
-            from spear.kernels.w4 import RopeOut
-
-            out = RopeOut(positions, inv_freq, *kv, slots, self.n_heads, self.n_kv_heads, self.head_dim)
-            return self.wqkv.rope(x, out).view(T, self.n_heads, self.head_dim)
         q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
