@@ -5,6 +5,8 @@
 #   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the decode benchmark on Llama-3-8B (fp16, W4,
 #          W4+EC38), the fused EC's lab variants at one row (bench/ec_ablation.py), and an eager batch-1 W4 step's
 #          kernels (profile_step) (bench/host_step.py: the engine's host time per step, not run here since session 8);
+#   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
+#          the SwiGLU epilogue with an EC (the block below);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -38,7 +40,18 @@ gpu1() {
   timeout 80 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json /tmp/gpu_all/profile_b1.json \
     > $log/6_profile_b1.log 2>&1  # the table is in the log: $OUT holds 8 files
 }
-if [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
+if [ "${LAB:-0}" = 1 ]; then  # a short call of its own (session 9, ~8 minutes): the kernel candidates side by side
+  (export CUDA_VISIBLE_DEVICES=0  # the kernel tests that touch the GEMV loops, then every candidate's W4 and W4+EC µs
+   timeout 130 python -m pytest -p no:cacheprovider tests/test_kernels.py -k "f16x2 or workspace or gemv or reproducible" \
+     > $log/1_tests.log 2>&1
+   timeout 260 python bench/ec_ablation.py --ms 1 --json "$out/ec_ablation_h200.json" > $log/5_ec_ablation.log 2>&1
+   timeout 130 python bench/decode.py --models llama2-7b --settings w4 --batches 1 8 --json "$out/decode_h200_w4.json" \
+     > $log/2_decode_w4.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1  # W4+EC38 with SiLU·up in the gate/up epilogue and without, one GPU
+   for f in 0 1; do SPEAR_FUSE_SWIGLU=$f timeout 200 python bench/decode.py --models llama2-7b --settings w4+ec38 \
+     --batches 1 8 --json "$out/decode_h200_ec38_swiglu$f.json" > $log/2_decode_ec38_swiglu$f.log 2>&1; done) &
+  wait
+elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
   timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \

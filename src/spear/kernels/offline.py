@@ -94,7 +94,7 @@ def variants() -> dict[str, tuple]:
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
                    "reads_ptr": I64}
     out = {}
-    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False)  # the GEMV loop unpipelined
+    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True)  # GEMV loop unpipelined
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
@@ -116,6 +116,18 @@ def variants() -> dict[str, tuple]:
     # the GEMV loop pipelined through shared memory (as the tuner's 3-stage candidates run it)
     out["decode rows=1 ec=False warps=8 stages=3"] = (w4._w4_decode_kernel, decode_ptrs,
                                                       {**const, "HAS_EC": False, "GATED": False, "GEMV_STAGES": 3}, 8)
+    # the GEMV loop in fp16x2 (DecodeConfig.gemv_f16x2): as the 8-warp one-row GEMV above, and at 4 warps, 16 rows of W
+    # and 256 words a step, 2 stages (both loops there); its 4-row and grouped (g = 32, 128) branches
+    f16x2 = {**const, "HAS_EC": False, "GATED": False, "GEMV_F16X2": True}
+    out["decode rows=1 ec=False warps=8 f16x2"] = (w4._w4_decode_kernel, decode_ptrs, f16x2, 8)
+    for on in (False, True):
+        out["decode rows=1 ec=False warps=4 bn=16 bkw=256 stages=2" + " f16x2" * on] = (
+            w4._w4_decode_kernel, decode_ptrs, {**f16x2, "GEMV_F16X2": on, "BN": 16, "BKW": 256, "GEMV_STAGES": 2,
+                                                "BK": w4.ax_block(1, 256)}, 4)
+    for rows, spg, per_channel in ((4, 8, True), (1, 2, False), (1, 8, False)):
+        out[f"decode rows={rows} ec=True spg={spg} per_channel={per_channel} f16x2"] = (
+            w4._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True, "GEMV_ROWS": rows, "SPG": spg,
+                                                "PER_CHANNEL": per_channel, "BKW": 64, "BK": 128}, 4)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                  BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)

@@ -32,6 +32,7 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -140,8 +141,9 @@ def _gemv_row(part, xs, codes, x_ptr, row, M, stride_xm, cols, mask_cols, scale)
 
 
 @triton.jit
-def _gemv_span_end(acc, xsum, part, xs, s, z, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
-    """Close a group span: Σ (q − z) s x = s (2^38 P − z X) with P = Σ q x 2^-38, X = Σ x.
+def _gemv_span_end(acc, xsum, part, xs, s, z, unit, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """Close a group span: Σ (q − z) s x = s (unit P − z X) with P = Σ q x / unit, X = Σ x (unit: 2^38 for the
+    denormal codes, 16 for the fp16x2 loop's x / 16).
 
     Per-channel: s and z wait for the end of the loop. Grouped: the span of each of the step's NB
     blocks is one group, so P and X are first summed over the block's 16 words and s, z ([BN, NB],
@@ -151,17 +153,45 @@ def _gemv_span_end(acc, xsum, part, xs, s, z, PER_CHANNEL: tl.constexpr, BN: tl.
     else:
         p = tl.sum(tl.reshape(part, (BN, NB, 16)), axis=2)  # [BN, NB]
         x = tl.sum(tl.reshape(xs, (NB, 16)), axis=1)  # [NB]
-        acc += s * (TWO_38 * p - z * x[None, :])
+        acc += s * (unit * p - z * x[None, :])
     return acc, xsum
 
 
 @triton.jit
-def _gemv_row_out(acc, xsum, s, z, offs_m, row, PER_CHANNEL: tl.constexpr):
+def _gemv_row_out(acc, xsum, s, z, unit, offs_m, row, PER_CHANNEL: tl.constexpr):
     """Row `row` of the result, placed in column `row` of a [BN, BM] yᵀ tile."""
     y = tl.sum(acc, axis=1)  # [BN]
     if PER_CHANNEL:
-        y = s * (TWO_38 * y - z * tl.sum(xsum, axis=0))
+        y = s * (unit * y - z * tl.sum(xsum, axis=0))
     return tl.where(offs_m[None, :] == row, y[:, None], 0.0)
+
+
+@triton.jit
+def _gemv_tile(acc0, acc1, acc2, acc3, xsum0, xsum1, xsum2, xsum3, s_ptr, z_ptr, offs_n, mask_n, G, unit, offs_m,
+               ROWS: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr):
+    """The GEMV loops' [BN, BM] yᵀ tile from the rows' accumulators (per-channel: s and z act here)."""
+    s_row = tl.zeros((BN,), dtype=tl.float32)  # per-channel s and z
+    z_row = tl.zeros((BN,), dtype=tl.float32)
+    if PER_CHANNEL:
+        s_row = tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
+        z_row = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
+    tile = _gemv_row_out(acc0, xsum0, s_row, z_row, unit, offs_m, 0, PER_CHANNEL)
+    if ROWS > 1:
+        tile += _gemv_row_out(acc1, xsum1, s_row, z_row, unit, offs_m, 1, PER_CHANNEL)
+    if ROWS > 2:
+        tile += _gemv_row_out(acc2, xsum2, s_row, z_row, unit, offs_m, 2, PER_CHANNEL)
+        tile += _gemv_row_out(acc3, xsum3, s_row, z_row, unit, offs_m, 3, PER_CHANNEL)
+    return tile
+
+
+@triton.jit
+def _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, span, G, group_size, SPG: tl.constexpr, NB: tl.constexpr):
+    """s and z [BN, NB] float32 of group span `span` (SPG slices of 16 columns) in each of a step's NB blocks."""
+    g = (kb + 128 * tl.arange(0, NB) + 16 * SPG * span) // group_size  # [NB]: the span's group per block
+    mask_g = mask_n[:, None] & (g[None, :] < G)
+    s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+    return s, z
 
 
 @triton.jit
@@ -204,10 +234,7 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
         packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # nibbles 4–7 in bits 0–15
         for span in tl.static_range(8 // SPG):
             if not PER_CHANNEL:
-                g = (kb + 128 * tl.arange(0, NB) + 16 * SPG * span) // group_size  # [NB]: the span's group per block
-                mask_g = mask_n[:, None] & (g[None, :] < G)
-                s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
+                s, z = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, span, G, group_size, SPG, NB)
             if PER_CHANNEL:  # the span's sums go straight into the accumulators
                 part0, part1, part2, part3 = acc0, acc1, acc2, acc3
             else:
@@ -234,24 +261,208 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
                 if ROWS > 2:
                     part2, xs2 = _gemv_row(part2, xs2, codes, x_ptr, 2, M, stride_xm, cols, mask_cols, scale)
                     part3, xs3 = _gemv_row(part3, xs3, codes, x_ptr, 3, M, stride_xm, cols, mask_cols, scale)
-            acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, PER_CHANNEL, BN, NB)
+            acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, TWO_38, PER_CHANNEL, BN, NB)
             if ROWS > 1:
-                acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, PER_CHANNEL, BN, NB)
+                acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, TWO_38, PER_CHANNEL, BN, NB)
             if ROWS > 2:
-                acc2, xsum2 = _gemv_span_end(acc2, xsum2, part2, xs2, s, z, PER_CHANNEL, BN, NB)
-                acc3, xsum3 = _gemv_span_end(acc3, xsum3, part3, xs3, s, z, PER_CHANNEL, BN, NB)
-    s_row = tl.zeros((BN,), dtype=tl.float32)  # per-channel s and z
-    z_row = tl.zeros((BN,), dtype=tl.float32)
+                acc2, xsum2 = _gemv_span_end(acc2, xsum2, part2, xs2, s, z, TWO_38, PER_CHANNEL, BN, NB)
+                acc3, xsum3 = _gemv_span_end(acc3, xsum3, part3, xs3, s, z, TWO_38, PER_CHANNEL, BN, NB)
+    return _gemv_tile(acc0, acc1, acc2, acc3, xsum0, xsum1, xsum2, xsum3, s_ptr, z_ptr, offs_n, mask_n, G, TWO_38,
+                      offs_m, ROWS, PER_CHANNEL, BN)
+
+
+# --- the GEMV loop in fp16x2 (DecodeConfig.gemv_f16x2) ----------------------------------
+# An int32 holds two fp16 (bits 0–15, 16–31): one HADD2 / HFMA2 computes both. Each helper is one short inline PTX
+# block (ASM) or, for the interpreter (which runs no PTX), the same arithmetic on the two halves in Triton.
+
+
+@triton.jit
+def _h2_unpack(v):
+    """The fp16 halves (bits 0–15, bits 16–31) of int32 v."""
+    return v.to(tl.int16).to(tl.float16, bitcast=True), (v >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _h2_pack(lo, hi):
+    """fp16 lo and hi as the halves of one int32."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _h2_codes(src, offset, HI: tl.constexpr, ASM: tl.constexpr):
+    """(q − z) of the codes at bits 0–3 and 16–19 of src (HI: bits 4–7 and 20–23) as fp16x2, exactly: OR-ing a code
+    into 0x6400 gives 1024 + q (HI: 1024 + 16 q), and `offset` holds −(1024 + z) (HI: −(64 + z)) in both halves, so
+    one add (HI: an fma by 1/16 = 0x2C00) leaves q − z. One LOP3 and one HADD2 / HFMA2 for two weights."""
+    if ASM:
+        if HI:
+            q = tl.inline_asm_elementwise("{ .reg .b32 t, c; lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xea; "
+                                          "mov.b32 c, 0x2C002C00; fma.rn.f16x2 $0, t, c, $2; }", "=r,r,r",
+                                          [src, offset], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            q = tl.inline_asm_elementwise("{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xea; "
+                                          "add.f16x2 $0, t, $2; }", "=r,r,r", [src, offset], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+    else:
+        off_lo, off_hi = _h2_unpack(offset)
+        if HI:
+            lo, hi = _h2_unpack((src & 0x00F000F0) | 0x64006400)
+            q = _h2_pack(lo * 0.0625 + off_lo, hi * 0.0625 + off_hi)
+        else:
+            lo, hi = _h2_unpack((src & 0x000F000F) | 0x64006400)
+            q = _h2_pack(lo + off_lo, hi + off_hi)
+    return q
+
+
+@triton.jit
+def _h2_x(lo, hi, ASM: tl.constexpr):
+    """fp16 x values lo and hi, divided by 16 (exact but where they fall below 2^-10: a partial sum of four
+    products q x / 16 stays below 60 |x|max / 16, finite for |x| < 17,000), as one fp16x2."""
+    if ASM:
+        x = tl.inline_asm_elementwise("{ .reg .b32 t, c; mov.b32 t, {$1, $2}; mov.b32 c, 0x2C002C00; "
+                                      "mul.f16x2 $0, t, c; }", "=r,h,h", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        x = _h2_pack(lo * 0.0625, hi * 0.0625)
+    return x
+
+
+@triton.jit
+def _h2_fma(a, b, c, FIRST: tl.constexpr, ASM: tl.constexpr):
+    """a b + c on fp16x2, one rounding (HFMA2); a b (HMUL2) where FIRST (c is then +0: the same sum)."""
+    if ASM:
+        if FIRST:
+            d = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        else:
+            d = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+    else:
+        a_lo, a_hi = _h2_unpack(a)
+        b_lo, b_hi = _h2_unpack(b)
+        c_lo, c_hi = _h2_unpack(c)
+        d = _h2_pack((a_lo.to(tl.float32) * b_lo.to(tl.float32) + c_lo.to(tl.float32)).to(tl.float16),
+                     (a_hi.to(tl.float32) * b_hi.to(tl.float32) + c_hi.to(tl.float32)).to(tl.float16))
+    return d
+
+
+@triton.jit
+def _h2_f32(h, ASM: tl.constexpr):
+    """The halves of fp16x2 h as two float32."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise("{ .reg .f16 l, u; mov.b32 {l, u}, $2; cvt.f32.f16 $0, l; "
+                                           "cvt.f32.f16 $1, u; }", "=r,=r,r", [h], dtype=(tl.float32, tl.float32),
+                                           is_pure=True, pack=1)
+    else:
+        lo, hi = _h2_unpack(h)
+        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _h2_row(h, xs_lo, xs_hi, codes, x_ptr, row, M, stride_xm, cols, mask_lo, mask_hi, FIRST: tl.constexpr,
+            ASM: tl.constexpr):
+    """h [BN, BKW] fp16x2 += codes · (x[row, cols], x[row, cols + 64]) / 16, two weights an HFMA2 (FIRST: h =);
+    xs_lo, xs_hi [BKW] += the two x (float32, for grouped weights' z Σ x)."""
+    ptrs = x_ptr + row * stride_xm + cols
+    in_rows = cols * 0 + row < M
+    lo = tl.load(ptrs, mask=mask_lo & in_rows, other=0.0)
+    hi = tl.load(ptrs + 64, mask=mask_hi & in_rows, other=0.0)
+    return _h2_fma(codes, _h2_x(lo, hi, ASM)[None, :], h, FIRST, ASM), xs_lo + lo.to(tl.float32), xs_hi + hi.to(tl.float32)
+
+
+@triton.jit
+def _h2_chain_end(acc, xsum, h, xs_lo, xs_hi, s_lo, z_lo, s_hi, z_hi, ASM: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                  SPG: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """Add a chain's fp16x2 sums h = Σ (q − z) x / 16 (grouped: Σ (q − 8) x / 16) to the float32 accumulator: per-channel
+    per word, grouped closing the group spans of the low halves (s_lo, z_lo) and of the high halves (s_hi, z_hi),
+    one span where a group covers the block (SPG = 8)."""
+    lo, hi = _h2_f32(h, ASM)
     if PER_CHANNEL:
-        s_row = tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
-        z_row = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)
-    tile = _gemv_row_out(acc0, xsum0, s_row, z_row, offs_m, 0, PER_CHANNEL)
-    if ROWS > 1:
-        tile += _gemv_row_out(acc1, xsum1, s_row, z_row, offs_m, 1, PER_CHANNEL)
-    if ROWS > 2:
-        tile += _gemv_row_out(acc2, xsum2, s_row, z_row, offs_m, 2, PER_CHANNEL)
-        tile += _gemv_row_out(acc3, xsum3, s_row, z_row, offs_m, 3, PER_CHANNEL)
-    return tile
+        acc += lo + hi
+    elif SPG == 8:
+        acc, xsum = _gemv_span_end(acc, xsum, lo + hi, xs_lo + xs_hi, s_lo, z_lo, 16.0, PER_CHANNEL, BN, NB)
+    else:
+        acc, xsum = _gemv_span_end(acc, xsum, lo, xs_lo, s_lo, z_lo, 16.0, PER_CHANNEL, BN, NB)
+        acc, xsum = _gemv_span_end(acc, xsum, hi, xs_hi, s_hi, z_hi, 16.0, PER_CHANNEL, BN, NB)
+    return acc
+
+
+@triton.jit
+def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
+                   group_size, SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                   BKW: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+    """_w4_gemv's tile with fp16x2 arithmetic (Marlin / ExLlama style): two weights an instruction.
+
+    Nibbles j and j + 4 of a word (columns 16 j + w and 16 j + 64 + w of its block) sit at bits 4 j' and 16 + 4 j'
+    of the word (j' = j) or of the word shifted right by 8 (j' = j − 2), so one LOP3 and one HADD2 / HFMA2 make
+    the pair (q − z) in one register (_h2_codes), and one HFMA2 multiplies it by the pair of x / 16 (_h2_x).
+    Per word and row, the four pairs chain into fp16 sums of four products (each an fp16 rounding), then into
+    the float32 accumulator (_h2_chain_end). Per-channel z is in the codes' offsets: no Σ x term. Grouped, the
+    codes are q − 8 (offsets 1032, 72), and z − 8 acts per group span via Σ x, as z in _w4_gemv; a chain then
+    stops at the end of a span (SPG = 2: two pairs), its low and high halves closing a span each.
+    """
+    offs_w = tl.arange(0, BKW)
+    block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
+    col0 = block0 + offs_w % 16  # column of nibble 0 of each word
+    NB: tl.constexpr = BKW // 16  # 128-column blocks per step
+    ACC: tl.constexpr = NB + (BKW - NB) * PER_CHANNEL  # per-channel: per word; grouped: per row and block
+    L: tl.constexpr = min(SPG, 4)  # pairs per chain
+    acc0 = tl.zeros((BN, ACC), dtype=tl.float32)
+    acc1 = tl.zeros((BN, ACC), dtype=tl.float32)
+    acc2 = tl.zeros((BN, ACC), dtype=tl.float32)
+    acc3 = tl.zeros((BN, ACC), dtype=tl.float32)
+    xsum = tl.zeros((BKW,), dtype=tl.float32)  # per-channel Σ x: none needed (z is in the codes)
+    s_lo = tl.zeros((BN, ACC), dtype=tl.float32)
+    z_lo = tl.zeros((BN, ACC), dtype=tl.float32)
+    s_hi = tl.zeros((BN, ACC), dtype=tl.float32)
+    z_hi = tl.zeros((BN, ACC), dtype=tl.float32)
+    z = tl.full((BN,), 8.0, dtype=tl.float16)  # grouped: codes q − 8, half the products' size of q's
+    if PER_CHANNEL:
+        z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
+    off_lo = _h2_pack(-1024.0 - z, -1024.0 - z)[:, None]  # −(1024 + z), exact in fp16
+    off_hi = _h2_pack(-64.0 - z, -64.0 - z)[:, None]
+    for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
+        words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
+        packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
+                         mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
+        packed8 = packed >> 8  # nibbles 2, 3 and 6, 7 at bits 0–7 and 16–23
+        for c in tl.static_range(0, 4, L):  # the chain of pairs c .. c + L − 1
+            if not PER_CHANNEL:
+                s_lo, z_lo = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, c // SPG, G, group_size, SPG, NB)
+                s_hi, z_hi = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, (c + 4) // SPG, G, group_size, SPG, NB)
+                z_lo, z_hi = z_lo - 8.0, z_hi - 8.0  # Σ (q − z) x = Σ (q − 8) x − (z − 8) Σ x
+            h0 = tl.zeros((BN, BKW), dtype=tl.int32)  # fp16x2 (+0, +0)
+            h1, h2, h3 = h0, h0, h0
+            xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3 = xsum, xsum, xsum, xsum, xsum, xsum, xsum, xsum  # zeros
+            for p in tl.static_range(c, c + L):
+                if p < 2:
+                    src = packed
+                else:
+                    src = packed8
+                if p % 2 == 1:
+                    codes = _h2_codes(src, off_hi, True, ASM)
+                else:
+                    codes = _h2_codes(src, off_lo, False, ASM)
+                cols = tl.max_contiguous(tl.multiple_of(kb + col0 + 16 * p, 16), 16)  # runs of 16 columns
+                mask_lo = kb + block0 + 16 * p < K
+                mask_hi = kb + block0 + 16 * (p + 4) < K
+                h0, xl0, xh0 = _h2_row(h0, xl0, xh0, codes, x_ptr, 0, M, stride_xm, cols, mask_lo, mask_hi,
+                                      p == c, ASM)
+                if ROWS > 1:
+                    h1, xl1, xh1 = _h2_row(h1, xl1, xh1, codes, x_ptr, 1, M, stride_xm, cols, mask_lo, mask_hi,
+                                          p == c, ASM)
+                if ROWS > 2:
+                    h2, xl2, xh2 = _h2_row(h2, xl2, xh2, codes, x_ptr, 2, M, stride_xm, cols, mask_lo, mask_hi,
+                                          p == c, ASM)
+                    h3, xl3, xh3 = _h2_row(h3, xl3, xh3, codes, x_ptr, 3, M, stride_xm, cols, mask_lo, mask_hi,
+                                          p == c, ASM)
+            acc0 = _h2_chain_end(acc0, xsum, h0, xl0, xh0, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
+            if ROWS > 1:
+                acc1 = _h2_chain_end(acc1, xsum, h1, xl1, xh1, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
+            if ROWS > 2:
+                acc2 = _h2_chain_end(acc2, xsum, h2, xl2, xh2, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
+                acc3 = _h2_chain_end(acc3, xsum, h3, xl3, xh3, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
+    return _gemv_tile(acc0, acc1, acc2, acc3, xsum, xsum, xsum, xsum, s_ptr, z_ptr, offs_n, mask_n, G, 16.0, offs_m,
+                      ROWS, PER_CHANNEL, BN)
 
 
 @triton.jit
@@ -370,7 +581,7 @@ def _w4_decode_kernel(
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
-    GEMV_STAGES: tl.constexpr,
+    GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr, F16X2_ASM: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr,
 ):
@@ -438,7 +649,11 @@ def _w4_decode_kernel(
             if BM * R <= 2048:  # (wide row tiles: g's registers through the main loop would spill; read it after)
                 g = _read_g(g_rows, mask_m, epoch, False)
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
-        if GEMV_ROWS > 0:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop
+        if GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
+            acc = _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split,
+                                 k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES,
+                                 F16X2_ASM)
+        elif GEMV_ROWS > 0:
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
                            K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES)
         else:
@@ -564,6 +779,7 @@ class DecodeConfig:
     num_stages: int = 3
     gemv_rows: int = 4  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
     block_kw: int = 128  # GEMV loop: code words per row per step (a multiple of 16: 128 columns each)
+    gemv_f16x2: bool = False  # GEMV loop in fp16x2 arithmetic (_w4_gemv_f16x2), else float32 FMAs (_w4_gemv)
 
 
 @dataclass(frozen=True)
@@ -586,7 +802,10 @@ DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M
      ((32, 8, 3, 128), (32, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256),
       # session 7: the GEMV loop pipelined by its stages (cp.async); 1 stage is the loop before that, as the
       # former winners for W4 (8 warps) and W4+EC (4 warps) ran it
-      (32, 8, 1, 128), (32, 4, 1, 64), (32, 8, 4, 128), (32, 4, 4, 64))]
+      (32, 8, 1, 128), (32, 4, 1, 64), (32, 8, 4, 128), (32, 4, 4, 64))
+] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw, gemv_f16x2=True) for bn, warps, stages, bkw in
+     # session 9: the GEMV loop in fp16x2, in the configs that won W4 (70B and 7B MLP; 7B qkvo) and W4+EC at M = 1
+     ((16, 4, 2, 256), (32, 8, 1, 128), (32, 4, 1, 64))]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
@@ -690,6 +909,11 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def _runs_ptx(x: torch.Tensor) -> bool:
+    """Whether a launch on x runs compiled code (inline PTX included), not the Triton interpreter."""
+    return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def _flatten(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -766,7 +990,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         split_k, k_per_split, num_ax, ax_k, tiles,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=bk, SPG=_slices_per_group(w.group_size),
-        GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
+        GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, GEMV_F16X2=cfg.gemv_f16x2,
+        F16X2_ASM=_runs_ptx(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu,
