@@ -794,15 +794,17 @@ class PrefillConfig:
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
 # The H200's picks over the 7B/8B/13B/70B shapes (bench/results/kernels_h200*.json, sessions 3–4): every
 # winner, and the configs that came second or third most often; the 13 former candidates dropped never won
-# (each cost a compile and a timing at engine start-up: 227 s for a 7B engine on a fresh machine).
+# (each cost a compile and a timing at engine start-up: 227 s for a 7B engine on a fresh machine). Session 9
+# dropped four more that no shape's W4 or W4+EC picked first in sessions 8–9 (ec_ablation per_config, the tuner
+# caches): the 8-warp dot loop, and the 4-warp 128-word and 8-warp 4-stage GEMV configs.
 DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M), then the GEMV loop (M ≤ 4)
     DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in
-    ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4), (128, 8, 3))
+    ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4))
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
-     ((32, 8, 3, 128), (32, 4, 3, 128), (32, 4, 2, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256),
+     ((32, 8, 3, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256),
       # session 7: the GEMV loop pipelined by its stages (cp.async); 1 stage is the loop before that, as the
       # former winners for W4 (8 warps) and W4+EC (4 warps) ran it
-      (32, 8, 1, 128), (32, 4, 1, 64), (32, 8, 4, 128), (32, 4, 4, 64))
+      (32, 8, 1, 128), (32, 4, 1, 64), (32, 4, 4, 64))
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw, gemv_f16x2=True) for bn, warps, stages, bkw in
      # session 9: the GEMV loop in fp16x2, in the configs that won W4 (70B and 7B MLP; 7B qkvo) and W4+EC at M = 1
      ((16, 4, 2, 256), (32, 8, 1, 128), (32, 4, 1, 64))]
