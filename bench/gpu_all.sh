@@ -2,9 +2,10 @@
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid (7B, 70B, 13B, 8B shapes as time allows; M = $MS, default 1 16);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the decode benchmark on Llama-3-8B (fp16, W4,
-#          W4+EC38), the fused EC's lab variants at one row (bench/ec_ablation.py), and an eager batch-1 W4 step's
-#          kernels (profile_step) (bench/host_step.py: the engine's host time per step, not run here since session 8);
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then W4 with RoPE + the K/V write in the decode
+#          attention launch or in their own (SPEAR_FUSE_ROPE_ATTENTION), then the decode benchmark on Llama-3-8B
+#          (fp16, W4, W4+EC38) (bench/profile_step.py, an eager step's kernels, and bench/host_step.py, the engine's
+#          host time per step, are not run here since session 9; LAB=1 runs bench/ec_ablation.py);
 #   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
 #          the SwiGLU epilogue with an EC (the block below);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -21,7 +22,7 @@ export SPEAR_CACHE=$PWD/.gpu_cache
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
-  timeout 250 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
+  timeout 300 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
     tests/test_runtime_engine.py tests/test_runtime_fuse.py tests/test_kernels.py > $log/1_tests.log 2>&1
   grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log  # pyproject adds -q; -qq hides it
   timeout 190 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
@@ -32,13 +33,14 @@ gpu0() {
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  # Llama-3-8B through the engine (GQA, a 128k vocabulary; the first run tunes its W4 launches on a fresh machine)
+  # RoPE + the K/V write folded into decode attention (model.FUSE_ROPE_ATTENTION) against its own launch, W4, one GPU
+  # (the first run tunes the W4 launches on a fresh machine)
+  for f in 0 1; do SPEAR_FUSE_ROPE_ATTENTION=$f timeout $([ $f = 0 ] && echo 200 || echo 100) python bench/decode.py \
+    --models llama2-7b --settings w4 --batches 1 8 --json "$out/decode_h200_rope_attn$f.json" > $log/5_decode_rope_attn$f.log 2>&1
+  done
+  # Llama-3-8B through the engine (GQA, a 128k vocabulary; its W4 launches tuned on a fresh machine first)
   timeout 240 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
     --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1
-  # where the fused EC's time goes: the lab variants of the decode kernel (kernels.w4.EC_ABLATE), one row
-  timeout 160 python bench/ec_ablation.py --ms 1 --json "$out/ec_ablation_h200.json" > $log/5_ec_ablation.log 2>&1
-  timeout 80 python bench/profile_step.py --setting w4 --batch 1 --steps 5 --json /tmp/gpu_all/profile_b1.json \
-    > $log/6_profile_b1.log 2>&1  # the table is in the log: $OUT holds 8 files
 }
 if [ "${LAB:-0}" = 1 ]; then  # a short call of its own (session 9, ~8 minutes): the kernel candidates side by side
   (export CUDA_VISIBLE_DEVICES=0  # the kernel tests that touch the GEMV loops, then every candidate's W4 and W4+EC µs

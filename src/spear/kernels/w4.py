@@ -806,8 +806,9 @@ DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M
       # former winners for W4 (8 warps) and W4+EC (4 warps) ran it
       (32, 8, 1, 128), (32, 4, 1, 64), (32, 4, 4, 64))
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw, gemv_f16x2=True) for bn, warps, stages, bkw in
-     # session 9: the GEMV loop in fp16x2, in the configs that won W4 (70B and 7B MLP; 7B qkvo) and W4+EC at M = 1
-     ((16, 4, 2, 256), (32, 8, 1, 128), (32, 4, 1, 64))]
+     # session 9: the GEMV loop in fp16x2, in the configs that won W4 (70B and 7B MLP; 7B qkvo) and W4+EC at M = 1,
+     # and the 4-warp, 64-word one pipelined (96 registers at 1, 2 and 4 stages in the SASS; not timed yet)
+     ((16, 4, 2, 256), (32, 8, 1, 128), (32, 4, 1, 64), (32, 4, 2, 64), (32, 4, 4, 64))]
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
