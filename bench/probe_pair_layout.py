@@ -14,6 +14,7 @@ import triton.language as tl
 
 from spear.kernels import offline
 
+
 @triton.jit
 def cur(qw_ptr, x_ptr, z_ptr, y_ptr, K, KW, BN: tl.constexpr, BM: tl.constexpr):
     # today's layout: nibble j of word w = column 16 j + w
