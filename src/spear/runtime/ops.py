@@ -331,8 +331,8 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         start = p * split_len
         end = tl.minimum(start + split_len, seq_len)
         if ROPE:  # the new keys this split reads, stored before any thread of the program loads them
-            for t in range(first, first + count):
-                _store_new_key(t, kv, start, end, k_new_ptr, v_new_ptr, pos_ptr, inv_freq_ptr, slots_ptr, k_pool_ptr,
+            for new_row in range(first, first + count):
+                _store_new_key(new_row, kv, start, end, k_new_ptr, v_new_ptr, pos_ptr, inv_freq_ptr, slots_ptr, k_pool_ptr,
                                v_pool_ptr, block_size, stride_pool_block, stride_pool_offset, stride_kt, stride_vt, D)
             tl.debug_barrier()
 
