@@ -8,7 +8,8 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   u = A x over slices of K and store them in a float32 workspace; the remaining programs
   stream the int4 weight (split-K when N alone gives too few programs), with one of two main
   loops: for up to 4 rows a GEMV loop (plain FMAs on codes turned into denormal floats by one
-  AND each, `_w4_gemv`), else tensor-core dots on 16-column slices (`_w4_block`). The last program
+  AND each, `_w4_gemv`; or two weights an HFMA2, `_w4_gemv_f16x2`, where the tuner picks it), else
+  tensor-core dots on 16-column slices (`_w4_block`). The last program
   to finish an output tile (a per-tile arrival counter) sums the splits' partials in split
   order, and adds (alpha·B)_tile g in registers to it, g = gamma(u) ⊙ u, then writes the output
   once. The last u-program to arrive sums the partial u in program order, applies the gate once
