@@ -204,13 +204,21 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
     if j < H:
         _rope_row(q_ptr + t * stride_qt + j * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF)
     else:
-        kv = j - H
-        slot = tl.load(slots_ptr + t)
-        dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
-        _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
-        for half in tl.static_range(2):  # v as it is, in two halves
-            val = tl.load(v_ptr + t * stride_vt + kv * D + half * HALF + i, mask=ok)
-            tl.store(v_pool_ptr + dst + half * HALF + i, val, mask=ok)
+        _cache_kv_head(t, j - H, cos, sin, k_ptr, v_ptr, slots_ptr, k_pool_ptr, v_pool_ptr, block_size,
+                       stride_pool_block, stride_pool_offset, stride_kt, stride_vt, i, ok, HALF)
+
+
+@_jit
+def _cache_kv_head(t, kv, cos, sin, k_ptr, v_ptr, slots_ptr, k_pool_ptr, v_pool_ptr, block_size, stride_pool_block,
+                   stride_pool_offset, stride_kt, stride_vt, i, ok, HALF: tl.constexpr):
+    """Token t's key head kv rotated (_rope_row) and its value head as it is, into the pools at the token's slot."""
+    D: tl.constexpr = 2 * HALF
+    slot = tl.load(slots_ptr + t)
+    dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
+    _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
+    for half in tl.static_range(2):  # v as it is, in two halves
+        val = tl.load(v_ptr + t * stride_vt + kv * D + half * HALF + i, mask=ok)
+        tl.store(v_pool_ptr + dst + half * HALF + i, val, mask=ok)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -278,12 +286,9 @@ def _store_new_key(t, kv, start, end, k_new_ptr, v_new_ptr, pos_ptr, inv_freq_pt
     if (position >= start) & (position < end):
         HALF: tl.constexpr = D // 2
         i = tl.arange(0, HALF)
-        theta = position.to(tl.float32) * tl.load(inv_freq_ptr + i)
-        slot = tl.load(slots_ptr + t)
-        dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
-        _rope_row(k_new_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, tl.cos(theta), tl.sin(theta), i, i < HALF, HALF)
-        d = tl.arange(0, D)
-        tl.store(v_pool_ptr + dst + d, tl.load(v_new_ptr + t * stride_vt + kv * D + d))
+        theta = position.to(tl.float32) * tl.load(inv_freq_ptr + i)  # as _rope_write_kv_kernel
+        _cache_kv_head(t, kv, tl.cos(theta), tl.sin(theta), k_new_ptr, v_new_ptr, slots_ptr, k_pool_ptr, v_pool_ptr,
+                       block_size, stride_pool_block, stride_pool_offset, stride_kt, stride_vt, i, i < HALF, HALF)
 
 
 @_jit(do_not_specialize=("stride_table",))
