@@ -37,17 +37,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True)
     p.add_argument("--ms", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--configs-only", action="store_true",
+                   help="time only every decode candidate as W4 and W4+EC (no tuning, no ablated variants)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = p.parse_args()
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name in args.shapes:
+        n, k = SHAPES[name]
         packed = pack_w4(rtn_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), QuantConfig(4, -1)))
         ec = pack_ec(random_ec(n, k, 32))
         copies = [packed] + [packed.clone() for _ in range(max(1, math.ceil((128 << 20) / packed.nbytes())) - 1)]
-        w4mod.tune_w4(packed, tuple(args.ms))
+        if not args.configs_only:
+            w4mod.tune_w4(packed, tuple(args.ms))
         for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            us = {"w4": time_in_graph([lambda w=w, x=x: w4mod.w4_decode(x, w) for w in copies])}
-            for variant, code in VARIANTS.items():
+            us = {} if args.configs_only else {"w4": time_in_graph([lambda w=w, x=x: w4mod.w4_decode(x, w) for w in copies])}
+            for variant, code in ({} if args.configs_only else VARIANTS).items():
                 w4mod.EC_ABLATE = code
                 try:
                     us[variant] = time_in_graph([lambda w=w, x=x, ec=ec: w4mod.w4_decode(x, w, ec) for w in copies])

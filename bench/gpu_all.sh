@@ -8,6 +8,7 @@
 #          host time per step, are not run here since session 9; LAB=1 runs bench/ec_ablation.py);
 #   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
 #          the SwiGLU epilogue with an EC (the block below);
+#   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -53,6 +54,17 @@ if [ "${LAB:-0}" = 1 ]; then  # a short call of its own (session 9, ~8 minutes):
    for f in 0 1; do SPEAR_FUSE_SWIGLU=$f timeout 200 python bench/decode.py --models llama2-7b --settings w4+ec38 \
      --batches 1 8 --json "$out/decode_h200_ec38_swiglu$f.json" > $log/2_decode_ec38_swiglu$f.log 2>&1; done) &
   wait
+elif [ "${AB:-0}" = 1 ]; then  # two source trees side by side: src/ and .lab/src (another branch's, carried in
+  # with carry=[".lab"]); every decode candidate's W4 and W4+EC µs, each tree on both GPUs in turn
+  for phase in 1 2; do
+    for gpu in 0 1; do
+      tree=$([ $(( (gpu + phase) % 2 )) = 1 ] && echo src || echo .lab/src); name=$([ $tree = src ] && echo main || echo lab)
+      (export CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$PWD/$tree
+       timeout 250 python bench/ec_ablation.py --configs-only --ms 1 16 --json "$out/ab_${name}_gpu${gpu}.json" \
+         > $log/ab_${phase}_${name}_gpu${gpu}.log 2>&1) &
+    done
+    wait
+  done
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
