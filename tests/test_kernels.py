@@ -33,7 +33,7 @@ from spear.kernels.w4 import (
     w4_prefill_fused,
 )
 from spear.layer import SpearLinear
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
 
 SEED = int.from_bytes(os.urandom(4), "little")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,6 +78,22 @@ def test_packing_round_trips_codes_and_dequantizes_bit_exactly(gen):
         assert packed.in_features == 256
         assert torch.equal(unpack_w4(packed), record.codes)
         assert torch.equal(dequantize_w4(packed), record.dequantize(torch.float16))
+
+
+def test_packing_puts_column_pairs_in_the_halves_of_a_word():
+    """The pair layout (pack.py): word 16 b + 8 h + p holds columns 128 b + 16 (4 h + jj) + 2 p (bits 4 jj) and
+    + 1 (bits 16 + 4 jj). Each code here is its column mod 16 (2 p + t), its slice's jj in the row below."""
+    k = 256
+    col = torch.arange(k)
+    codes = torch.stack([col % 16, (col // 16) % 4]).repeat(32, 1).to(torch.uint8)  # [64, K]
+    record = QuantizedWeight(codes, torch.ones(64, 1), torch.zeros(64, 1), 4, k)
+    words = pack_w4(record).qweight.view(32, 2, 2, 2, 8)  # [row pair, row, b, h, p]
+    for p in range(8):
+        # every nibble of the low half is 2 p, of the high half 2 p + 1: 0x(2p+1)(2p+1)(2p+1)(2p+1)(2p)(2p)(2p)(2p)
+        pair = (2 * p + 1) * 0x11110000 + 2 * p * 0x1111
+        assert (words[:, 0, :, :, p] == pair - (pair >= 2**31) * 2**32).all()
+    assert (words[:, 1] == 0x32103210).all()  # jj at bits 4 jj and 16 + 4 jj, in every word
+    assert torch.equal(unpack_w4(pack_w4(record)), codes)
 
 
 def test_packing_rejects_what_the_kernels_cannot_take(gen):
@@ -126,6 +142,17 @@ def test_decode_gemv_loop_matches_reference(group, gen):
         cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw)
         y = w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group} split_k={split_k} block_kw={block_kw}")
+
+
+@pytest.mark.parametrize("f16x2", [False, True])
+def test_decode_gemv_loops_take_x_rows_at_any_alignment(f16x2, gen):
+    """The GEMV loops read x as int32 pairs of adjacent columns: a view of x with an odd row stride and an odd
+    element offset gives the same result as its contiguous copy."""
+    n, k = 64, 256
+    packed = pack_w4(random_w4(n, k, 64, gen)).to(DEVICE)
+    x = torch.randn(2, k + 1, generator=gen).half().to(DEVICE)[:, 1:]
+    cfg = DecodeConfig(block_n=32, gemv_rows=4, block_kw=16, gemv_f16x2=f16x2)
+    assert torch.equal(w4_decode(x, packed, None, None, cfg), w4_decode(x.contiguous(), packed, None, None, cfg))
 
 
 @pytest.mark.parametrize("group", [-1, 32, 64, 128])

@@ -3,10 +3,12 @@
 Weight W [N, K] (out × in) as the record holds it: W_hat = (q − z) · s, q ∈ [0, 15].
 Kernel layout:
     qweight  int32 [N, K' / 8]  K' = K rounded up to a multiple of 128 (padding codes are 0).
-             Interleaved per block of 128 columns: word 16 b + i holds, in nibble j, the code of
-             column 128 b + 16 j + i. Nibble j of 16 consecutive words is then a contiguous
-             16-column slice, so a kernel unpacks a [rows, 16] operand with one shift and mask,
-             no reshuffle, and feeds it straight to a tensor-core dot.
+             Pair layout per block of 128 columns: word 16 b + 8 h + p (h ∈ {0, 1}, p ∈ 0..7) holds,
+             for jj ∈ 0..3, the codes of columns 128 b + 16 (4 h + jj) + 2 p and + 1 at bits 4 jj and
+             16 + 4 jj. Slice j = 4 h + jj (16 columns) of a block is then the 8 words 8 h .. 8 h + 7,
+             each giving a column pair in its two 16-bit halves: one LOP3 with Marlin's masks
+             (0x000F000F, 0x00F000F0, on the word or the word >> 8) OR 0x64006400 makes both codes as
+             fp16 (1024 + q, or 1024 + 16 q) in one register, as a tensor-core operand pairs them.
     scales   fp16  [N, K / g]   one per row and group (g = K for per-channel)
     zeros    fp16  [N, K / g]   the integer zero points, exact in fp16
 The kernels use Σ_k (q − z) s x = s (Σ_k q x − z Σ_k x) over each group: exact in real
@@ -31,12 +33,12 @@ from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.quant.record import QuantizedWeight
 
-BLOCK = 128  # columns per interleaved block
+BLOCK = 128  # columns per packed block
 
 
 @dataclass
 class PackedW4:
-    qweight: torch.Tensor  # int32 [N, K' / 8], interleaved (see the module docstring)
+    qweight: torch.Tensor  # int32 [N, K' / 8], pair layout (see the module docstring)
     scales: torch.Tensor  # fp16 [N, K / g]
     zeros: torch.Tensor  # fp16 [N, K / g]
     group_size: int  # g; K for per-channel
@@ -82,6 +84,11 @@ def pow2_at_least_16(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _pair_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[jj, t] → the bit of column 16 jj + 2 p + t's code in its word (4 jj + 16 t)."""
+    return (4 * torch.arange(4, device=device)[:, None] + 16 * torch.arange(2, device=device)).to(dtype)
+
+
 def pack_w4(record: QuantizedWeight) -> PackedW4:
     if record.bits != 4:
         raise SpearError(f"the W4A16 kernels take 4-bit weights, got {record.bits}-bit")
@@ -93,9 +100,8 @@ def pack_w4(record: QuantizedWeight) -> PackedW4:
     blocks = -(-k // BLOCK)
     codes = torch.zeros(n, blocks * BLOCK, dtype=torch.int64, device=record.codes.device)
     codes[:, :k] = record.codes
-    codes = codes.view(n, blocks, 8, 16).transpose(2, 3)  # [n, b, i, j]: column 128 b + 16 j + i
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    words = (codes << shifts).sum(-1)  # [n, b, i], < 2^32
+    codes = codes.view(n, blocks, 2, 4, 8, 2).permute(0, 1, 2, 4, 3, 5)  # [n, b, h, p, jj, t]
+    words = (codes << _pair_shifts(codes.device, torch.int64)).sum((-2, -1))  # [n, b, h, p], < 2^32
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return PackedW4(words.reshape(n, blocks * 16).contiguous(), record.scales.half().contiguous(),
                     record.zeros.half().contiguous(), record.group_size, k)
@@ -104,9 +110,9 @@ def pack_w4(record: QuantizedWeight) -> PackedW4:
 def unpack_w4(packed: PackedW4) -> torch.Tensor:
     """The uint8 codes [N, K] back from the packed words (the inverse of pack_w4's packing)."""
     n = packed.out_features
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.qweight.device)
-    codes = (packed.qweight.view(n, -1, 16)[..., None] >> shifts) & 0xF  # [n, b, i, j]
-    return codes.transpose(2, 3).reshape(n, -1)[:, : packed.in_features].to(torch.uint8)
+    words = packed.qweight.view(n, -1, 2, 8)[..., None, None]  # [n, b, h, p, 1, 1]
+    codes = (words >> _pair_shifts(words.device, torch.int32)) & 0xF  # [n, b, h, p, jj, t]
+    return codes.permute(0, 1, 2, 4, 3, 5).reshape(n, -1)[:, : packed.in_features].to(torch.uint8)
 
 
 def pack_ec(ec: ErrorCompensator) -> PackedEC:

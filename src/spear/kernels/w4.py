@@ -58,45 +58,76 @@ READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
 
 
 @triton.jit
-def _codes_f16(packed, j: tl.constexpr):
-    """Nibble j (code q) of each word as fp16, exactly, without the slow int → float conversion: the code
-    becomes the low mantissa bits of 1024 (0x6400), and subtracting 1024 leaves q."""
-    bits = ((packed >> (4 * j)) & 0xF) | 0x6400
-    return bits.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+def _h2_unpack(v):
+    """The fp16 halves (bits 0–15, bits 16–31) of int32 v."""
+    return v.to(tl.int16).to(tl.float16, bitcast=True), (v >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pair_bits(src, HI: tl.constexpr):
+    """The code pair at bits 0–3 and 16–19 of src (HI: bits 4–7 and 20–23) OR-ed into 0x6400 in both halves: as
+    fp16x2, 1024 + q (HI: 1024 + 16 q) for each code, exactly, in one LOP3 (Marlin's masks)."""
+    if HI:
+        bits = (src & 0x00F000F0) | 0x64006400
+    else:
+        bits = (src & 0x000F000F) | 0x64006400
+    return bits
+
+
+@triton.jit
+def _slice_f16(words, words8, jj: tl.constexpr, off_lo, off_hi, BN: tl.constexpr):
+    """q − z [BN, 16] fp16 of slice 4 h + jj of a block, from the 8 words [BN, 8] of its half h and words8 =
+    words >> 8 (pack.py's pair layout: columns 2 p, 2 p + 1 at bits 4 jj, 16 + 4 jj of word p), with
+    off_lo = 1024 + z, off_hi = 64 + z. The pair's halves (_pair_bits of the word for jj < 2, else of words8) are
+    1024 + q for even jj, so q − z = that − off_lo (HADD2), and 1024 + 16 q for odd jj, so q − z = that / 16 −
+    off_hi (HFMA2): exact, two weights an instruction."""
+    if jj < 2:
+        src = words
+    else:
+        src = words8
+    lo, hi = _h2_unpack(_pair_bits(src, jj % 2 == 1))
+    v = tl.reshape(tl.join(lo, hi), (BN, 16))  # columns 2 p, 2 p + 1 side by side
+    if jj % 2 == 1:
+        v = v * 0.0625 - off_hi
+    else:
+        v = v - off_lo
+    return v
 
 
 @triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
-              biased_z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one interleaved block
+              z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one packed block
     (per-channel: without the scale, which _w4_dot_loop applies once at the end).
 
-    The zero points are integers (≤ 15), so q − z is exact in fp16 and costs what the 1024 trick's
-    subtraction cost anyway: the slice of codes (1024 + q, from OR-ing the code into 0x6400) minus
-    (1024 + z) is q − z. Per group span (SPG slices of 16 columns) the tensor-core dots sum
-    Σ (q − z) x and the scale acts once: acc += s · Σ (q − z) x. No Σ x correction term. Per-channel,
-    `biased_z` (1024 + z) comes from the caller and the dots accumulate straight into acc.
+    The zero points are integers (≤ 15), so q − z is exact in fp16 and costs one HADD2 / HFMA2 a code pair, what
+    turning the codes into fp16 costs anyway (_slice_f16). Per group span (SPG slices of 16 columns: whole
+    slices, whole halves of the block at SPG = 4) the tensor-core dots sum Σ (q − z) x and the scale acts once:
+    acc += s · Σ (q − z) x. No Σ x correction term. Per-channel, `z` [BN] comes from the caller and the dots
+    accumulate straight into acc.
     """
-    packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
-                     mask=mask_n[:, None], other=0)  # [BN, 16] int32
     part = tl.zeros((BN, BM), dtype=tl.float32)
     if PER_CHANNEL:
         part = acc
-    for j in tl.static_range(8):
-        g = (kb + 16 * (j - j % SPG)) // group_size  # the span's group (from its first column: K pads to 128)
-        mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (the span may be all padding)
-        if not PER_CHANNEL and j % SPG == 0:
-            biased_z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0) + 1024.0  # [BN] fp16, exact
-        offs_k = kb + 16 * j + tl.arange(0, 16)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                     mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16, BM]: the slice of xᵀ
-        bits = ((packed >> (4 * j)) & 0xF) | 0x6400  # 1024 + q as fp16 bits
-        q = bits.to(tl.int16).to(tl.float16, bitcast=True) - biased_z[:, None]  # [BN, 16]: q − z
-        part += tl.dot(q, xt)
-        if not PER_CHANNEL and (j + 1) % SPG == 0:
-            s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
-            acc += s[:, None] * part
-            part = tl.zeros((BN, BM), dtype=tl.float32)
+    for h in tl.static_range(2):
+        words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + 8 * h + tl.arange(0, 8))[None, :],
+                        mask=mask_n[:, None], other=0)  # [BN, 8] int32: slices 4 h .. 4 h + 3
+        words8 = words >> 8
+        for jj in tl.static_range(4):
+            j = 4 * h + jj
+            g = (kb + 16 * (j - j % SPG)) // group_size  # the span's group (from its first column: K pads to 128)
+            mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (the span may be all padding)
+            if not PER_CHANNEL and j % SPG == 0:
+                z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)  # [BN] fp16
+            offs_k = kb + 16 * j + tl.arange(0, 16)
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                         mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16, BM]: the slice of xᵀ
+            q = _slice_f16(words, words8, jj, (z + 1024.0)[:, None], (z + 64.0)[:, None], BN)  # [BN, 16]: q − z
+            part += tl.dot(q, xt)
+            if not PER_CHANNEL and (j + 1) % SPG == 0:
+                s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+                acc += s[:, None] * part
+                part = tl.zeros((BN, BM), dtype=tl.float32)
     if PER_CHANNEL:
         acc = part
     return acc
@@ -108,12 +139,12 @@ def _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n,
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns).
     Per-channel, z is loaded once and s applied once, after the loop."""
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    biased_z = tl.zeros((BN,), dtype=tl.float16)
+    z = tl.zeros((BN,), dtype=tl.float16)
     if PER_CHANNEL:
-        biased_z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0) + 1024.0
+        z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
     for kb in range(k_lo, k_hi, 128):
         acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
-                        group_size, biased_z, SPG, BN, BM, PER_CHANNEL)
+                        group_size, z, SPG, BN, BM, PER_CHANNEL)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return acc
@@ -135,25 +166,44 @@ def _x_scale(jj: tl.constexpr):
 
 
 @triton.jit
-def _gemv_row(part, xs, codes, x_ptr, row, M, stride_xm, cols, mask_cols, scale):
-    """part [BN, BKW] += codes · (scale x[row, cols]) (broadcast down the rows of W), xs [BKW] += x[row, cols]."""
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask_cols & (cols * 0 + row < M), other=0.0).to(tl.float32)  # [BKW]
-    return part + codes * (x * scale)[None, :], xs + x
+def _x_pairs(x_ptr, row, M, stride_xm, kb, jj: tl.constexpr, K, BKW: tl.constexpr):
+    """x[row] at the step's words' code pairs in plane jj, as int32 [BKW] holding the pair's two fp16 (the even
+    column in bits 0–15). Word 8 h + p of the step (h counts 64-column halves of blocks) pairs columns
+    kb + 64 h + 16 jj + 2 p and + 1 (pack.py), adjacent in x, so one int32 takes both (w4_decode keeps x's rows
+    4-byte aligned), and a plane's pairs are a run of 8 int32 per half. (Loading the 16 fp16 of a run and
+    splitting them into even and odd columns moved x through shared memory: a [BKW, 2] load as wide as the
+    program's threads is not re-materialized in the layout the codes want.) The mask tests whole runs (K is a
+    multiple of 64), so the compiler may vectorize the load along a run."""
+    offs = tl.arange(0, BKW)
+    run = kb + 64 * (offs // 8) + 16 * jj  # first column of each word's run of 16
+    pairs = tl.max_contiguous(tl.multiple_of(kb // 2 + 32 * (offs // 8) + 8 * jj + offs % 8, 8), 8)
+    x2 = x_ptr.to(tl.pointer_type(tl.int32)) + row * (stride_xm // 2)
+    return tl.load(x2 + pairs, mask=(run < K) & (offs * 0 + row < M), other=0)
 
 
 @triton.jit
-def _gemv_span_end(acc, xsum, part, xs, s, z, unit, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+def _gemv_row(part, xs, even, odd, x_ptr, row, M, stride_xm, kb, jj: tl.constexpr, K, scale, BKW: tl.constexpr):
+    """part [BN, BKW] += even · (scale x_even) + odd · (scale x_odd) (broadcast down the rows of W), for the codes of
+    the words' column pairs in plane jj and x[row] there (_x_pairs); xs [BKW] += x_even + x_odd."""
+    x_even, x_odd = _h2_unpack(_x_pairs(x_ptr, row, M, stride_xm, kb, jj, K, BKW))
+    x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+    return part + even * (x_even * scale)[None, :] + odd * (x_odd * scale)[None, :], xs + x_even + x_odd
+
+
+@triton.jit
+def _gemv_span_end(acc, xsum, part, xs, s, z, unit, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr,
+                   CW: tl.constexpr):
     """Close a group span: Σ (q − z) s x = s (unit P − z X) with P = Σ q x / unit, X = Σ x (unit: 2^38 for the
     denormal codes, 16 for the fp16x2 loop's x / 16).
 
-    Per-channel: s and z wait for the end of the loop. Grouped: the span of each of the step's NB
-    blocks is one group, so P and X are first summed over the block's 16 words and s, z ([BN, NB],
-    one per row and block) act once per block, not once per word."""
+    Per-channel: s and z wait for the end of the loop. Grouped: the span of each of the step's NC cells (CW words:
+    a block, or a half of one, _w4_gemv) is one group, so P and X are first summed over the cell's words and s, z
+    ([BN, NC], one per row and cell) act once per cell, not once per word."""
     if PER_CHANNEL:  # (an if/else, not an early return: the compiler type-checks the code after a return too)
         acc, xsum = part, xsum + xs  # part started from acc
     else:
-        p = tl.sum(tl.reshape(part, (BN, NB, 16)), axis=2)  # [BN, NB]
-        x = tl.sum(tl.reshape(xs, (NB, 16)), axis=1)  # [NB]
+        p = tl.sum(tl.reshape(part, (BN, NC, CW)), axis=2)  # [BN, NC]
+        x = tl.sum(tl.reshape(xs, (NC, CW)), axis=1)  # [NC]
         acc += s * (unit * p - z * x[None, :])
     return acc, xsum
 
@@ -186,9 +236,11 @@ def _gemv_tile(acc0, acc1, acc2, acc3, xsum0, xsum1, xsum2, xsum3, s_ptr, z_ptr,
 
 
 @triton.jit
-def _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, span, G, group_size, SPG: tl.constexpr, NB: tl.constexpr):
-    """s and z [BN, NB] float32 of group span `span` (SPG slices of 16 columns) in each of a step's NB blocks."""
-    g = (kb + 128 * tl.arange(0, NB) + 16 * SPG * span) // group_size  # [NB]: the span's group per block
+def _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, jj: tl.constexpr, G, group_size, CW: tl.constexpr,
+                 NC: tl.constexpr):
+    """s and z [BN, NC] float32 of the group span that starts at plane jj in each of a step's NC cells (CW words:
+    8 CW columns, a block or a half of one, _w4_gemv)."""
+    g = (kb + 8 * CW * tl.arange(0, NC) + 16 * jj) // group_size  # [NC]: the span's group per cell
     mask_g = mask_n[:, None] & (g[None, :] < G)
     s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask_g, other=0.0).to(tl.float32)
@@ -201,23 +253,28 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
              ROWS: tl.constexpr, STAGES: tl.constexpr):
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi for M ≤ ROWS ≤ 4 rows of x: the GEMV main loop.
 
-    Each step loads a wide [BN, BKW] tile of code words (BKW / 16 interleaved blocks) and multiplies
-    every nibble plane by the matching gathered slice of x with plain FMAs, one 2-D float32
+    Each step loads a wide [BN, BKW] tile of code words (BKW / 16 packed blocks) and multiplies every
+    nibble plane (bits 4 jj of each word: the even columns of the word's pair in slice 4 h + jj; bits
+    16 + 4 jj: the odd ones) by the matching slice of x (_x_pairs) with plain FMAs, one 2-D float32
     accumulator per row (a 3-D [ROWS, BN, BKW] one made the compiler shuffle the codes through shared
     memory). No tensor-core operand layout and no int → float conversion: a code is an AND away from a
     denormal float (_codes_denormal), so a weight costs an AND and an FMA.
+
+    Grouped, planes c .. c + L − 1 (L = min(SPG, 4)) of the 8 words of a block's half h hold slices
+    4 h + c .. 4 h + c + L − 1: one group span, so the span's sums close per cell of CW words, a half (SPG ≤ 4)
+    or, where one group spans both halves, a block (SPG = 8).
 
     STAGES > 1 pipelines the code tiles through shared memory (cp.async, STAGES − 1 steps ahead): at one
     or two programs an SM, one step's tile in flight (16 KB) is too little to cover HBM latency.
     """
     offs_w = tl.arange(0, BKW)
     block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
-    col0 = block0 + offs_w % 16  # column of nibble 0 of each word
-    # Masks test whole 16-word / 16-column runs (K is a multiple of 64, k_hi of 128), so the compiler
-    # may vectorize the loads along a run.
-    NB: tl.constexpr = BKW // 16  # 128-column blocks per step
-    ACC: tl.constexpr = NB + (BKW - NB) * PER_CHANNEL  # per-channel: per word; grouped: per row and block
-    # (not `BKW if PER_CHANNEL else NB`: the compiler's constexpr wrapper is always truthy there)
+    # The code mask tests whole 16-word runs (k_hi is a multiple of 128), so the compiler may vectorize the load.
+    L: tl.constexpr = min(SPG, 4)  # planes per span
+    CW: tl.constexpr = 8 + 8 * (SPG // 8)  # words per group cell: a block's 16 (SPG = 8), else a half's 8
+    NC: tl.constexpr = BKW // CW  # group cells per step
+    ACC: tl.constexpr = NC + (BKW - NC) * PER_CHANNEL  # per-channel: per word; grouped: per row and cell
+    # (not `BKW if PER_CHANNEL else NC`: the compiler's constexpr wrapper is always truthy there)
     acc0 = tl.zeros((BN, ACC), dtype=tl.float32)
     acc1 = tl.zeros((BN, ACC), dtype=tl.float32)
     acc2 = tl.zeros((BN, ACC), dtype=tl.float32)
@@ -232,10 +289,10 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
         words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
         packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
                          mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
-        packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # nibbles 4–7 in bits 0–15
-        for span in tl.static_range(8 // SPG):
+        packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # odd columns' codes
+        for c in tl.static_range(0, 4, L):
             if not PER_CHANNEL:
-                s, z = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, span, G, group_size, SPG, NB)
+                s, z = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, c, G, group_size, CW, NC)
             if PER_CHANNEL:  # the span's sums go straight into the accumulators
                 part0, part1, part2, part3 = acc0, acc1, acc2, acc3
             else:
@@ -247,27 +304,22 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
             xs1 = tl.zeros((BKW,), dtype=tl.float32)
             xs2 = tl.zeros((BKW,), dtype=tl.float32)
             xs3 = tl.zeros((BKW,), dtype=tl.float32)
-            for jj in tl.static_range(SPG):
-                j = span * SPG + jj
-                if j < 4:
-                    codes = _codes_denormal(packed, j % 4)  # [BN, BKW]: q 2^(4 (j mod 4) − 149)
-                else:
-                    codes = _codes_denormal(packed_hi, j % 4)
-                scale = _x_scale(j % 4)
-                cols = tl.max_contiguous(tl.multiple_of(kb + col0 + 16 * j, 16), 16)  # runs of 16 columns
-                mask_cols = kb + block0 + 16 * j < K
-                part0, xs0 = _gemv_row(part0, xs0, codes, x_ptr, 0, M, stride_xm, cols, mask_cols, scale)
+            for jj in tl.static_range(c, c + L):
+                even = _codes_denormal(packed, jj)  # [BN, BKW]: q 2^(4 jj − 149)
+                odd = _codes_denormal(packed_hi, jj)
+                scale = _x_scale(jj)
+                part0, xs0 = _gemv_row(part0, xs0, even, odd, x_ptr, 0, M, stride_xm, kb, jj, K, scale, BKW)
                 if ROWS > 1:
-                    part1, xs1 = _gemv_row(part1, xs1, codes, x_ptr, 1, M, stride_xm, cols, mask_cols, scale)
+                    part1, xs1 = _gemv_row(part1, xs1, even, odd, x_ptr, 1, M, stride_xm, kb, jj, K, scale, BKW)
                 if ROWS > 2:
-                    part2, xs2 = _gemv_row(part2, xs2, codes, x_ptr, 2, M, stride_xm, cols, mask_cols, scale)
-                    part3, xs3 = _gemv_row(part3, xs3, codes, x_ptr, 3, M, stride_xm, cols, mask_cols, scale)
-            acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, TWO_38, PER_CHANNEL, BN, NB)
+                    part2, xs2 = _gemv_row(part2, xs2, even, odd, x_ptr, 2, M, stride_xm, kb, jj, K, scale, BKW)
+                    part3, xs3 = _gemv_row(part3, xs3, even, odd, x_ptr, 3, M, stride_xm, kb, jj, K, scale, BKW)
+            acc0, xsum0 = _gemv_span_end(acc0, xsum0, part0, xs0, s, z, TWO_38, PER_CHANNEL, BN, NC, CW)
             if ROWS > 1:
-                acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, TWO_38, PER_CHANNEL, BN, NB)
+                acc1, xsum1 = _gemv_span_end(acc1, xsum1, part1, xs1, s, z, TWO_38, PER_CHANNEL, BN, NC, CW)
             if ROWS > 2:
-                acc2, xsum2 = _gemv_span_end(acc2, xsum2, part2, xs2, s, z, TWO_38, PER_CHANNEL, BN, NB)
-                acc3, xsum3 = _gemv_span_end(acc3, xsum3, part3, xs3, s, z, TWO_38, PER_CHANNEL, BN, NB)
+                acc2, xsum2 = _gemv_span_end(acc2, xsum2, part2, xs2, s, z, TWO_38, PER_CHANNEL, BN, NC, CW)
+                acc3, xsum3 = _gemv_span_end(acc3, xsum3, part3, xs3, s, z, TWO_38, PER_CHANNEL, BN, NC, CW)
     return _gemv_tile(acc0, acc1, acc2, acc3, xsum0, xsum1, xsum2, xsum3, s_ptr, z_ptr, offs_n, mask_n, G, TWO_38,
                       offs_m, ROWS, PER_CHANNEL, BN)
 
@@ -275,12 +327,6 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
 # --- the GEMV loop in fp16x2 (DecodeConfig.gemv_f16x2) ----------------------------------
 # An int32 holds two fp16 (bits 0–15, 16–31): one HADD2 / HFMA2 computes both. Each helper is one short inline PTX
 # block (ASM) or, for the interpreter (which runs no PTX), the same arithmetic on the two halves in Triton.
-
-
-@triton.jit
-def _h2_unpack(v):
-    """The fp16 halves (bits 0–15, bits 16–31) of int32 v."""
-    return v.to(tl.int16).to(tl.float16, bitcast=True), (v >> 16).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -305,23 +351,23 @@ def _h2_codes(src, offset, HI: tl.constexpr, ASM: tl.constexpr):
                                           is_pure=True, pack=1)
     else:
         off_lo, off_hi = _h2_unpack(offset)
+        lo, hi = _h2_unpack(_pair_bits(src, HI))
         if HI:
-            lo, hi = _h2_unpack((src & 0x00F000F0) | 0x64006400)
             q = _h2_pack(lo * 0.0625 + off_lo, hi * 0.0625 + off_hi)
         else:
-            lo, hi = _h2_unpack((src & 0x000F000F) | 0x64006400)
             q = _h2_pack(lo + off_lo, hi + off_hi)
     return q
 
 
 @triton.jit
-def _h2_x(lo, hi, ASM: tl.constexpr):
-    """fp16 x values lo and hi, divided by 16 (exact but where they fall below 2^-10: a partial sum of four
-    products q x / 16 stays below 60 |x|max / 16, finite for |x| < 17,000), as one fp16x2."""
+def _h2_x(pairs, ASM: tl.constexpr):
+    """fp16x2 x pairs divided by 16 (exact but where they fall below 2^-10: a partial sum of four products q x / 16
+    stays below 60 |x|max / 16, finite for |x| < 17,000)."""
     if ASM:
-        x = tl.inline_asm_elementwise("{ .reg .b32 t, c; mov.b32 t, {$1, $2}; mov.b32 c, 0x2C002C00; "
-                                      "mul.f16x2 $0, t, c; }", "=r,h,h", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+        x = tl.inline_asm_elementwise("{ .reg .b32 c; mov.b32 c, 0x2C002C00; mul.f16x2 $0, $1, c; }", "=r,r",
+                                      [pairs], dtype=tl.int32, is_pure=True, pack=1)
     else:
+        lo, hi = _h2_unpack(pairs)
         x = _h2_pack(lo * 0.0625, hi * 0.0625)
     return x
 
@@ -359,31 +405,25 @@ def _h2_f32(h, ASM: tl.constexpr):
 
 
 @triton.jit
-def _h2_row(h, xs_lo, xs_hi, codes, x_ptr, row, M, stride_xm, cols, mask_lo, mask_hi, FIRST: tl.constexpr,
-            ASM: tl.constexpr):
-    """h [BN, BKW] fp16x2 += codes · (x[row, cols], x[row, cols + 64]) / 16, two weights an HFMA2 (FIRST: h =);
-    xs_lo, xs_hi [BKW] += the two x (float32, for grouped weights' z Σ x)."""
-    ptrs = x_ptr + row * stride_xm + cols
-    in_rows = cols * 0 + row < M
-    lo = tl.load(ptrs, mask=mask_lo & in_rows, other=0.0)
-    hi = tl.load(ptrs + 64, mask=mask_hi & in_rows, other=0.0)
-    return _h2_fma(codes, _h2_x(lo, hi, ASM)[None, :], h, FIRST, ASM), xs_lo + lo.to(tl.float32), xs_hi + hi.to(tl.float32)
+def _h2_row(h, xs, codes, x_ptr, row, M, stride_xm, kb, jj: tl.constexpr, K, FIRST: tl.constexpr, ASM: tl.constexpr,
+            BKW: tl.constexpr):
+    """h [BN, BKW] fp16x2 += codes · (x_even, x_odd) / 16 for the words' column pairs in plane jj (_x_pairs), two
+    weights an HFMA2 (FIRST: h =); xs [BKW] += x_even + x_odd (float32, for grouped weights' z Σ x)."""
+    pairs = _x_pairs(x_ptr, row, M, stride_xm, kb, jj, K, BKW)
+    x_even, x_odd = _h2_f32(pairs, ASM)
+    return _h2_fma(codes, _h2_x(pairs, ASM)[None, :], h, FIRST, ASM), xs + x_even + x_odd
 
 
 @triton.jit
-def _h2_chain_end(acc, xsum, h, xs_lo, xs_hi, s_lo, z_lo, s_hi, z_hi, ASM: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                  SPG: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+def _h2_chain_end(acc, xsum, h, xs, s, z, ASM: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr,
+                  NC: tl.constexpr, CW: tl.constexpr):
     """Add a chain's fp16x2 sums h = Σ (q − z) x / 16 (grouped: Σ (q − 8) x / 16) to the float32 accumulator: per-channel
-    per word, grouped closing the group spans of the low halves (s_lo, z_lo) and of the high halves (s_hi, z_hi),
-    one span where a group covers the block (SPG = 8)."""
+    per word, grouped closing the chain's group span (both halves of a pair are in one slice, hence one group)."""
     lo, hi = _h2_f32(h, ASM)
     if PER_CHANNEL:
         acc += lo + hi
-    elif SPG == 8:
-        acc, xsum = _gemv_span_end(acc, xsum, lo + hi, xs_lo + xs_hi, s_lo, z_lo, 16.0, PER_CHANNEL, BN, NB)
     else:
-        acc, xsum = _gemv_span_end(acc, xsum, lo, xs_lo, s_lo, z_lo, 16.0, PER_CHANNEL, BN, NB)
-        acc, xsum = _gemv_span_end(acc, xsum, hi, xs_hi, s_hi, z_hi, 16.0, PER_CHANNEL, BN, NB)
+        acc, xsum = _gemv_span_end(acc, xsum, lo + hi, xs, s, z, 16.0, PER_CHANNEL, BN, NC, CW)
     return acc
 
 
@@ -393,29 +433,27 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
                    BKW: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
     """_w4_gemv's tile with fp16x2 arithmetic (Marlin / ExLlama style): two weights an instruction.
 
-    Nibbles j and j + 4 of a word (columns 16 j + w and 16 j + 64 + w of its block) sit at bits 4 j' and 16 + 4 j'
-    of the word (j' = j) or of the word shifted right by 8 (j' = j − 2), so one LOP3 and one HADD2 / HFMA2 make
-    the pair (q − z) in one register (_h2_codes), and one HFMA2 multiplies it by the pair of x / 16 (_h2_x).
-    Per word and row, the four pairs chain into fp16 sums of four products (each an fp16 rounding), then into
-    the float32 accumulator (_h2_chain_end). Per-channel z is in the codes' offsets: no Σ x term. Grouped, the
-    codes are q − 8 (offsets 1032, 72), and z − 8 acts per group span via Σ x, as z in _w4_gemv; a chain then
-    stops at the end of a span (SPG = 2: two pairs), its low and high halves closing a span each.
+    The code pair of plane jj of a word (columns 2 p, 2 p + 1 of its slice, pack.py) sits at bits 4 jj' and
+    16 + 4 jj' of the word (jj' = jj) or of the word shifted right by 8 (jj' = jj − 2), so one LOP3 and one
+    HADD2 / HFMA2 make the pair (q − z) in one register (_h2_codes), and one HFMA2 multiplies it by the pair of
+    adjacent x / 16 (_h2_x). Per word and row, the four planes chain into fp16 sums of four products (each an
+    fp16 rounding), then into the float32 accumulator (_h2_chain_end). Per-channel z is in the codes' offsets: no
+    Σ x term. Grouped, the codes are q − 8 (offsets 1032, 72), and z − 8 acts per group span via Σ x, as z in
+    _w4_gemv, whose spans the chains follow (SPG = 2: two planes a chain).
     """
     offs_w = tl.arange(0, BKW)
     block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
-    col0 = block0 + offs_w % 16  # column of nibble 0 of each word
-    NB: tl.constexpr = BKW // 16  # 128-column blocks per step
-    ACC: tl.constexpr = NB + (BKW - NB) * PER_CHANNEL  # per-channel: per word; grouped: per row and block
-    L: tl.constexpr = min(SPG, 4)  # pairs per chain
+    L: tl.constexpr = min(SPG, 4)  # planes per chain
+    CW: tl.constexpr = 8 + 8 * (SPG // 8)  # words per group cell (_w4_gemv)
+    NC: tl.constexpr = BKW // CW
+    ACC: tl.constexpr = NC + (BKW - NC) * PER_CHANNEL  # per-channel: per word; grouped: per row and cell
     acc0 = tl.zeros((BN, ACC), dtype=tl.float32)
     acc1 = tl.zeros((BN, ACC), dtype=tl.float32)
     acc2 = tl.zeros((BN, ACC), dtype=tl.float32)
     acc3 = tl.zeros((BN, ACC), dtype=tl.float32)
     xsum = tl.zeros((BKW,), dtype=tl.float32)  # per-channel Σ x: none needed (z is in the codes)
-    s_lo = tl.zeros((BN, ACC), dtype=tl.float32)
-    z_lo = tl.zeros((BN, ACC), dtype=tl.float32)
-    s_hi = tl.zeros((BN, ACC), dtype=tl.float32)
-    z_hi = tl.zeros((BN, ACC), dtype=tl.float32)
+    s = tl.zeros((BN, ACC), dtype=tl.float32)
+    z_span = tl.zeros((BN, ACC), dtype=tl.float32)
     z = tl.full((BN,), 8.0, dtype=tl.float16)  # grouped: codes q − 8, half the products' size of q's
     if PER_CHANNEL:
         z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
@@ -425,43 +463,35 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
         words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
         packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
                          mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
-        packed8 = packed >> 8  # nibbles 2, 3 and 6, 7 at bits 0–7 and 16–23
-        for c in tl.static_range(0, 4, L):  # the chain of pairs c .. c + L − 1
+        packed8 = packed >> 8  # the pairs of planes 2, 3 at bits 0–7 and 16–23
+        for c in tl.static_range(0, 4, L):  # the chain of planes c .. c + L − 1
             if not PER_CHANNEL:
-                s_lo, z_lo = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, c // SPG, G, group_size, SPG, NB)
-                s_hi, z_hi = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, (c + 4) // SPG, G, group_size, SPG, NB)
-                z_lo, z_hi = z_lo - 8.0, z_hi - 8.0  # Σ (q − z) x = Σ (q − 8) x − (z − 8) Σ x
+                s, z_span = _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, c, G, group_size, CW, NC)
+                z_span -= 8.0  # Σ (q − z) x = Σ (q − 8) x − (z − 8) Σ x
             h0 = tl.zeros((BN, BKW), dtype=tl.int32)  # fp16x2 (+0, +0)
             h1, h2, h3 = h0, h0, h0
-            xl0, xh0, xl1, xh1, xl2, xh2, xl3, xh3 = xsum, xsum, xsum, xsum, xsum, xsum, xsum, xsum  # zeros
-            for p in tl.static_range(c, c + L):
-                if p < 2:
+            xs0, xs1, xs2, xs3 = xsum, xsum, xsum, xsum  # zeros
+            for jj in tl.static_range(c, c + L):
+                if jj < 2:
                     src = packed
                 else:
                     src = packed8
-                if p % 2 == 1:
+                if jj % 2 == 1:
                     codes = _h2_codes(src, off_hi, True, ASM)
                 else:
                     codes = _h2_codes(src, off_lo, False, ASM)
-                cols = tl.max_contiguous(tl.multiple_of(kb + col0 + 16 * p, 16), 16)  # runs of 16 columns
-                mask_lo = kb + block0 + 16 * p < K
-                mask_hi = kb + block0 + 16 * (p + 4) < K
-                h0, xl0, xh0 = _h2_row(h0, xl0, xh0, codes, x_ptr, 0, M, stride_xm, cols, mask_lo, mask_hi,
-                                      p == c, ASM)
+                h0, xs0 = _h2_row(h0, xs0, codes, x_ptr, 0, M, stride_xm, kb, jj, K, jj == c, ASM, BKW)
                 if ROWS > 1:
-                    h1, xl1, xh1 = _h2_row(h1, xl1, xh1, codes, x_ptr, 1, M, stride_xm, cols, mask_lo, mask_hi,
-                                          p == c, ASM)
+                    h1, xs1 = _h2_row(h1, xs1, codes, x_ptr, 1, M, stride_xm, kb, jj, K, jj == c, ASM, BKW)
                 if ROWS > 2:
-                    h2, xl2, xh2 = _h2_row(h2, xl2, xh2, codes, x_ptr, 2, M, stride_xm, cols, mask_lo, mask_hi,
-                                          p == c, ASM)
-                    h3, xl3, xh3 = _h2_row(h3, xl3, xh3, codes, x_ptr, 3, M, stride_xm, cols, mask_lo, mask_hi,
-                                          p == c, ASM)
-            acc0 = _h2_chain_end(acc0, xsum, h0, xl0, xh0, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
+                    h2, xs2 = _h2_row(h2, xs2, codes, x_ptr, 2, M, stride_xm, kb, jj, K, jj == c, ASM, BKW)
+                    h3, xs3 = _h2_row(h3, xs3, codes, x_ptr, 3, M, stride_xm, kb, jj, K, jj == c, ASM, BKW)
+            acc0 = _h2_chain_end(acc0, xsum, h0, xs0, s, z_span, ASM, PER_CHANNEL, BN, NC, CW)
             if ROWS > 1:
-                acc1 = _h2_chain_end(acc1, xsum, h1, xl1, xh1, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
+                acc1 = _h2_chain_end(acc1, xsum, h1, xs1, s, z_span, ASM, PER_CHANNEL, BN, NC, CW)
             if ROWS > 2:
-                acc2 = _h2_chain_end(acc2, xsum, h2, xl2, xh2, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
-                acc3 = _h2_chain_end(acc3, xsum, h3, xl3, xh3, s_lo, z_lo, s_hi, z_hi, ASM, PER_CHANNEL, SPG, BN, NB)
+                acc2 = _h2_chain_end(acc2, xsum, h2, xs2, s, z_span, ASM, PER_CHANNEL, BN, NC, CW)
+                acc3 = _h2_chain_end(acc3, xsum, h3, xs3, s, z_span, ASM, PER_CHANNEL, BN, NC, CW)
     return _gemv_tile(acc0, acc1, acc2, acc3, xsum, xsum, xsum, xsum, s_ptr, z_ptr, offs_n, mask_n, G, 16.0, offs_m,
                       ROWS, PER_CHANNEL, BN)
 
@@ -726,16 +756,18 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     kb = tl.program_id(1) * 128
-    packed = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
-                     mask=mask_n[:, None], other=0)  # [BN, 16]
-    for j in tl.static_range(8):
-        offs_k = kb + 16 * j + tl.arange(0, 16)
-        mask = mask_n[:, None] & (offs_k[None, :] < K)
-        g = offs_k // group_size
-        s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
-        z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
-        q = _codes_f16(packed, j)
-        tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
+    for h in tl.static_range(2):
+        words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + 8 * h + tl.arange(0, 8))[None, :],
+                        mask=mask_n[:, None], other=0)  # [BN, 8]: slices 4 h .. 4 h + 3
+        words8 = words >> 8
+        for jj in tl.static_range(4):
+            offs_k = kb + 16 * (4 * h + jj) + tl.arange(0, 16)
+            mask = mask_n[:, None] & (offs_k[None, :] < K)
+            g = offs_k // group_size
+            s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
+            z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
+            q = _slice_f16(words, words8, jj, 1024.0, 64.0, BN)  # q, exactly
+            tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
 
 @triton.jit
@@ -963,6 +995,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     tiles = triton.cdiv(n, cfg.block_n)
     sms = num_sms(x.device)
     gemv_rows = _gemv_rows(m, cfg.gemv_rows)
+    if gemv_rows and (x.stride(0) % 2 or x.data_ptr() % 4):  # the GEMV loops read x as int32 pairs (_x_pairs)
+        x = x.clone(memory_format=torch.contiguous_format)
     step = cfg.block_kw * 8 if gemv_rows else 128  # columns per main-loop step; a split holds whole steps
     steps = triton.cdiv(blocks * 128, step)
     split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), steps))
