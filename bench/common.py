@@ -31,6 +31,10 @@ def provenance() -> dict:
         import triton
 
         info["triton"] = triton.__version__
+        if torch.cuda.is_available():  # programmatic dependent launch (kernels.pdl): on unless SPEAR_PDL=0
+            from spear.kernels.pdl import uses_pdl
+
+            info["pdl"] = uses_pdl(torch.empty(0, device="cuda"))
     except ImportError:
         pass
     import transformers

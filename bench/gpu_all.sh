@@ -2,10 +2,10 @@
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid (7B, 70B, 13B, 8B shapes as time allows; M = $MS, default 1 16);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then W4 with RoPE + the K/V write in the decode
-#          attention launch or in their own (SPEAR_FUSE_ROPE_ATTENTION), then the decode benchmark on Llama-3-8B
-#          (fp16, W4, W4+EC38) (bench/profile_step.py, an eager step's kernels, and bench/host_step.py, the engine's
-#          host time per step, are not run here since session 9; LAB=1 runs bench/ec_ablation.py);
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then programmatic dependent launch on and off
+#          (SPEAR_PDL): the engine's W4 and W4+EC38 on Llama-2-7B, and the decode candidates on the 7B shapes
+#          (session 10; RoPE folded into decode attention, SPEAR_FUSE_ROPE_ATTENTION, is not timed here; LLAMA3=1
+#          runs Llama-3-8B on GPU 0 after the 7B decode benchmark);
 #   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
 #          the SwiGLU epilogue with an EC (the block below);
 #   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;
@@ -27,6 +27,8 @@ gpu0() {
     tests/test_runtime_engine.py tests/test_runtime_fuse.py tests/test_kernels.py > $log/1_tests.log 2>&1
   grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log  # pyproject adds -q; -qq hides it
   timeout 190 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
+  [ "${LLAMA3:-0}" = 1 ] && timeout 240 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
+    --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1
   left=$((570 - SECONDS))  # the kernel grid takes what is left of the call's 10 minutes
   timeout $left python bench/kernels.py --json "$out/kernels_h200_rows.json" --models ${MODELS:-7b 70b 13b 8b} --ms ${MS:-1 16} \
     --time-limit $((left - 50)) > $log/3_kernels.log 2>&1
@@ -34,14 +36,14 @@ gpu0() {
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  # RoPE + the K/V write folded into decode attention (model.FUSE_ROPE_ATTENTION) against its own launch, W4, one GPU
-  # (the first run tunes the W4 launches on a fresh machine)
-  for f in 0 1; do SPEAR_FUSE_ROPE_ATTENTION=$f timeout $([ $f = 0 ] && echo 200 || echo 100) python bench/decode.py \
-    --models llama2-7b --settings w4 --batches 1 8 --json "$out/decode_h200_rope_attn$f.json" > $log/5_decode_rope_attn$f.log 2>&1
+  # programmatic dependent launch (kernels.pdl) on and off: the engine (W4, W4+EC38; the first run tunes the W4
+  # launches on a fresh machine), then every decode candidate on the 7B shapes
+  for p in 1 0; do SPEAR_PDL=$p timeout $([ $p = 1 ] && echo 200 || echo 110) python bench/decode.py \
+    --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_pdl$p.json" > $log/5_decode_pdl$p.log 2>&1
   done
-  # Llama-3-8B through the engine (GQA, a 128k vocabulary; its W4 launches tuned on a fresh machine first)
-  timeout 240 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
-    --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1
+  for p in 1 0; do SPEAR_PDL=$p timeout 110 python bench/ec_ablation.py --configs-only --ms 1 \
+    --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_pdl$p.json" > $log/6_ec_ablation_pdl$p.log 2>&1
+  done
 }
 if [ "${LAB:-0}" = 1 ]; then  # a short call of its own (session 9, ~8 minutes): the kernel candidates side by side
   (export CUDA_VISIBLE_DEVICES=0  # the kernel tests that touch the GEMV loops, then every candidate's W4 and W4+EC µs

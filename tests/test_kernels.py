@@ -426,3 +426,53 @@ def test_tune_cache_off_or_unwritable(gen, monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="not written"):
         assert w4_module.tune_w4(packed, (4,)) == {4: min(w4_module.DECODE_CANDIDATES, key=tune_score)}
     assert [p.name for p in tmp_path.rglob("*")] == ["a_file"]
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch):
+    """Programmatic dependent launch only for compiled launches on a GPU (never on CPU, under the interpreter or with
+    SPEAR_PDL=0), and then the kernel's PDL flag and triton's launch_pdl go together."""
+    from spear.kernels.pdl import launch_options, uses_pdl
+
+    assert launch_options(torch.empty(1)) == {"PDL": False}
+    monkeypatch.setenv("SPEAR_PDL", "0")
+    assert not uses_pdl(torch.empty(1, device=DEVICE))
+    monkeypatch.setenv("SPEAR_PDL", "1")
+    options = launch_options(torch.empty(1, device=DEVICE))
+    assert options.get("launch_pdl", False) == options["PDL"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a GPU")
+def test_pdl_chain_in_a_graph_matches_serial_launches(gen, monkeypatch):
+    """A chain of dependent launches (W4, norm, W4+EC with SiLU·up, W4+EC), each reading the one before, captured in a
+    CUDA graph and replayed many times with PDL: every replay gives the bits of the same chain launched without it."""
+    from spear.runtime.ops import add_rms_norm
+
+    k = 576
+    up = pack_w4(random_w4(2 * 1536, k, -1, gen)).to(DEVICE)
+    down = pack_w4(random_w4(k, 1536, -1, gen)).to(DEVICE)
+    first = pack_w4(random_w4(k, k, -1, gen)).to(DEVICE)
+    ec_up, ec_down = (pack_ec(random_ec(n, kk, 16, gen)).to(DEVICE) for n, kk in ((2 * 1536, k), (k, 1536)))
+    norm_w = torch.randn(k, generator=gen).half().to(DEVICE)
+    x = torch.randn(1, k, generator=gen).half().to(DEVICE)
+
+    def chain():
+        h = w4_decode(x, first, None)
+        y, _ = add_rms_norm(h, norm_w, 1e-5, x)
+        return w4_decode(w4_decode(y, up, ec_up, swiglu=True), down, ec_down)
+
+    inputs = [torch.randn(1, k, generator=gen).half().to(DEVICE) for _ in range(20)]
+    monkeypatch.setenv("SPEAR_PDL", "0")
+    serial = []  # a replay whose launches overlap unordered would read the previous input's intermediates
+    for x_i in inputs:
+        x.copy_(x_i)
+        serial.append(chain())
+    monkeypatch.setenv("SPEAR_PDL", "1")
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(5):
+        for x_i, expected in zip(inputs, serial):
+            x.copy_(x_i)
+            graph.replay()
+            assert torch.equal(out, expected)

@@ -94,7 +94,7 @@ def variants() -> dict[str, tuple]:
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
                    "reads_ptr": I64}
     out = {}
-    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True)  # GEMV loop unpipelined
+    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True, PDL=False)  # GEMV loop unpipelined
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
@@ -128,6 +128,12 @@ def variants() -> dict[str, tuple]:
         out[f"decode rows={rows} ec=True spg={spg} per_channel={per_channel} f16x2"] = (
             w4._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True, "GEMV_ROWS": rows, "SPG": spg,
                                                 "PER_CHANNEL": per_channel, "BKW": 64, "BK": 128}, 4)
+    # launched dependent on the launch before (kernels.pdl): codes prefetched into L2, then griddepcontrol
+    out["decode rows=1 ec=True f16x2 pdl"] = (w4._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True,
+                                                                                 "BKW": 64, "BK": 128, "PDL": True}, 4)
+    out["decode rows=dot ec=True swiglu pdl"] = (w4._w4_decode_kernel, decode_ptrs,
+                                                 {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
+                                                  "GEMV_ROWS": 0, "PDL": True}, 4)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                  BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
@@ -162,7 +168,7 @@ def variants() -> dict[str, tuple]:
             out[f"decode attention rope={rope} tiles={tiles}"] = (
                 ops._paged_decode_split_kernel, attention_ptrs,
                 dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=64, PRECISION="tf32",
-                     ROPE=rope), 4)
+                     ROPE=rope, PDL=True), 4)
     return out
 
 

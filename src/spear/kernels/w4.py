@@ -42,6 +42,7 @@ import triton.language as tl
 
 from spear.kernels import tune_cache
 from spear.kernels.pack import PackedEC, PackedW4
+from spear.kernels.pdl import launch_options, pdl_enter, prefetch_l2
 
 DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
@@ -603,6 +604,21 @@ def _read_g(g_rows, mask_m, epoch, WAIT: tl.constexpr):
 # --- decode: one launch ---------------------------------------------------------------
 
 
+PREFETCH_ROW_BYTES = tl.constexpr(4096)  # codes a tile row streams into L2 before its launch waits (PDL): K ≤ 8192 in full
+
+
+@triton.jit
+def _prefetch_codes(qw_ptr, gid, split_k, k_per_split, N, KW, BN: tl.constexpr, SWIGLU: tl.constexpr):
+    """L2 prefetch of the first PREFETCH_ROW_BYTES of each of the tile's code rows in its split of K."""
+    if SWIGLU:
+        offs_n, _ = _swiglu_rows(gid // split_k, N, BN)
+    else:
+        offs_n = (gid // split_k) * BN + tl.arange(0, BN)
+    w0 = (gid % split_k) * k_per_split // 8
+    nbytes = tl.minimum((tl.minimum(w0 + k_per_split // 8, KW) - w0) * 4, PREFETCH_ROW_BYTES)
+    prefetch_l2(qw_ptr + tl.minimum(offs_n, N - 1) * KW + w0, nbytes)
+
+
 @triton.jit
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
@@ -614,7 +630,7 @@ def _w4_decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr, F16X2_ASM: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
-    EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr,
+    EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -629,7 +645,12 @@ def _w4_decode_kernel(
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
+    # PDL (kernels.pdl): a tile first has HBM stream its codes into L2, then waits for the launch before it.
     pid = tl.program_id(0)
+    if PDL:
+        if pid >= num_ax:
+            _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU)
+        pdl_enter(PDL)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
@@ -1032,7 +1053,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         F16X2_ASM=_runs_ptx(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu,
+        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, **launch_options(x),
     )
     return y
 

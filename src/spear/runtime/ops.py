@@ -31,6 +31,8 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+
+    from spear.kernels.pdl import launch_options, pdl_enter
 except ImportError:  # triton is a dev extra: without it every op runs its reference
     triton = None
 
@@ -86,7 +88,8 @@ def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @_jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)  # every kernel here launches dependent on the one before (kernels.pdl)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -114,7 +117,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     block = _next_pow2(dim)
     _add_rms_norm_kernel[(x.numel() // dim,)](
         x, x if residual is None else residual.contiguous(), weight, y, h, dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8), **launch_options(x))
     return y, h
 
 
@@ -126,8 +129,9 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @_jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, stride_gate, stride_up, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row t, columns of block j: out[t] = silu(gate[t]) * up[t] (gate and up may be strided row views)."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
@@ -151,7 +155,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, use_triton: bool | None = 
     rows, n = g2.shape
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, _next_pow2(n))
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block,
+                                                     **launch_options(gate))
     return out
 
 
@@ -192,9 +197,10 @@ def _rope_row(src_ptr, dst_ptr, cos, sin, i, ok, HALF: tl.constexpr):
 @_jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
                           H, KV, block_size, stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
-                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): j < H rotates query head j of token t; j >= H rotates key head j - H and stores it,
     and the token's value head, at the token's slot."""
+    pdl_enter(PDL)
     t, j = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
@@ -236,7 +242,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     _rope_write_kv_kernel[(T, H + KV)](
         q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, H, KV, k_pool.shape[1],
         k_pool.stride(0), k_pool.stride(1), q.stride(0), k.stride(0), v.stride(0),
-        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1)
+        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1, **launch_options(q))
     return q_out
 
 
@@ -299,7 +305,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                HAS_TILES: tl.constexpr, D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                               ROPE: tl.constexpr):
+                               ROPE: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over split p of the tile's keys by online
@@ -311,6 +317,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step).
     ROPE (rope_write_kv folded in): q as the projection left it, rotated here; each program first stores the
     rows' new keys (rotated) and values that fall in its split, for its KV head, at their slots."""
+    pdl_enter(PDL)
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
         first = tl.load(tiles_ptr + 2 * tile)  # the tile's first row and its row count (0: a padding tile)
@@ -375,11 +382,12 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
 
 @_jit
 def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                                 SPLITS_P2: tl.constexpr):
+                                 SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h): merge the splits, all at once (a split that saw no key has m = -inf, weight 0):
 
         M = max m_p;  out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p
     """
+    pdl_enter(PDL)
     bh = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     p = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, D)
@@ -456,10 +464,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1), q.stride(0), *strides,
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ROPE=new_keys is not None)
+        ROPE=new_keys is not None, **launch_options(q))
     if splits > 1:
         _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
-                                             num_warps=1 if splits * D <= 1024 else 2)
+                                             num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
     return out
 
 

@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL, sm_90+): a launch may start while the launch before it on the stream is
+still running, so that the gap between two kernels (launch, the first loads' latency, the last wave's tail) is
+hidden, and the W4 kernel streams its first weights from HBM into L2 before its input exists.
+
+The contract every PDL launch keeps (CUDA programming guide, "Programmatic Dependent Launch"):
+- before `griddepcontrol.wait` a program reads only what no kernel writes (weights) and writes nothing;
+- every program executes the wait, so a launch completes only after the one before it has completed, and a
+  chain of PDL launches stays ordered;
+- `griddepcontrol.launch_dependents` right after the wait: the next launch may start once every program of this
+  one has passed its wait (one launch of lookahead, never more).
+
+Off under the Triton interpreter and before sm_90; `SPEAR_PDL=0` turns it off (to time the difference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_launches_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # no NVIDIA backend in this triton build
+        return False
+    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)} and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def uses_pdl(x: torch.Tensor) -> bool:
+    """Whether launches on x's device go as programmatic dependent launches (compiled code on sm_90+)."""
+    return (x.device.type == "cuda" and os.environ.get("SPEAR_PDL", "1") != "0"
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and _triton_launches_pdl()
+            and _device_has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def launch_options(x: torch.Tensor) -> dict:
+    """The keyword arguments of a launch that takes a `PDL: tl.constexpr`: both it and triton's launch_pdl."""
+    return {"PDL": True, "launch_pdl": True} if uses_pdl(x) else {"PDL": False}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Wait for the launch before this one (its writes are then visible), then let the next one start."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """Start copying nbytes (a multiple of 16, ptr 16-byte aligned) from HBM into L2; nothing waits for it. A
+    tensor of pointers prefetches each, from the first warp only (the other warps hold copies of its elements)."""
+    tl.inline_asm_elementwise("{ .reg .pred first; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 first, t, 32;\n\t"
+                              "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
+                              [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
