@@ -3,6 +3,7 @@ that GPU figures are read against."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -32,9 +33,10 @@ def provenance() -> dict:
 
         info["triton"] = triton.__version__
         if torch.cuda.is_available():  # programmatic dependent launch (kernels.pdl): on unless SPEAR_PDL=0
-            from spear.kernels.pdl import uses_pdl
+            from spear.kernels.pdl import uses_pdl, w4_launch
 
             info["pdl"] = uses_pdl(torch.empty(0, device="cuda"))
+            info["pdl_w4"] = dataclasses.asdict(w4_launch())
     except ImportError:
         pass
     import transformers

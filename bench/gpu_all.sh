@@ -67,6 +67,25 @@ elif [ "${AB:-0}" = 1 ]; then  # two source trees side by side: src/ and .lab/sr
     done
     wait
   done
+elif [ "${PDLAB:-0}" = 1 ]; then  # session 10: how the W4 decode kernel uses PDL (kernels.pdl.W4Launch), a call of its own
+  settings="0:0:0 1:1:1024 1:1:0 1:0:0 1:0:1024"  # SPEAR_PDL:SPEAR_PDL_LATE:SPEAR_PDL_PREFETCH
+  mkdir -p "$out/pdl"
+  (export CUDA_VISIBLE_DEVICES=0
+   timeout 150 python -m pytest -p no:cacheprovider -rf tests/test_kernels.py tests/test_runtime_ops.py \
+     > $log/1_tests.log 2>&1
+   grep -E "^FAILED|passed|failed" $log/1_tests.log > $log/1_tests_summary.log
+   for s in 1:1:1024 0:0:0 1:0:0; do IFS=: read p l b <<< "$s"
+     SPEAR_PDL=$p SPEAR_PDL_LATE=$l SPEAR_PDL_PREFETCH=$b timeout 120 python bench/decode.py --models llama2-7b \
+       --settings w4 w4+ec38 --batches 1 8 --json "$out/pdl/decode_pdl_$p$l$b.json" > $log/2_decode_pdl_$p$l$b.log 2>&1; done) &
+  (export CUDA_VISIBLE_DEVICES=1
+   for s in $settings; do IFS=: read p l b <<< "$s"
+     SPEAR_PDL=$p SPEAR_PDL_LATE=$l SPEAR_PDL_PREFETCH=$b timeout 60 python bench/ec_ablation.py --configs-only --ms 1 \
+       --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/pdl/ec_pdl_$p$l$b.json" > $log/3_ec_pdl_$p$l$b.log 2>&1; done
+   for s in 1:1:0 1:0:1024; do IFS=: read p l b <<< "$s"
+     SPEAR_PDL=$p SPEAR_PDL_LATE=$l SPEAR_PDL_PREFETCH=$b timeout 100 python bench/decode.py --models llama2-7b \
+       --settings w4 w4+ec38 --batches 1 8 --json "$out/pdl/decode_pdl_$p$l$b.json" > $log/2_decode_pdl_$p$l$b.log 2>&1; done) &
+  wait
+  tar czf "$out/pdl_jsons.tgz" -C "$out" pdl && rm -r "$out/pdl"  # at most 8 files come back
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)

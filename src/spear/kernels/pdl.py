@@ -49,11 +49,34 @@ def launch_options(x: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if uses_pdl(x) else {"PDL": False}
 
 
+@dataclasses.dataclass(frozen=True)
+class W4Launch:
+    """How the W4 decode kernel uses PDL (lab knobs, SPEAR_PDL_PREFETCH / SPEAR_PDL_LATE, while session 10 times them):
+    prefetch_bytes: codes of each tile row prefetched into L2 before the wait (0: none); late: let the next launch
+    start after the main loop (else right after the wait)."""
+
+    prefetch_bytes: int
+    late: bool
+
+
+def w4_launch() -> W4Launch:
+    return W4Launch(int(os.environ.get("SPEAR_PDL_PREFETCH", "1024")), os.environ.get("SPEAR_PDL_LATE", "1") == "1")
+
+
 @triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """Wait for the launch before this one (its writes are then visible), then let the next one start."""
+def pdl_enter(PDL: tl.constexpr, LATE: tl.constexpr = False):
+    """Wait for the launch before this one (its writes are then visible), then (unless LATE: pdl_release later)
+    let the next one start."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if not LATE:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next launch start (it may once every program has called this or exited)."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from spear.kernels import tune_cache
 from spear.kernels.pack import PackedEC, PackedW4
-from spear.kernels.pdl import launch_options, pdl_enter, prefetch_l2
+from spear.kernels.pdl import launch_options, pdl_enter, pdl_release, prefetch_l2, w4_launch
 
 DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
@@ -604,18 +604,16 @@ def _read_g(g_rows, mask_m, epoch, WAIT: tl.constexpr):
 # --- decode: one launch ---------------------------------------------------------------
 
 
-PREFETCH_ROW_BYTES = tl.constexpr(4096)  # codes a tile row streams into L2 before its launch waits (PDL): K ≤ 8192 in full
-
-
 @triton.jit
-def _prefetch_codes(qw_ptr, gid, split_k, k_per_split, N, KW, BN: tl.constexpr, SWIGLU: tl.constexpr):
-    """L2 prefetch of the first PREFETCH_ROW_BYTES of each of the tile's code rows in its split of K."""
+def _prefetch_codes(qw_ptr, gid, split_k, k_per_split, N, KW, BN: tl.constexpr, SWIGLU: tl.constexpr,
+                    PREFETCH_BYTES: tl.constexpr):
+    """L2 prefetch of the first PREFETCH_BYTES of each of the tile's code rows in its split of K."""
     if SWIGLU:
         offs_n, _ = _swiglu_rows(gid // split_k, N, BN)
     else:
         offs_n = (gid // split_k) * BN + tl.arange(0, BN)
     w0 = (gid % split_k) * k_per_split // 8
-    nbytes = tl.minimum((tl.minimum(w0 + k_per_split // 8, KW) - w0) * 4, PREFETCH_ROW_BYTES)
+    nbytes = tl.minimum((tl.minimum(w0 + k_per_split // 8, KW) - w0) * 4, PREFETCH_BYTES)
     prefetch_l2(qw_ptr + tl.minimum(offs_n, N - 1) * KW + w0, nbytes)
 
 
@@ -630,7 +628,8 @@ def _w4_decode_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
     GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr, F16X2_ASM: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
-    EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+    EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
+    PREFETCH_BYTES: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -645,12 +644,13 @@ def _w4_decode_kernel(
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
-    # PDL (kernels.pdl): a tile first has HBM stream its codes into L2, then waits for the launch before it.
+    # PDL (kernels.pdl): a tile first has HBM stream the start of its codes into L2, then waits for the launch before
+    # it; the next launch may start after this one's main loops (PDL_LATE) or at once.
     pid = tl.program_id(0)
     if PDL:
-        if pid >= num_ax:
-            _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU)
-        pdl_enter(PDL)
+        if pid >= num_ax and PREFETCH_BYTES > 0:
+            _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU, PREFETCH_BYTES)
+        pdl_enter(PDL, PDL_LATE)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
@@ -665,6 +665,7 @@ def _w4_decode_kernel(
             ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
             u += tl.dot(xk, tl.trans(ak))
         tl.store(u_part_ptr + pid * BM * R + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
+        pdl_release(PDL and PDL_LATE)
         tl.debug_barrier()
         arrived_u = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
         if arrived_u == num_ax - 1:  # the last u-program: g = gamma(u) ⊙ u once, for every tile
@@ -711,6 +712,7 @@ def _w4_decode_kernel(
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
                                pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
+        pdl_release(PDL and PDL_LATE)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
             tile = offs_m[None, :] * N + offs_n[:, None]
@@ -1040,6 +1042,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         y = out if out is not None else torch.empty(m, width, dtype=x.dtype, device=x.device)
         stride_y = y.stride(0)
 
+    pdl = w4_launch()
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
@@ -1053,7 +1056,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         F16X2_ASM=_runs_ptx(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, **launch_options(x),
+        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes, **launch_options(x),
     )
     return y
 
