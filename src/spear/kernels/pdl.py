@@ -1,13 +1,13 @@
 """Programmatic dependent launch (PDL, sm_90+): a launch may start while the launch before it on the stream is
 still running, so that the gap between two kernels (launch, the first loads' latency, the last wave's tail) is
-hidden, and the W4 kernel streams its first weights from HBM into L2 before its input exists.
+hidden (the W4 kernel can also stream its first weights from HBM into L2 before its input exists: W4Launch).
 
 The contract every PDL launch keeps (CUDA programming guide, "Programmatic Dependent Launch"):
 - before `griddepcontrol.wait` a program reads only what no kernel writes (weights) and writes nothing;
 - every program executes the wait, so a launch completes only after the one before it has completed, and a
   chain of PDL launches stays ordered;
-- `griddepcontrol.launch_dependents` right after the wait: the next launch may start once every program of this
-  one has passed its wait (one launch of lookahead, never more).
+- `griddepcontrol.launch_dependents` after the wait (the W4 kernel: after its main loops): the next launch may
+  start once every program of this one has passed it (one launch of lookahead, never more).
 
 Off under the Triton interpreter and before sm_90; `SPEAR_PDL=0` turns it off (to time the difference).
 """
@@ -51,16 +51,18 @@ def launch_options(x: torch.Tensor) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class W4Launch:
-    """How the W4 decode kernel uses PDL (lab knobs, SPEAR_PDL_PREFETCH / SPEAR_PDL_LATE, while session 10 times them):
-    prefetch_bytes: codes of each tile row prefetched into L2 before the wait (0: none); late: let the next launch
-    start after the main loop (else right after the wait)."""
+    """How the W4 decode kernel uses PDL (lab knobs SPEAR_PDL_PREFETCH, SPEAR_PDL_LATE): prefetch_bytes, codes of each
+    tile row prefetched into L2 before the wait (0: none); late, let the next launch start after the main loops
+    (else right after the wait). Measured in session 10 (bench/NOTES-kernels.md): prefetching 4 KB a row thrashed
+    L2 on the 7B MLP shapes and 1 KB slowed W4+EC38 and batch 8 in the engine, so the default prefetches nothing
+    and releases late."""
 
     prefetch_bytes: int
     late: bool
 
 
 def w4_launch() -> W4Launch:
-    return W4Launch(int(os.environ.get("SPEAR_PDL_PREFETCH", "1024")), os.environ.get("SPEAR_PDL_LATE", "1") == "1")
+    return W4Launch(int(os.environ.get("SPEAR_PDL_PREFETCH", "0")), os.environ.get("SPEAR_PDL_LATE", "1") == "1")
 
 
 @triton.jit
