@@ -4,8 +4,8 @@
 #          on Llama-2-7B, then the decode-kernel grid (7B, 70B, 13B, 8B shapes as time allows; M = $MS, default 1 16);
 #   GPU 1: with SLO=1 the SLO experiment (all EC densities), then programmatic dependent launch on and off
 #          (SPEAR_PDL): the engine's W4 and W4+EC38 on Llama-2-7B, and the decode candidates on the 7B shapes
-#          (session 10; RoPE folded into decode attention, SPEAR_FUSE_ROPE_ATTENTION, is not timed here; LLAMA3=1
-#          runs Llama-3-8B on GPU 0 after the 7B decode benchmark);
+#          (session 10, which also removed the fold of RoPE into decode attention: its GPU test failed, never
+#          timed; LLAMA3=1 runs Llama-3-8B on GPU 0 after the 7B decode benchmark);
 #   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
 #          the SwiGLU epilogue with an EC (the block below);
 #   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;

@@ -172,54 +172,15 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads} splits={splits}")
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-def test_decode_attention_with_new_keys_equals_rope_write_kv_then_attention(heads, kv_heads, splits, gen):
-    """paged_decode_attention(new_keys=...) on unrotated q, k, v (views of one fused q|k|v output) gives
-    rope_write_kv then attention: the same output, and the rotated keys and the values in the pools at the rows'
-    slots. Rows as tiles of consecutive positions (a prompt's chunk) and single decodes; the kernel's pools hold
-    NaN at the new slots, so a key read before it is stored would show."""
-    block_size, width, head_dim, dtype = 8, 6, 32, torch.float16
-    seq_lens, new = [45, 20, 7, 30], [29, 20, 1, 1]
-    tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
-    rows, tiles, tile_rows = rows_as_tiles(seq_lens, new, heads // kv_heads)
-    slots = torch.tensor([int(tables[s, pos // block_size]) * block_size + pos % block_size for s, pos in rows],
-                         device=DEVICE)
-    for pool in (k_pool, v_pool):  # the new keys are not in the kernel's cache yet
-        pool.view(-1, kv_heads, head_dim)[slots] = float("nan")
-    lens = torch.tensor([pos + 1 for _, pos in rows], device=DEVICE)
-    positions = lens - 1
-    row_tables = tables[[s for s, _ in rows]]
-    qkv = randn(len(rows), (heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype)
-    q, k, v = (t.view(len(rows), -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
-                                                                    kv_heads * head_dim], dim=1))
-    inv_freq = rope_inv_freq(ModelArgs(heads * head_dim, 64, heads, kv_heads, head_dim, 1, 64)).to(DEVICE)
-    q_rot = ops.rope_write_kv_ref(q, k, v, positions, inv_freq, k_ref, v_ref, slots)
-    ref = ops.paged_decode_attention_ref(q_rot, k_ref, v_ref, row_tables, lens)
-    out = ops.paged_decode_attention(q, k_pool, v_pool, row_tables, lens, use_triton=True, splits=splits, block_n=16,
-                                     tiles=torch.tensor(tiles, device=DEVICE), tile_rows=tile_rows,
-                                     new_keys=ops.NewKeys(k, v, positions, inv_freq, slots))
-    case = f"attention with new keys H={heads} KV={kv_heads} splits={splits}"
-    assert_close(out, ref, case)
-    for pool, pool_ref, what in ((k_pool, k_ref, "keys"), (v_pool, v_ref, "values")):
-        assert_close(pool.view(-1, kv_heads, head_dim)[slots], pool_ref.view(-1, kv_heads, head_dim)[slots],
-                     f"{case}: {what} in the cache")
-
-
-@pytest.mark.parametrize("fuse_rope", [False, True])  # model.FUSE_ROPE_ATTENTION in the kernels' run
-def test_model_steps_with_kernels_match_references(fuse_rope, monkeypatch, gen):
+def test_model_steps_with_kernels_match_references(monkeypatch, gen):
     """The ops as the model wires them: prefill, mixed steps (a one-token prefill piece among decodes, then a longer
-    chunk beside them), then a decode step, with every op forced to Triton or to PyTorch (the references with
-    RoPE and the cache write as their own op)."""
-    from spear.runtime import model as model_module
-
+    chunk beside them), then a decode step, with every op forced to Triton or to PyTorch."""
     args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=100)
     model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
     prompts, tables = [[5, 17, 3, 9, 11], [42, 7], [8, 6, 2]], [[3, 1], [2, 4], [5, 6]]
 
     def run(triton: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(ops, "_triton", lambda use_triton, x: triton)
-        monkeypatch.setattr(model_module, "FUSE_ROPE_ATTENTION", fuse_rope and triton)
         cache = KVCache(args.n_layers, 7, 4, args.n_kv_heads, args.head_dim, torch.float32, DEVICE)
         decodes = [[Chunk([1 + i], len(p) + i, t) for p, t in zip(prompts[:2], tables)] for i in range(3)]
         steps = [[Chunk(p, 0, t) for p, t in zip(prompts[:2], tables)],

@@ -158,19 +158,17 @@ def variants() -> dict[str, tuple]:
                                                                  "state_ptr": I32, "out_ptr": F16},
                             dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
                                  BLOCK_H=16), 4)
-    # decode attention (runtime.ops), with RoPE + the K/V write folded in (ops.NewKeys) or not, rows alone or tiled
+    # decode attention (runtime.ops), rows alone or tiled
     from spear.runtime import ops
 
-    attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr", "k_new_ptr", "v_new_ptr")},
+    attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")},
                       **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},
-                      **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr", "inv_freq_ptr")},
-                      "pos_ptr": I64, "slots_ptr": I64, "scale": "fp32"}
-    for rope in (False, True):
-        for tiles in (False, True):
-            out[f"decode attention rope={rope} tiles={tiles}"] = (
-                ops._paged_decode_split_kernel, attention_ptrs,
-                dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=64, PRECISION="tf32",
-                     ROPE=rope, PDL=True), 4)
+                      **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr")}, "scale": "fp32"}
+    for tiles in (False, True):
+        out[f"decode attention tiles={tiles}"] = (
+            ops._paged_decode_split_kernel, attention_ptrs,
+            dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=64, PRECISION="tf32",
+                 PDL=True), 4)
     return out
 
 

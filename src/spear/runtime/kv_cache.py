@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spear.errors import SpearError
-from spear.runtime.ops import NewKeys, paged_decode_attention
+from spear.runtime.ops import paged_decode_attention
 
 NULL_BLOCK = 0
 
@@ -236,14 +236,11 @@ def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch,
-                    new_keys: NewKeys | None = None) -> torch.Tensor:
-    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]. `new_keys` (decode
-    batches only): q not rotated yet, and the step's keys and values not cached yet (ops.paged_decode_attention)."""
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]."""
     if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
         return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, tiles=batch.tiles,
-                                      tile_rows=batch.tile_rows, new_keys=new_keys)
-    assert new_keys is None, "new_keys: decode batches only"
+                                      tile_rows=batch.tile_rows)
     k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2)  # [Bp, KV, M * block_size, D]
     v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2)
     qp = q[batch.padded_index].transpose(1, 2)  # [Bp, H, S, D]

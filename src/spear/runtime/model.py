@@ -27,17 +27,13 @@ from spear.kernels.reference import w4_linear_ref
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
-from spear.runtime.ops import NewKeys, add_rms_norm, rope_write_kv, silu_mul
+from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
 
 # silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
 # launch a layer fewer. Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused, 2.40 / 4.31 not
 # (session 9, decode_h200_fuse_*_71458e1.json). SPEAR_FUSE_SWIGLU=0 turns it off. (RoPE and the K/V write fused
 # into the q/k/v launch's epilogue measured 2.47 / 4.19 on top of it, slower at batch 1: removed.)
 FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
-# RoPE and the K/V cache write folded into the decode attention launch on decode steps (ops.NewKeys): one launch a
-# layer fewer (rope_write_kv: ~2.5 µs + a gap each, 81 µs a Llama-2-7B step at batch 1 by the session 9 profile).
-# Built after session 9's last GPU call: off until timed (SPEAR_FUSE_ROPE_ATTENTION=1 turns it on); the loser goes.
-FUSE_ROPE_ATTENTION = os.environ.get("SPEAR_FUSE_ROPE_ATTENTION", "0") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -199,14 +195,12 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
-        return rope_write_kv(*self.qkv(x), positions, inv_freq, *kv, slots)
-
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The projections q [T, H, D], k and v [T, KV, D], not rotated (views of one output when fused)."""
         T = x.shape[0]
         q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
-        return (q.view(T, self.n_heads, self.head_dim), k.view(T, self.n_kv_heads, self.head_dim),
-                v.view(T, self.n_kv_heads, self.head_dim))
+        q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots)
 
 
 
@@ -233,14 +227,8 @@ class Block(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this block's FFN output, the residual stream before it); their sum is the
         block's output, formed by the next norm. The first block gets residual None (x is the stream)."""
-        if FUSE_ROPE_ATTENTION and batch.decode:  # the attention launch rotates q and k and caches k and v
-            h, residual = self.attention_norm(x, residual)  # residual += x
-            q, k, v = self.attention.qkv(h)
-            attn = paged_attention(q, *kv, batch, NewKeys(k, v, batch.positions, inv_freq, batch.slots))
-        else:
-            q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)
-            attn = paged_attention(q, *kv, batch)
-        return self.after_attention(attn.reshape(q.shape[0], -1), residual)
+        q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
+        return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual)
 
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,

@@ -7,8 +7,7 @@ each layer launches ~40 of them. Fused here, one launch each:
                           the residual add of one sub-layer rides in the next norm; h is the new
                           residual stream)
   silu_mul                silu(gate) * up                                  (the SwiGLU activation)
-  rope_write_kv           RoPE on q and k, k and v stored at their cache slots, rotated q returned (or
-                          folded into paged_decode_attention: `new_keys`)
+  rope_write_kv           RoPE on q and k, k and v stored at their cache slots, rotated q returned
   paged_decode_attention  one-token queries over their sequences' cached blocks (flash-decoding:
                           splits of the context in parallel, then a small combine kernel); with
                           `tiles`, up to 16 rows of one sequence at consecutive positions (a prefill
@@ -22,8 +21,6 @@ captured in a CUDA graph.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -269,43 +266,15 @@ def attention_tile_rows(group: int) -> int:
     return max(1, 16 // _next_pow2(group))
 
 
-@_jit
-def _rope_tile(q_rows, pos_ptr, inv_freq_ptr, row, ok, D: tl.constexpr):
-    """The [BLOCK_Q, D] query tile at q_rows (+ column) rotated by each row's position, rope_write_kv's math
-    (float32, then q's dtype)."""
-    HALF: tl.constexpr = D // 2
-    i = tl.arange(0, HALF)
-    theta = tl.load(pos_ptr + row, mask=ok, other=0).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + i)[None, :]
-    cos, sin = tl.cos(theta), tl.sin(theta)
-    x1 = tl.load(q_rows + i[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(q_rows + HALF + i[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    dtype = q_rows.dtype.element_ty
-    rotated = tl.join((x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype))  # [BLOCK_Q, HALF, 2]
-    return tl.reshape(tl.permute(rotated, (0, 2, 1)), (x1.shape[0], D))  # [x1', x2'] along D
-
-
-@_jit
-def _store_new_key(t, kv, start, end, k_new_ptr, v_new_ptr, pos_ptr, inv_freq_ptr, slots_ptr, k_pool_ptr, v_pool_ptr,
-                   block_size, stride_pool_block, stride_pool_offset, stride_kt, stride_vt, D: tl.constexpr):
-    """Row t's key (rotated) and value of KV head kv into the pools at its slot, if its position is in [start, end)."""
-    position = tl.load(pos_ptr + t)
-    if (position >= start) & (position < end):
-        HALF: tl.constexpr = D // 2
-        i = tl.arange(0, HALF)
-        theta = position.to(tl.float32) * tl.load(inv_freq_ptr + i)  # as _rope_write_kv_kernel
-        _cache_kv_head(t, kv, tl.cos(theta), tl.sin(theta), k_new_ptr, v_new_ptr, slots_ptr, k_pool_ptr, v_pool_ptr,
-                       block_size, stride_pool_block, stride_pool_offset, stride_kt, stride_vt, i, i < HALF, HALF)
-
-
 @_jit(do_not_specialize=("stride_table",))
 def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
-                               m_ptr, l_ptr, acc_ptr, out_ptr, k_new_ptr, v_new_ptr, pos_ptr, inv_freq_ptr, slots_ptr,
+                               m_ptr, l_ptr, acc_ptr, out_ptr,
                                scale, H, block_size, stride_table,
-                               stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
+                               stride_pool_block, stride_pool_offset, stride_qt,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                HAS_TILES: tl.constexpr, D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                               ROPE: tl.constexpr, PDL: tl.constexpr):
+                               PDL: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over split p of the tile's keys by online
@@ -314,9 +283,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     BLOCK_N): the splits follow the sequence's length, not the table's width, so a short context is one
     step a program. Writes each (row, head)'s running max m, sum l = Σ exp(s - m) and acc = Σ exp(s - m) v
     (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
-    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step).
-    ROPE (rope_write_kv folded in): q as the projection left it, rotated here; each program first stores the
-    rows' new keys (rotated) and values that fall in its split, for its KV head, at their slots."""
+    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step)."""
     pdl_enter(PDL)
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
@@ -331,22 +298,14 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         row = first + r
         head = kv * GROUP + g
         d = tl.arange(0, D)
-        q_rows = q_ptr + (row * stride_qt + head * D)[:, None]
-        if ROPE:
-            q = _rope_tile(q_rows, pos_ptr, inv_freq_ptr, row, ok, D)  # [BLOCK_Q, D]
-        else:
-            q = tl.load(q_rows + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
+        q_rows = q_ptr + (row * stride_qt + head * D)[:, None]  # tokens may be strided (_heads_dense)
+        q = tl.load(q_rows + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
         row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
         last = first + count - 1  # the tile's last row sees the most keys, and its table has all their blocks
         seq_len = tl.load(seq_lens_ptr + last)
         split_len = tl.cdiv(seq_len, SPLITS * BLOCK_N) * BLOCK_N
         start = p * split_len
         end = tl.minimum(start + split_len, seq_len)
-        if ROPE:  # the new keys this split reads, stored before any thread of the program loads them
-            for new_row in range(first, first + count):
-                _store_new_key(new_row, kv, start, end, k_new_ptr, v_new_ptr, pos_ptr, inv_freq_ptr, slots_ptr, k_pool_ptr,
-                               v_pool_ptr, block_size, stride_pool_block, stride_pool_offset, stride_kt, stride_vt, D)
-            tl.debug_barrier()
 
         m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q], tl.float32)
@@ -400,38 +359,21 @@ def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr
     tl.store(out_ptr + bh * D + d, (acc / l).to(out_ptr.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class NewKeys:
-    """A decode step's keys (not rotated yet) and values [T, KV, D], their positions and cache slots [T] and RoPE's
-    inv_freq [D / 2] float32: what rope_write_kv would rotate and store (views of a fused q|k|v output are fine)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-    inv_freq: torch.Tensor
-    slots: torch.Tensor
-
-
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, *, use_triton: bool | None = None,
                            splits: int | None = None, block_n: int = BLOCK_N, tiles: torch.Tensor | None = None,
-                           tile_rows: int = 1, new_keys: NewKeys | None = None) -> torch.Tensor:
+                           tile_rows: int = 1) -> torch.Tensor:
     """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1), pools
     [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
     dtype. `tiles` [NT, 2] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
-    a mixed step's prefill tokens as rows); None: every row alone. With `new_keys`, q is not rotated yet and the
-    launch also does rope_write_kv's work: it rotates q, and stores the rows' keys (rotated) and values first
-    (each in the one split that reads it). The rows are then the step's tokens, row t at positions[t].
+    a mixed step's prefill tokens as rows); None: every row alone.
 
     Triton: grid (NT or B, KV, splits), then with more than one split a combine launch, grid (B, H); `splits`
     None: decode_splits's pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace,
     so the launch can be captured in a CUDA graph.
     """
     if not _triton(use_triton, q):
-        if new_keys is not None:
-            q = rope_write_kv_ref(q, new_keys.k, new_keys.v, new_keys.positions, new_keys.inv_freq, k_pool, v_pool,
-                                  new_keys.slots)
         return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
     B, H, D = q.shape
     _, block_size, KV, _ = k_pool.shape
@@ -452,19 +394,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     group = H // KV
     block_g = _next_pow2(group)
     rows = tile_rows if tiles is not None else 1
-    if new_keys is not None:
-        k_new, v_new = _heads_dense(new_keys.k), _heads_dense(new_keys.v)
-        rope = (k_new, v_new, new_keys.positions, new_keys.inv_freq, new_keys.slots)
-        strides = (k_new.stride(0), v_new.stride(0))
-    else:
-        rope, strides = (seq_lens,) * 5, (0, 0)  # dummies
     _paged_decode_split_kernel[(num_tiles, KV, splits)](
-        q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out, *rope,
+        q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out,
         D**-0.5 if scale is None else scale, H,
-        block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1), q.stride(0), *strides,
+        block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1), q.stride(0),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ROPE=new_keys is not None, **launch_options(q))
+        **launch_options(q))
     if splits > 1:
         _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
                                              num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
