@@ -67,6 +67,17 @@ elif [ "${AB:-0}" = 1 ]; then  # two source trees side by side: src/ and .lab/sr
     done
     wait
   done
+elif [ "${PDLAB:-0}" = 2 ]; then  # session 10's last call: PDL on and off in the engine, both GPUs in both orders
+  run() { SPEAR_PDL=$1 timeout $3 python bench/decode.py --models llama2-7b --settings $4 --batches 1 8 \
+    --json "$out/decode_h200_pdl$1_gpu$2.json" > $log/2_decode_pdl$1_gpu$2.log 2>&1; }
+  (export CUDA_VISIBLE_DEVICES=0
+   timeout 110 python -m pytest -p no:cacheprovider -rf tests/test_kernels.py -k "pdl or reproducible or swiglu" \
+     tests/test_runtime_engine.py > $log/1_tests.log 2>&1
+   grep -E "^FAILED|passed|failed" $log/1_tests.log > $log/1_tests_summary.log
+   run 1 0 100 "w4 w4+ec38"; run 0 0 100 "w4 w4+ec38") &
+  (export CUDA_VISIBLE_DEVICES=1
+   run 0 1 100 "w4 w4+ec38"; run 1 1 170 "fp16 w4 w4+ec38") &
+  wait
 elif [ "${PDLAB:-0}" = 1 ]; then  # session 10: how the W4 decode kernel uses PDL (kernels.pdl.W4Launch), a call of its own
   settings="0:0:0 1:1:1024 1:1:0 1:0:0 1:0:1024"  # SPEAR_PDL:SPEAR_PDL_LATE:SPEAR_PDL_PREFETCH
   mkdir -p "$out/pdl"
