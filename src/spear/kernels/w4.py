@@ -854,17 +854,15 @@ class PrefillConfig:
 # dropped four more that no shape's W4 or W4+EC picked first in sessions 8–9 (ec_ablation per_config, the tuner
 # caches): the 8-warp dot loop, and the 4-warp 128-word and 8-warp 4-stage GEMV configs.
 DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M), then the GEMV loop (M ≤ 4)
-    DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in
-    ((32, 4, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4))
+    DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in ((32, 4, 3), (64, 4, 3), (128, 4, 3))
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
-     ((32, 8, 3, 128), (32, 4, 2, 64), (16, 4, 3, 256), (16, 4, 2, 256),
-      # session 7: the GEMV loop pipelined by its stages (cp.async); 1 stage is the loop before that, as the
-      # former winners for W4 (8 warps) and W4+EC (4 warps) ran it
-      (32, 8, 1, 128), (32, 4, 1, 64), (32, 4, 4, 64))
+     ((16, 4, 3, 256), (32, 8, 1, 128))  # the float32 GEMV loop: 3 stages through shared memory, or none
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw, gemv_f16x2=True) for bn, warps, stages, bkw in
-     # session 9: the GEMV loop in fp16x2, in the configs that won W4 (70B and 7B MLP; 7B qkvo) and W4+EC at M = 1,
-     # and the 4-warp, 64-word one pipelined (96 registers at 1, 2 and 4 stages in the SASS; not timed yet)
-     ((16, 4, 2, 256), (32, 8, 1, 128), (32, 4, 1, 64), (32, 4, 2, 64), (32, 4, 4, 64))]
+     ((16, 4, 2, 256), (32, 8, 1, 128), (32, 4, 1, 64), (32, 4, 2, 64), (32, 4, 4, 64))]  # the fp16x2 GEMV loop
+# Session 10 kept every config that came within 3% of the best W4 or W4+EC time on some 7B / 70B shape at M = 1 or
+# 16 (`ab_pairlayout_1a95746_gpu{0,1}.json`), the one the 13B qkvo tuning picked, and the BN 32 dot loop for
+# narrow layers; dropped (never within 3%): the float32 twins of the fp16x2 configs, (32 rows, 8 warps, 3 stages),
+# (16, 4, 2, 256) in float32 and the 4-stage BN 128 dot loop. Tuning a shape times 10 candidates instead of 16.
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
