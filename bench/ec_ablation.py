@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--configs-only", action="store_true",
                    help="time only every decode candidate as W4 and W4+EC (no tuning, no ablated variants)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--split-ks", type=int, nargs="+", default=[0],
+                   help="split-K of the dot-loop candidates (0: the launch's own choice, ≥ 2 programs an SM)")
     args = p.parse_args()
     rows = []
     for name in args.shapes:
@@ -65,7 +67,9 @@ def main() -> None:
                         w4mod._WORKSPACE.buffers[x.device][4].add_(w4mod.READS_PER_LAUNCH.value)
             # every decode candidate for this M, with and without the EC: is W4's tuned config also W4+EC's best?
             per_config = []
-            for cfg in w4mod.DECODE_CANDIDATES:
+            configs = [dataclasses.replace(c, split_k=k) for c in w4mod.DECODE_CANDIDATES
+                       for k in (args.split_ks if c.gemv_rows == 0 else [0])]
+            for cfg in configs:
                 if cfg.gemv_rows and m > cfg.gemv_rows:
                     continue
                 try:

@@ -2,10 +2,9 @@
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
 #          on Llama-2-7B, then the decode-kernel grid (7B, 70B, 13B, 8B shapes as time allows; M = $MS, default 1 16);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then programmatic dependent launch on and off
-#          (SPEAR_PDL): the engine's W4 and W4+EC38 on Llama-2-7B, and the decode candidates on the 7B shapes
-#          (session 10, which also removed the fold of RoPE into decode attention: its GPU test failed, never
-#          timed; LLAMA3=1 runs Llama-3-8B on GPU 0 after the 7B decode benchmark);
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the decode benchmark on Llama-3-8B (fp16, W4,
+#          W4+EC38), then the M = 16 dot-loop candidates at split-K 1, 2 and automatic on the 7B shapes
+#          (PDLAB=1 / 2 time programmatic dependent launch, session 10);
 #   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
 #          the SwiGLU epilogue with an EC (the block below);
 #   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;
@@ -23,12 +22,12 @@ export SPEAR_CACHE=$PWD/.gpu_cache
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
-  timeout 300 python -m pytest -p no:cacheprovider tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
+  # -v: one line a test, so that the failures are named even when the timeout cuts the run before its summary
+  timeout 300 python -m pytest -p no:cacheprovider -v tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
     tests/test_runtime_engine.py tests/test_runtime_fuse.py tests/test_kernels.py > $log/1_tests.log 2>&1
-  grep -E "passed|failed|error" $log/1_tests.log | tail -1 > $log/1_tests_summary.log  # pyproject adds -q; -qq hides it
+  { grep -cE " PASSED" $log/1_tests.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log; } \
+    > $log/1_tests_summary.log
   timeout 190 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
-  [ "${LLAMA3:-0}" = 1 ] && timeout 240 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
-    --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1
   left=$((570 - SECONDS))  # the kernel grid takes what is left of the call's 10 minutes
   timeout $left python bench/kernels.py --json "$out/kernels_h200_rows.json" --models ${MODELS:-7b 70b 13b 8b} --ms ${MS:-1 16} \
     --time-limit $((left - 50)) > $log/3_kernels.log 2>&1
@@ -36,14 +35,12 @@ gpu0() {
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  # programmatic dependent launch (kernels.pdl) on and off: the engine (W4, W4+EC38; the first run tunes the W4
-  # launches on a fresh machine), then every decode candidate on the 7B shapes
-  for p in 1 0; do SPEAR_PDL=$p timeout $([ $p = 1 ] && echo 200 || echo 110) python bench/decode.py \
-    --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_pdl$p.json" > $log/5_decode_pdl$p.log 2>&1
-  done
-  for p in 1 0; do SPEAR_PDL=$p timeout 110 python bench/ec_ablation.py --configs-only --ms 1 \
-    --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_pdl$p.json" > $log/6_ec_ablation_pdl$p.log 2>&1
-  done
+  # Llama-3-8B through the engine (GQA, a 128k vocabulary; its W4 launches tuned on a fresh machine first)
+  timeout 270 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
+    --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1
+  # M = 16: the dot loop's candidates with split-K 1, 2 and the launch's own (4 at BN 128 on the 7B shapes)
+  timeout $((560 - SECONDS)) python bench/ec_ablation.py --configs-only --ms 16 --split-ks 0 1 2 \
+    --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_m16_splitk.json" > $log/6_ec_m16_splitk.log 2>&1
 }
 if [ "${LAB:-0}" = 1 ]; then  # a short call of its own (session 9, ~8 minutes): the kernel candidates side by side
   (export CUDA_VISIBLE_DEVICES=0  # the kernel tests that touch the GEMV loops, then every candidate's W4 and W4+EC µs
