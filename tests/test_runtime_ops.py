@@ -137,18 +137,6 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
     assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
 
 
-def rows_as_tiles(seq_lens: list[int], new: list[int], group: int) -> tuple[list, list, int]:
-    """A step's tokens as attention rows (sequence, position): the last new[s] positions of each sequence s, in
-    order; the tiles (first row, row count) that group each sequence's rows by the kernel's tile_rows; tile_rows."""
-    rows = [(s, pos) for s, (n, k) in enumerate(zip(seq_lens, new)) for pos in range(n - k, n)]
-    tile_rows = ops.attention_tile_rows(group)
-    tiles, first = [], 0
-    for k in new:
-        tiles += [(first + lo, min(tile_rows, k - lo)) for lo in range(0, k, tile_rows)]
-        first += k
-    return rows, tiles, tile_rows
-
-
 @pytest.mark.parametrize("splits", [1, 3])  # 1: the split kernel writes the output, no combine launch
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA (16 rows a tile) and GQA 3 (4 rows a tile)
 def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, splits, gen):
@@ -159,7 +147,13 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     seq_lens = [45, 20, 7, 30]  # the sequences' lengths after this step
     new = [29, 20, 1, 1]  # this step's tokens of each: a later chunk, a whole prompt, two decodes
     tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
-    rows, tiles, tile_rows = rows_as_tiles(seq_lens, new, heads // kv_heads)
+    rows = [(s, pos) for s, (n, k) in enumerate(zip(seq_lens, new)) for pos in range(n - k, n)]
+    tile_rows = ops.attention_tile_rows(heads // kv_heads)
+    tiles, first = [], 0
+    for k in new:
+        for lo in range(0, k, tile_rows):
+            tiles.append((first + lo, min(tile_rows, k - lo)))
+        first += k
     tiles += [(0, 0)] * 3
     row_tables = tables[[s for s, _ in rows]]  # each cut to the blocks its row uses, as kv_cache.Batch cuts them
     used = torch.tensor([pos // block_size + 1 for _, pos in rows], device=DEVICE)

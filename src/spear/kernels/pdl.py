@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_launches_pdl() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -32,15 +32,19 @@ def _triton_launches_pdl() -> bool:
     return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)} and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def runs_compiled(x: torch.Tensor) -> bool:
+    """Whether a launch on x runs compiled code (inline PTX and griddepcontrol included), not the Triton interpreter."""
+    return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def uses_pdl(x: torch.Tensor) -> bool:
     """Whether launches on x's device go as programmatic dependent launches (compiled code on sm_90+)."""
-    return (x.device.type == "cuda" and os.environ.get("SPEAR_PDL", "1") != "0"
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and _triton_launches_pdl()
+    return (runs_compiled(x) and os.environ.get("SPEAR_PDL", "1") != "0" and _triton_launches_pdl()
             and _device_has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 

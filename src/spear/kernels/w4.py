@@ -33,7 +33,6 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,14 @@ import triton.language as tl
 
 from spear.kernels import tune_cache
 from spear.kernels.pack import PackedEC, PackedW4
-from spear.kernels.pdl import launch_options, pdl_enter, pdl_release, prefetch_l2, w4_launch
+from spear.kernels.pdl import (
+    launch_options,
+    pdl_enter,
+    pdl_release,
+    prefetch_l2,
+    runs_compiled,
+    w4_launch,
+)
 
 DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
@@ -549,6 +555,18 @@ def _swiglu_rows(pid_n, N, BN: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(pid_n, N, BN: tl.constexpr, SWIGLU: tl.constexpr):
+    """Tile pid_n's rows of the weight and the mask of the real ones: BN consecutive rows, or a SwiGLU tile's
+    (_swiglu_rows)."""
+    if SWIGLU:
+        offs_n, mask_n = _swiglu_rows(pid_n, N, BN)
+    else:
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+    return offs_n, mask_n
+
+
+@triton.jit
 def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.constexpr, BM: tl.constexpr):
     """y[offs_m, rows] = silu(gate) ⊙ up for a SwiGLU tile's acc [BN, BM] (gate rows, then up's: _swiglu_rows),
     rows its BN / 2 columns of the [M, N / 2] activation."""
@@ -608,10 +626,7 @@ def _read_g(g_rows, mask_m, epoch, WAIT: tl.constexpr):
 def _prefetch_codes(qw_ptr, gid, split_k, k_per_split, N, KW, BN: tl.constexpr, SWIGLU: tl.constexpr,
                     PREFETCH_BYTES: tl.constexpr):
     """L2 prefetch of the first PREFETCH_BYTES of each of the tile's code rows in its split of K."""
-    if SWIGLU:
-        offs_n, _ = _swiglu_rows(gid // split_k, N, BN)
-    else:
-        offs_n = (gid // split_k) * BN + tl.arange(0, BN)
+    offs_n, _ = _tile_rows(gid // split_k, N, BN, SWIGLU)
     w0 = (gid % split_k) * k_per_split // 8
     nbytes = tl.minimum((tl.minimum(w0 + k_per_split // 8, KW) - w0) * 4, PREFETCH_BYTES)
     prefetch_l2(qw_ptr + tl.minimum(offs_n, N - 1) * KW + w0, nbytes)
@@ -691,11 +706,7 @@ def _w4_decode_kernel(
         gid = pid - num_ax
         pid_n = gid // split_k
         pid_k = gid % split_k
-        if SWIGLU:  # the tile's rows: BN / 2 of gate and the same of up, for BN / 2 columns of silu(gate) ⊙ up
-            offs_n, mask_n = _swiglu_rows(pid_n, N, BN)
-        else:
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            mask_n = offs_n < N
+        offs_n, mask_n = _tile_rows(pid_n, N, BN, SWIGLU)  # SWIGLU: BN / 2 rows of gate and the same of up
         if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
             epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
@@ -966,11 +977,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _runs_ptx(x: torch.Tensor) -> bool:
-    """Whether a launch on x runs compiled code (inline PTX included), not the Triton interpreter."""
-    return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
 def _flatten(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -1051,7 +1057,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=bk, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, GEMV_F16X2=cfg.gemv_f16x2,
-        F16X2_ASM=_runs_ptx(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
+        F16X2_ASM=runs_compiled(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes, **launch_options(x),

@@ -66,11 +66,6 @@ def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, head_dim: int) -> N
         "pools must be [num_blocks, block_size, KV, D] with dense [KV, D] rows, K and V alike"
 
 
-def _heads_dense(x: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] with each token's heads contiguous (tokens may be strided, as views of a fused GEMM output)."""
-    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
-
-
 # ---------------------------------------------------------------- add + RMSNorm
 
 def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -207,21 +202,13 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
     if j < H:
         _rope_row(q_ptr + t * stride_qt + j * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF)
     else:
-        _cache_kv_head(t, j - H, cos, sin, k_ptr, v_ptr, slots_ptr, k_pool_ptr, v_pool_ptr, block_size,
-                       stride_pool_block, stride_pool_offset, stride_kt, stride_vt, i, ok, HALF)
-
-
-@_jit
-def _cache_kv_head(t, kv, cos, sin, k_ptr, v_ptr, slots_ptr, k_pool_ptr, v_pool_ptr, block_size, stride_pool_block,
-                   stride_pool_offset, stride_kt, stride_vt, i, ok, HALF: tl.constexpr):
-    """Token t's key head kv rotated (_rope_row) and its value head as it is, into the pools at the token's slot."""
-    D: tl.constexpr = 2 * HALF
-    slot = tl.load(slots_ptr + t)
-    dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
-    _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
-    for half in tl.static_range(2):  # v as it is, in two halves
-        val = tl.load(v_ptr + t * stride_vt + kv * D + half * HALF + i, mask=ok)
-        tl.store(v_pool_ptr + dst + half * HALF + i, val, mask=ok)
+        kv = j - H
+        slot = tl.load(slots_ptr + t)
+        dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
+        _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
+        for half in tl.static_range(2):  # v as it is, in two halves
+            val = tl.load(v_ptr + t * stride_vt + kv * D + half * HALF + i, mask=ok)
+            tl.store(v_pool_ptr + dst + half * HALF + i, val, mask=ok)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -234,7 +221,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     T, H, D = q.shape
     KV = k.shape[1]
     _check_pools(k_pool, v_pool, D)
-    q, k, v = (_heads_dense(x) for x in (q, k, v))
+    # Each token's heads must be contiguous; tokens may be strided (q, k, v as views of a fused q|k|v GEMM output).
+    q, k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (q, k, v))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _rope_write_kv_kernel[(T, H + KV)](
         q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, H, KV, k_pool.shape[1],
@@ -270,7 +258,7 @@ def attention_tile_rows(group: int) -> int:
 def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
                                m_ptr, l_ptr, acc_ptr, out_ptr,
                                scale, H, block_size, stride_table,
-                               stride_pool_block, stride_pool_offset, stride_qt,
+                               stride_pool_block, stride_pool_offset,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                HAS_TILES: tl.constexpr, D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -298,8 +286,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         row = first + r
         head = kv * GROUP + g
         d = tl.arange(0, D)
-        q_rows = q_ptr + (row * stride_qt + head * D)[:, None]  # tokens may be strided (_heads_dense)
-        q = tl.load(q_rows + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
+        q = tl.load(q_ptr + (row * H + head)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
         row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
         last = first + count - 1  # the tile's last row sees the most keys, and its table has all their blocks
         seq_len = tl.load(seq_lens_ptr + last)
@@ -383,8 +370,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     num_tiles = tiles.shape[0] if tiles is not None else B
     if splits is None:
         splits = decode_splits(num_tiles * KV, block_tables.shape[1] * block_size, block_n, q.device)
-    q = _heads_dense(q)
-    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    q = q.contiguous()
+    out = torch.empty_like(q)
     if splits > 1:
         m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
@@ -397,7 +384,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     _paged_decode_split_kernel[(num_tiles, KV, splits)](
         q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out,
         D**-0.5 if scale is None else scale, H,
-        block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1), q.stride(0),
+        block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **launch_options(q))
