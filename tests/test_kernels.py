@@ -137,9 +137,11 @@ def test_decode_gemv_loop_matches_reference(group, gen):
     packed = pack_w4(random_w4(n, k, group, gen, sym=group == -1)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
     # 128 words a step: the u-programs take 64 columns of A a step (w4.ax_block), the others 128
-    for m, split_k, block_kw in ((1, 1, 32), (2, 3, 16), (3, 2, 32), (4, 1, 16), (5, 2, 32), (1, 1, 128), (2, 2, 128)):
+    # single-stage loops load each step's codes a step ahead (W4Launch.preload), pipelined ones through shared memory
+    for m, split_k, block_kw, stages in ((1, 1, 32, 1), (2, 3, 16, 3), (3, 2, 32, 1), (4, 1, 16, 3), (5, 2, 32, 1),
+                                         (1, 1, 128, 3), (2, 2, 128, 1)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw)
+        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw, num_stages=stages)
         y = w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec), f"gemv m={m} g={group} split_k={split_k} block_kw={block_kw}")
 
@@ -165,11 +167,29 @@ def test_decode_gemv_f16x2_loop_matches_reference(group, with_ec, gen):
     n, k = 128, 640 if group == 128 else 576
     packed = pack_w4(random_w4(n, k, group, gen, sym=group == -1)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE) if with_ec else None
-    for m, split_k, block_kw in ((1, 1, 32), (2, 3, 16), (3, 2, 32), (4, 1, 16)):
+    for m, split_k, block_kw, stages in ((1, 1, 32, 1), (2, 3, 16, 1), (3, 2, 32, 3), (4, 1, 16, 1)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw, gemv_f16x2=True)
+        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw, gemv_f16x2=True,
+                           num_stages=stages)
         y = w4_decode(x, packed, ec, None, cfg, out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec), f"gemv f16x2 m={m} g={group} ec={with_ec} split_k={split_k}")
+
+
+@pytest.mark.parametrize("f16x2", [False, True])
+def test_decode_gemv_preload_changes_no_bit(f16x2, gen, monkeypatch):
+    """Loading each step's codes a step ahead (SPEAR_W4_PRELOAD, the first before the PDL wait) only moves loads:
+    the single-stage GEMV loops give the same bits with it and without, over several steps and splits of K."""
+    n, k = 64, 1024
+    packed = pack_w4(random_w4(n, k, 128, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
+    x = torch.randn(2, k, generator=gen).half().to(DEVICE)
+    cfg = DecodeConfig(block_n=32, split_k=2, gemv_rows=4, block_kw=16, num_stages=1, gemv_f16x2=f16x2)
+    out = {}
+    for preload in ("0", "1"):
+        monkeypatch.setenv("SPEAR_W4_PRELOAD", preload)
+        out[preload] = w4_decode(x, packed, ec, None, cfg, out=poisoned(2, n))
+    assert torch.equal(out["0"], out["1"])
+    assert_close(out["1"], w4_linear_ref(x, packed, ec), f"gemv preload f16x2={f16x2}")
 
 
 def test_decode_kernel_leaves_its_workspace_ready_for_the_next_launch(gen):

@@ -82,7 +82,7 @@ def loop_mix(sass_text: str, min_instructions: int = 60) -> list[Loop]:
 
 F16, I32, F32, I64 = "*fp16", "*i32", "*fp32", "*i64"
 _DIVISIBLE = ("KW", "K", "N", "stride_xm", "stride_ym", "k_per_split", "ax_k_per_prog", "group_size", "stride_gm",
-              "stride_wn")
+              "stride_wn", "H", "block_size", "stride_pool_block", "stride_pool_offset")  # as a Llama launch has them
 
 
 def variants() -> dict[str, tuple]:
@@ -95,7 +95,7 @@ def variants() -> dict[str, tuple]:
                    "reads_ptr": I64}
     out = {}
     lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True,  # GEMV loop unpipelined
-                   PDL=False, PDL_LATE=False, PREFETCH_BYTES=0)
+                   PDL=False, PDL_LATE=False, PREFETCH_BYTES=0, PRELOAD=False)
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
@@ -133,6 +133,13 @@ def variants() -> dict[str, tuple]:
     out["decode rows=1 ec=True f16x2 pdl"] = (w4._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True,
                                                                                  "BKW": 64, "BK": 128, "PDL": True, "PDL_LATE": True,
                                                                                  "PREFETCH_BYTES": 1024}, 4)
+    # each step's codes loaded a step ahead, the first before griddepcontrol.wait (PRELOAD: W4Launch.preload), as the
+    # tuner's single-stage GEMV candidates run under PDL: 8 warps, float32 and fp16x2; 4 warps, 64 words, fp16x2, EC
+    for name, extra, warps in (("decode rows=1 ec=False warps=8 preload", {**const, "HAS_EC": False, "GATED": False}, 8),
+                               ("decode rows=1 ec=False warps=8 f16x2 preload", f16x2, 8),
+                               ("decode rows=1 ec=True warps=4 f16x2 preload", {**f16x2, "HAS_EC": True, "GATED": True,
+                                                                                "BKW": 64, "BK": 128}, 4)):
+        out[name] = (w4._w4_decode_kernel, decode_ptrs, {**extra, "PDL": True, "PDL_LATE": True, "PRELOAD": True}, warps)
     out["decode rows=dot ec=True swiglu pdl"] = (w4._w4_decode_kernel, decode_ptrs,
                                                  {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
                                                   "GEMV_ROWS": 0, "PDL": True, "PREFETCH_BYTES": 4096}, 4)

@@ -55,7 +55,7 @@ def launch_options(x: torch.Tensor) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class W4Launch:
-    """How the W4 decode kernel uses PDL (lab knobs SPEAR_PDL_PREFETCH, SPEAR_PDL_LATE): prefetch_bytes, codes of each
+    """How the W4 decode kernel uses PDL (lab knobs SPEAR_PDL_PREFETCH, SPEAR_PDL_LATE, SPEAR_W4_PRELOAD): prefetch_bytes, codes of each
     tile row prefetched into L2 before the wait (0: none); late, let the next launch start after the main loops
     (else right after the wait). Measured in session 10 (bench/NOTES-kernels.md): prefetching 4 KB a row thrashed
     L2 on the 7B MLP shapes and 1 KB slowed W4+EC38 and batch 8 in the engine, so the default prefetches nothing
@@ -63,10 +63,13 @@ class W4Launch:
 
     prefetch_bytes: int
     late: bool
+    preload: bool  # the single-stage GEMV loops load each step's codes a step ahead, the first before the wait
 
 
 def w4_launch() -> W4Launch:
-    return W4Launch(int(os.environ.get("SPEAR_PDL_PREFETCH", "0")), os.environ.get("SPEAR_PDL_LATE", "1") == "1")
+    env = os.environ.get
+    return W4Launch(int(env("SPEAR_PDL_PREFETCH", "0")), env("SPEAR_PDL_LATE", "1") == "1",
+                    env("SPEAR_W4_PRELOAD", "1") == "1")
 
 
 @triton.jit

@@ -255,9 +255,20 @@ def _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, jj: tl.constexpr, G, group_si
 
 
 @triton.jit
+def _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr):
+    """The GEMV loop's [BN, BKW] int32 code words of the step at column kb (a multiple of 128); nothing past k_hi
+    is read (the mask tests whole 16-word runs, k_hi being a multiple of 128, so the load may vectorize)."""
+    offs_w = tl.arange(0, BKW)
+    block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
+    words = tl.multiple_of(kb // 8, 16) + offs_w
+    return tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
+                   mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)
+
+
+@triton.jit
 def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, group_size,
              SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKW: tl.constexpr,
-             ROWS: tl.constexpr, STAGES: tl.constexpr):
+             ROWS: tl.constexpr, STAGES: tl.constexpr, first, PRELOAD: tl.constexpr):
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi for M ≤ ROWS ≤ 4 rows of x: the GEMV main loop.
 
     Each step loads a wide [BN, BKW] tile of code words (BKW / 16 packed blocks) and multiplies every
@@ -274,9 +285,6 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     STAGES > 1 pipelines the code tiles through shared memory (cp.async, STAGES − 1 steps ahead): at one
     or two programs an SM, one step's tile in flight (16 KB) is too little to cover HBM latency.
     """
-    offs_w = tl.arange(0, BKW)
-    block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
-    # The code mask tests whole 16-word runs (k_hi is a multiple of 128), so the compiler may vectorize the load.
     L: tl.constexpr = min(SPG, 4)  # planes per span
     CW: tl.constexpr = 8 + 8 * (SPG // 8)  # words per group cell: a block's 16 (SPG = 8), else a half's 8
     NC: tl.constexpr = BKW // CW  # group cells per step
@@ -292,10 +300,13 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     xsum3 = tl.zeros((BKW,), dtype=tl.float32)
     s = tl.zeros((BN, ACC), dtype=tl.float32)
     z = tl.zeros((BN, ACC), dtype=tl.float32)
+    ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
-        packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
-                         mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
+        if PRELOAD:
+            packed = ahead
+            ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
+        else:
+            packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)  # [BN, BKW] int32
         packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # odd columns' codes
         for c in tl.static_range(0, 4, L):
             if not PER_CHANNEL:
@@ -437,7 +448,8 @@ def _h2_chain_end(acc, xsum, h, xs, s, z, ASM: tl.constexpr, PER_CHANNEL: tl.con
 @triton.jit
 def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
                    group_size, SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   BKW: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):
+                   BKW: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, first,
+                   PRELOAD: tl.constexpr):
     """_w4_gemv's tile with fp16x2 arithmetic (Marlin / ExLlama style): two weights an instruction.
 
     The code pair of plane jj of a word (columns 2 p, 2 p + 1 of its slice, pack.py) sits at bits 4 jj' and
@@ -448,8 +460,6 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
     Σ x term. Grouped, the codes are q − 8 (offsets 1032, 72), and z − 8 acts per group span via Σ x, as z in
     _w4_gemv, whose spans the chains follow (SPG = 2: two planes a chain).
     """
-    offs_w = tl.arange(0, BKW)
-    block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
     L: tl.constexpr = min(SPG, 4)  # planes per chain
     CW: tl.constexpr = 8 + 8 * (SPG // 8)  # words per group cell (_w4_gemv)
     NC: tl.constexpr = BKW // CW
@@ -466,10 +476,13 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
         z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
     off_lo = _h2_pack(-1024.0 - z, -1024.0 - z)[:, None]  # −(1024 + z), exact in fp16
     off_hi = _h2_pack(-64.0 - z, -64.0 - z)[:, None]
+    ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        words = tl.multiple_of(kb // 8, 16) + offs_w  # kb is a multiple of 128
-        packed = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
-                         mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)  # [BN, BKW] int32
+        if PRELOAD:
+            packed = ahead
+            ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
+        else:
+            packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)  # [BN, BKW] int32
         packed8 = packed >> 8  # the pairs of planes 2, 3 at bits 0–7 and 16–23
         for c in tl.static_range(0, 4, L):  # the chain of planes c .. c + L − 1
             if not PER_CHANNEL:
@@ -644,7 +657,7 @@ def _w4_decode_kernel(
     GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr, F16X2_ASM: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr,
+    PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -659,18 +672,19 @@ def _w4_decode_kernel(
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
-    # PDL (kernels.pdl): a tile first has HBM stream the start of its codes into L2, then waits for the launch before
-    # it; the next launch may start after this one's main loops (PDL_LATE) or at once.
+    # PDL (kernels.pdl): a tile may first have HBM stream the start of its codes into L2 (PREFETCH_BYTES) and load B
+    # and its first code step (PRELOAD, single-stage GEMV loops), then waits for the launch before it; the next
+    # launch may start after this one's main loops (PDL_LATE) or at once.
+    # PRELOAD: the single-stage GEMV loops load each step's codes one step ahead (two steps in flight).
     pid = tl.program_id(0)
-    if PDL:
-        if pid >= num_ax and PREFETCH_BYTES > 0:
-            _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU, PREFETCH_BYTES)
-        pdl_enter(PDL, PDL_LATE)
+    if PDL and pid >= num_ax and PREFETCH_BYTES > 0:
+        _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU, PREFETCH_BYTES)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
     g_rows = g_ptr + offs_m[:, None] * R + offs_r[None, :]
     if pid < num_ax:
+        pdl_enter(PDL, PDL_LATE)
         # u += A[:, slice] x[slice]  over this program's slice of K
         u = tl.zeros((BM, R), dtype=tl.float32)
         for k0 in range(pid * ax_k_per_prog, (pid + 1) * ax_k_per_prog, BK):
@@ -707,19 +721,29 @@ def _w4_decode_kernel(
         pid_n = gid // split_k
         pid_k = gid % split_k
         offs_n, mask_n = _tile_rows(pid_n, N, BN, SWIGLU)  # SWIGLU: BN / 2 rows of gate and the same of up
-        if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
+        k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
+        # Weights only before the PDL wait (kernels.pdl): B, and with PRELOAD the GEMV loop's first codes, so that
+        # their HBM latency overlaps the tail of the launch before this one
+        if HAS_EC and PEERS == 0:
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+        GEMV_PRELOAD: tl.constexpr = PRELOAD and GEMV_ROWS > 0 and GEMV_STAGES == 1
+        if GEMV_PRELOAD:
+            first = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi, KW, BKW)
+        else:
+            first = tl.zeros((BN, BKW), dtype=tl.int32)  # unused
+        pdl_enter(PDL, PDL_LATE)
+        if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
             epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
             if BM * R <= 2048:  # (wide row tiles: g's registers through the main loop would spill; read it after)
                 g = _read_g(g_rows, mask_m, epoch, False)
-        k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
         if GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
             acc = _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split,
                                  k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES,
-                                 F16X2_ASM)
+                                 F16X2_ASM, first, GEMV_PRELOAD)
         elif GEMV_ROWS > 0:
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
-                           K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES)
+                           K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES, first,
+                           GEMV_PRELOAD)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
                                pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
@@ -1060,7 +1084,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         F16X2_ASM=runs_compiled(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes, **launch_options(x),
+        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
+        PRELOAD=pdl.preload, **launch_options(x),
     )
     return y
 
