@@ -21,15 +21,15 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the W4 tuner's choices come back in $OUT; carry=[".gpu_cache"] on the next call skips the tuning it did
 export SPEAR_CACHE=$PWD/.gpu_cache
-# Triton's compiled kernels travel too (triton_cache.tgz back in $OUT, unpacked here when carried): a fresh machine
-# otherwise compiles every decode candidate again (tens of seconds a shape)
+# Triton's compiled kernels travel too (gpu_cache.tgz back in $OUT with the tuner's choices; put it in .gpu_cache/ for
+# the next call): a fresh machine otherwise compiles every decode candidate again (tens of seconds a shape)
 export TRITON_CACHE_DIR=$PWD/.gpu_cache/triton
-[ -f .gpu_cache/triton_cache.tgz ] && mkdir -p "$TRITON_CACHE_DIR" && tar xzf .gpu_cache/triton_cache.tgz -C "$TRITON_CACHE_DIR"
+[ -f .gpu_cache/gpu_cache.tgz ] && tar xzf .gpu_cache/gpu_cache.tgz -C .gpu_cache
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
   # -v: one line a test, so that the failures are named even when the timeout cuts the run before its summary
-  timeout 180 python -m pytest -p no:cacheprovider -v tests/test_kernels.py tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
+  timeout 180 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py tests/test_runtime_ops.py tests/test_runtime_kv_cache.py \
     tests/test_runtime_engine.py tests/test_runtime_fuse.py > $log/1_tests.log 2>&1
   { grep -cE " PASSED" $log/1_tests.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log; } \
     > $log/1_tests_summary.log
@@ -117,6 +117,7 @@ elif [ "${PDLAB:-0}" = 1 ]; then  # session 10: how the W4 decode kernel uses PD
   wait
   tar czf "$out/pdl_jsons.tgz" -C "$out" pdl && rm -r "$out/pdl"  # at most 8 files come back
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
+  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_tp.py > $log/1_tests_tp.log 2>&1
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
   timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \
@@ -129,8 +130,8 @@ else
   (export CUDA_VISIBLE_DEVICES=1; gpu1) &
   wait
 fi
-cp .gpu_cache/w4_tuning.json "$out/" 2>/dev/null
-tar czf "$out/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-[ $(stat -c %s "$out/triton_cache.tgz" 2>/dev/null || echo 0) -gt 15000000 ] && rm "$out/triton_cache.tgz"  # 16 MiB a file
+# one file (at most 8 come back): the tuner's choices and, where it fits in 16 MiB, Triton's cache
+tar czf "$out/gpu_cache.tgz" -C .gpu_cache w4_tuning.json triton 2>/dev/null
+[ $(stat -c %s "$out/gpu_cache.tgz" 2>/dev/null || echo 0) -gt 15000000 ] && tar czf "$out/gpu_cache.tgz" -C .gpu_cache w4_tuning.json
 for f in $log/*.log; do echo "=== $f"; tail -n ${TAIL:-40} "$f"; done > "$out/gpu_all.log"
 tail -c 11000 "$out/gpu_all.log"
