@@ -52,7 +52,10 @@ gpu1() {
     > $log/7_decode_preload$p.log 2>&1; done
 }
 more() {  # MORE=1: GPU 0 Llama-3-8B through the engine, then the grid's 8B and 13B shapes; GPU 1 M = 16 split-K
-  (export CUDA_VISIBLE_DEVICES=1
+  (export CUDA_VISIBLE_DEVICES=1  # the GEMV loops' GPU tests first (the preload, PDL, the fp16x2 PTX)
+   timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "gemv or preload or pdl or f16x2" \
+     > $log/1_tests.log 2>&1
+   grep -cE " PASSED" $log/1_tests.log > $log/1_tests_summary.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log >> $log/1_tests_summary.log
    timeout $((560 - SECONDS)) python bench/ec_ablation.py --configs-only --ms 16 --split-ks 0 1 2 \
      --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_m16_splitk.json" > $log/6_ec_m16_splitk.log 2>&1) &
   export CUDA_VISIBLE_DEVICES=0
@@ -117,7 +120,6 @@ elif [ "${PDLAB:-0}" = 1 ]; then  # session 10: how the W4 decode kernel uses PD
   wait
   tar czf "$out/pdl_jsons.tgz" -C "$out" pdl && rm -r "$out/pdl"  # at most 8 files come back
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
-  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_tp.py > $log/1_tests_tp.log 2>&1
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
   timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \
