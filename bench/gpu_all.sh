@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 4–7 in one device call on nvidia-h200-x2 (about 6 minutes; with SLO=1 up to 10):
 #   GPU 0: the GPU test suites (kernels, runtime ops, fused launches, engine, KV cache), the decode benchmark
-#          on Llama-2-7B, then the decode-kernel grid (7B, 70B, 13B, 8B shapes as time allows; M = $MS, default 1 16);
-#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the A/B of the GEMV loops' code preload
-#          (SPEAR_W4_PRELOAD 1 / 0: every decode candidate at M = 1 on the 7B shapes, then the engine at batch 1, 8);
-#   or, with MORE=1, GPU 0 the decode benchmark on Llama-3-8B (fp16, W4, W4+EC38), then the kernel grid's 8B and 13B
-#          shapes; GPU 1 the M = 16 dot-loop candidates at split-K 1, 2 and automatic on the 7B shapes
-#          (PDLAB=1 / 2 time programmatic dependent launch, session 10);
+#          on Llama-2-7B, then the decode-kernel grid (7B, 70B shapes as time allows; M = $MS, default 1 16);
+#   GPU 1: with SLO=1 the SLO experiment (all EC densities), then the decode benchmark on Llama-3-8B (fp16, W4,
+#          W4+EC38), then the decode-kernel grid's 8B and 13B shapes;
 #   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
 #          the SwiGLU epilogue with an EC (the block below);
 #   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;
@@ -21,10 +18,6 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the W4 tuner's choices come back in $OUT; carry=[".gpu_cache"] on the next call skips the tuning it did
 export SPEAR_CACHE=$PWD/.gpu_cache
-# Triton's compiled kernels travel too (gpu_cache.tgz back in $OUT with the tuner's choices; put it in .gpu_cache/ for
-# the next call): a fresh machine otherwise compiles every decode candidate again (tens of seconds a shape)
-export TRITON_CACHE_DIR=$PWD/.gpu_cache/triton
-[ -f .gpu_cache/gpu_cache.tgz ] && tar xzf .gpu_cache/gpu_cache.tgz -C .gpu_cache
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
@@ -38,34 +31,18 @@ gpu0() {
   timeout 60 python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 --json "$out/profile_b1.json" \
     > $log/2_profile.log 2>&1
   left=$((570 - SECONDS))  # the kernel grid takes what is left of the call's 10 minutes
-  timeout $left python bench/kernels.py --json "$out/kernels_h200_rows.json" --models ${MODELS:-7b 70b 13b 8b} --ms ${MS:-1 16} \
+  timeout $left python bench/kernels.py --json "$out/kernels_h200_rows.json" --models ${MODELS:-7b 70b} --ms ${MS:-1 16} \
     --time-limit $((left - 50)) > $log/3_kernels.log 2>&1
 }
 gpu1() {
   [ "${SLO:-0}" = 1 ] && timeout 450 python bench/slo_experiment.py --json "$out/slo_experiment_h200.json" \
     --time-limit 400 > $log/4_slo.log 2>&1  # SLO=1 runs it (4 more minutes; issue 6 is resolved)
-  # session 11: the single-stage GEMV loops' codes a step ahead, the first before the PDL wait (W4Launch.preload)
-  for p in 1 0; do SPEAR_W4_PRELOAD=$p timeout 100 python bench/ec_ablation.py --configs-only --ms 1 \
-    --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_preload$p.json" > $log/6_ec_preload$p.log 2>&1; done
-  for p in 0 1; do SPEAR_W4_PRELOAD=$p timeout $(( (560 - SECONDS) / (2 - p) )) python bench/decode.py \
-    --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_preload$p.json" \
-    > $log/7_decode_preload$p.log 2>&1; done
-}
-more() {  # MORE=1: GPU 0 Llama-3-8B through the engine, then the grid's 8B and 13B shapes; GPU 1 M = 16 split-K
-  (export CUDA_VISIBLE_DEVICES=1  # the GEMV loops' GPU tests first (the preload, PDL, the fp16x2 PTX)
-   timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "gemv or preload or pdl or f16x2" \
-     > $log/1_tests.log 2>&1
-   grep -cE " PASSED" $log/1_tests.log > $log/1_tests_summary.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log >> $log/1_tests_summary.log
-   timeout $((560 - SECONDS)) python bench/ec_ablation.py --configs-only --ms 16 --split-ks 0 1 2 \
-     --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_m16_splitk.json" > $log/6_ec_m16_splitk.log 2>&1) &
-  export CUDA_VISIBLE_DEVICES=0
   # Llama-3-8B through the engine (GQA, a 128k vocabulary; its W4 launches tuned on a fresh machine first)
   timeout 270 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
     --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1
   left=$((560 - SECONDS))
   timeout $left python bench/kernels.py --json "$out/kernels_h200_rows_8b13b.json" --models 8b 13b --ms 1 16 \
-    --time-limit $((left - 40)) > $log/3_kernels.log 2>&1
-  wait
+    --time-limit $((left - 40)) > $log/6_kernels_8b13b.log 2>&1
 }
 if [ "${LAB:-0}" = 1 ]; then  # a short call of its own (session 9, ~8 minutes): the kernel candidates side by side
   (export CUDA_VISIBLE_DEVICES=0  # the kernel tests that touch the GEMV loops, then every candidate's W4 and W4+EC µs
@@ -125,15 +102,11 @@ elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass 
   timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \
     --json "$out/decode_tp2_h200x2.json" > $log/8_decode_tp2.log 2>&1
   timeout 60 python bench/step_channel.py --json "$out/step_channel_h200host.json" > $log/11_step_channel.log 2>&1
-elif [ "${MORE:-0}" = 1 ]; then
-  more
 else
   (export CUDA_VISIBLE_DEVICES=0; gpu0) &
   (export CUDA_VISIBLE_DEVICES=1; gpu1) &
   wait
 fi
-# one file (at most 8 come back): the tuner's choices and, where it fits in 16 MiB, Triton's cache
-tar czf "$out/gpu_cache.tgz" -C .gpu_cache w4_tuning.json triton 2>/dev/null
-[ $(stat -c %s "$out/gpu_cache.tgz" 2>/dev/null || echo 0) -gt 15000000 ] && tar czf "$out/gpu_cache.tgz" -C .gpu_cache w4_tuning.json
+cp .gpu_cache/w4_tuning.json "$out/" 2>/dev/null  # at most 8 files come back: the default call makes 7
 for f in $log/*.log; do echo "=== $f"; tail -n ${TAIL:-40} "$f"; done > "$out/gpu_all.log"
 tail -c 11000 "$out/gpu_all.log"
