@@ -36,7 +36,7 @@ def compile_for_gpu(kernel, pointers: dict[str, str], constexprs: dict[str, obje
     fn = kernel  # a JITFunction: run without TRITON_INTERPRET
     names = fn.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
-    hinted = [n for n in names if n in pointers or n in divisible_by_16]
+    hinted = [n for n in names if (n in pointers or n in divisible_by_16) and n not in constexprs]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})

@@ -355,39 +355,27 @@ def _h2_pack(lo, hi):
 
 @triton.jit
 def _h2_codes(src, offset, HI: tl.constexpr, ASM: tl.constexpr):
-    """(q − z) of the codes at bits 0–3 and 16–19 of src (HI: bits 4–7 and 20–23) as fp16x2, exactly: OR-ing a code
-    into 0x6400 gives 1024 + q (HI: 1024 + 16 q), and `offset` holds −(1024 + z) (HI: −(64 + z)) in both halves, so
-    one add (HI: an fma by 1/16 = 0x2C00) leaves q − z. One LOP3 and one HADD2 / HFMA2 for two weights."""
+    """(q − z) / 16 of the codes at bits 0–3 and 16–19 of src (HI: bits 4–7 and 20–23) as fp16x2, exactly: OR-ing a
+    code into 0x6400 gives 1024 + q (HI: 1024 + 16 q); one fma by 1/16 = 0x2C00 (HI: 1/256 = 0x1C00) gives 64 + q / 16
+    (HI: 4 + q / 16), and `offset` holds −(64 + z / 16) (HI: −(4 + z / 16)) in both halves. One LOP3 and one HFMA2
+    for two weights; the 1/16 that keeps the fp16 partial sums finite rides on the codes, so x needs no scaling."""
     if ASM:
         if HI:
             q = tl.inline_asm_elementwise("{ .reg .b32 t, c; lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xea; "
-                                          "mov.b32 c, 0x2C002C00; fma.rn.f16x2 $0, t, c, $2; }", "=r,r,r",
+                                          "mov.b32 c, 0x1C001C00; fma.rn.f16x2 $0, t, c, $2; }", "=r,r,r",
                                           [src, offset], dtype=tl.int32, is_pure=True, pack=1)
         else:
-            q = tl.inline_asm_elementwise("{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xea; "
-                                          "add.f16x2 $0, t, $2; }", "=r,r,r", [src, offset], dtype=tl.int32,
-                                          is_pure=True, pack=1)
+            q = tl.inline_asm_elementwise("{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xea; "
+                                          "mov.b32 c, 0x2C002C00; fma.rn.f16x2 $0, t, c, $2; }", "=r,r,r",
+                                          [src, offset], dtype=tl.int32, is_pure=True, pack=1)
     else:
         off_lo, off_hi = _h2_unpack(offset)
         lo, hi = _h2_unpack(_pair_bits(src, HI))
         if HI:
-            q = _h2_pack(lo * 0.0625 + off_lo, hi * 0.0625 + off_hi)
+            q = _h2_pack(lo * 0.00390625 + off_lo, hi * 0.00390625 + off_hi)
         else:
-            q = _h2_pack(lo + off_lo, hi + off_hi)
+            q = _h2_pack(lo * 0.0625 + off_lo, hi * 0.0625 + off_hi)
     return q
-
-
-@triton.jit
-def _h2_x(pairs, ASM: tl.constexpr):
-    """fp16x2 x pairs divided by 16 (exact but where they fall below 2^-10: a partial sum of four products q x / 16
-    stays below 60 |x|max / 16, finite for |x| < 17,000)."""
-    if ASM:
-        x = tl.inline_asm_elementwise("{ .reg .b32 c; mov.b32 c, 0x2C002C00; mul.f16x2 $0, $1, c; }", "=r,r",
-                                      [pairs], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        lo, hi = _h2_unpack(pairs)
-        x = _h2_pack(lo * 0.0625, hi * 0.0625)
-    return x
 
 
 @triton.jit
@@ -425,11 +413,12 @@ def _h2_f32(h, ASM: tl.constexpr):
 @triton.jit
 def _h2_row(h, xs, codes, x_ptr, row, M, stride_xm, kb, jj: tl.constexpr, K, FIRST: tl.constexpr, ASM: tl.constexpr,
             BKW: tl.constexpr):
-    """h [BN, BKW] fp16x2 += codes · (x_even, x_odd) / 16 for the words' column pairs in plane jj (_x_pairs), two
-    weights an HFMA2 (FIRST: h =); xs [BKW] += x_even + x_odd (float32, for grouped weights' z Σ x)."""
+    """h [BN, BKW] fp16x2 += codes / 16 · (x_even, x_odd) for the words' column pairs in plane jj (_x_pairs), two
+    weights an HFMA2 (FIRST: h =); xs [BKW] += x_even + x_odd (float32, for grouped weights' z Σ x). A partial sum of
+    four products (q − z) x / 16 stays below 60 |x|max / 16: finite for |x| < 17,000."""
     pairs = _x_pairs(x_ptr, row, M, stride_xm, kb, jj, K, BKW)
     x_even, x_odd = _h2_f32(pairs, ASM)
-    return _h2_fma(codes, _h2_x(pairs, ASM)[None, :], h, FIRST, ASM), xs + x_even + x_odd
+    return _h2_fma(codes, pairs[None, :], h, FIRST, ASM), xs + x_even + x_odd
 
 
 @triton.jit
@@ -454,11 +443,11 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
 
     The code pair of plane jj of a word (columns 2 p, 2 p + 1 of its slice, pack.py) sits at bits 4 jj' and
     16 + 4 jj' of the word (jj' = jj) or of the word shifted right by 8 (jj' = jj − 2), so one LOP3 and one
-    HADD2 / HFMA2 make the pair (q − z) in one register (_h2_codes), and one HFMA2 multiplies it by the pair of
-    adjacent x / 16 (_h2_x). Per word and row, the four planes chain into fp16 sums of four products (each an
-    fp16 rounding), then into the float32 accumulator (_h2_chain_end). Per-channel z is in the codes' offsets: no
-    Σ x term. Grouped, the codes are q − 8 (offsets 1032, 72), and z − 8 acts per group span via Σ x, as z in
-    _w4_gemv, whose spans the chains follow (SPG = 2: two planes a chain).
+    HFMA2 make the pair (q − z) / 16 in one register (_h2_codes), and one HFMA2 multiplies it by the pair of
+    adjacent x, as loaded (session 11: x / 16 cost an HMUL2 a pair and plane). Per word and row, the four planes
+    chain into fp16 sums of four products (each an fp16 rounding), then into the float32 accumulator
+    (_h2_chain_end). Per-channel z is in the codes' offsets: no Σ x term. Grouped, the codes are (q − 8) / 16, and
+    z − 8 acts per group span via Σ x, as z in _w4_gemv, whose spans the chains follow (SPG = 2: two planes a chain).
     """
     L: tl.constexpr = min(SPG, 4)  # planes per chain
     CW: tl.constexpr = 8 + 8 * (SPG // 8)  # words per group cell (_w4_gemv)
@@ -474,8 +463,9 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
     z = tl.full((BN,), 8.0, dtype=tl.float16)  # grouped: codes q − 8, half the products' size of q's
     if PER_CHANNEL:
         z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
-    off_lo = _h2_pack(-1024.0 - z, -1024.0 - z)[:, None]  # −(1024 + z), exact in fp16
-    off_hi = _h2_pack(-64.0 - z, -64.0 - z)[:, None]
+    z16 = z * 0.0625  # z / 16, exact
+    off_lo = _h2_pack(-64.0 - z16, -64.0 - z16)[:, None]  # −(64 + z / 16), exact in fp16
+    off_hi = _h2_pack(-4.0 - z16, -4.0 - z16)[:, None]
     ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
         if PRELOAD:
