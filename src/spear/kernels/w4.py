@@ -201,7 +201,7 @@ def _gemv_row(part, xs, even, odd, x_ptr, row, M, stride_xm, kb, jj: tl.constexp
 def _gemv_span_end(acc, xsum, part, xs, s, z, unit, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, NC: tl.constexpr,
                    CW: tl.constexpr):
     """Close a group span: Σ (q − z) s x = s (unit P − z X) with P = Σ q x / unit, X = Σ x (unit: 2^38 for the
-    denormal codes, 16 for the fp16x2 loop's x / 16).
+    denormal codes, 16 for the fp16x2 loop's codes (q − z) / 16).
 
     Per-channel: s and z wait for the end of the loop. Grouped: the span of each of the step's NC cells (CW words:
     a block, or a half of one, _w4_gemv) is one group, so P and X are first summed over the cell's words and s, z
@@ -663,9 +663,9 @@ def _w4_decode_kernel(
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
     # PDL (kernels.pdl): a tile may first have HBM stream the start of its codes into L2 (PREFETCH_BYTES) and load B
-    # and its first code step (PRELOAD, single-stage GEMV loops), then waits for the launch before it; the next
-    # launch may start after this one's main loops (PDL_LATE) or at once.
-    # PRELOAD: the single-stage GEMV loops load each step's codes one step ahead (two steps in flight).
+    # and its first code step (PRELOAD: the single-stage GEMV loops then load each step's codes one step ahead, two
+    # steps in flight), then waits for the launch before it; the next launch may start after this one's main loops
+    # (PDL_LATE) or at once.
     pid = tl.program_id(0)
     if PDL and pid >= num_ax and PREFETCH_BYTES > 0:
         _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU, PREFETCH_BYTES)
