@@ -7,6 +7,7 @@
 #   or, with LAB=1, a short call comparing the decode kernel's candidates (ec_ablation.py's per-config times) and
 #          the SwiGLU epilogue with an EC (the block below);
 #   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;
+#   or, with NCU=1 (nvidia-h200 is enough), the W4 kernel's hardware counters, then Llama-2-7B through the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -96,6 +97,16 @@ elif [ "${PDLAB:-0}" = 1 ]; then  # session 10: how the W4 decode kernel uses PD
        --settings w4 w4+ec38 --batches 1 8 --json "$out/pdl/decode_pdl_$p$l$b.json" > $log/2_decode_pdl_$p$l$b.log 2>&1; done) &
   wait
   tar czf "$out/pdl_jsons.tgz" -C "$out" pdl && rm -r "$out/pdl"  # at most 8 files come back
+elif [ "${NCU:-0}" = 1 ]; then  # session 12, one GPU: the W4 kernel's hardware counters (bench/ncu_w4.py), then
+  # the engine on Llama-2-7B (every setting)
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -n 1)
+  timeout 240 $ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section SchedulerStats --metrics "$(python bench/ncu_w4.py --metrics)" \
+    --csv --page details --log-file $log/ncu.csv python bench/ncu_w4.py --labels $log/ncu_labels.json > $log/1_ncu.log 2>&1
+  python bench/ncu_w4.py --summarize $log/ncu.csv --labels $log/ncu_labels.json --json "$out/ncu_w4_h200.json" \
+    > $log/1_ncu_summary.log 2>&1
+  gzip -c $log/ncu.csv > "$out/ncu_w4_h200.csv.gz"
+  timeout 300 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
