@@ -177,7 +177,7 @@ def test_decode_gemv_f16x2_loop_matches_reference(group, with_ec, gen):
 
 @pytest.mark.parametrize("f16x2", [False, True])
 def test_decode_gemv_preload_changes_no_bit(f16x2, gen, monkeypatch):
-    """Loading each step's codes one or two steps ahead (SPEAR_W4_PRELOAD, the first before the PDL wait) only moves loads:
+    """Loading each step's codes a step ahead (SPEAR_W4_PRELOAD, the first before the PDL wait) only moves loads:
     the single-stage GEMV loops give the same bits with it and without, over several steps and splits of K."""
     n, k = 64, 1024
     packed = pack_w4(random_w4(n, k, 128, gen)).to(DEVICE)
@@ -185,10 +185,10 @@ def test_decode_gemv_preload_changes_no_bit(f16x2, gen, monkeypatch):
     x = torch.randn(2, k, generator=gen).half().to(DEVICE)
     cfg = DecodeConfig(block_n=32, split_k=2, gemv_rows=4, block_kw=16, num_stages=1, gemv_f16x2=f16x2)
     out = {}
-    for preload in ("0", "1", "2"):  # steps of codes loaded ahead
+    for preload in ("0", "1"):
         monkeypatch.setenv("SPEAR_W4_PRELOAD", preload)
         out[preload] = w4_decode(x, packed, ec, None, cfg, out=poisoned(2, n))
-    assert torch.equal(out["0"], out["1"]) and torch.equal(out["0"], out["2"])
+    assert torch.equal(out["0"], out["1"])
     assert_close(out["1"], w4_linear_ref(x, packed, ec), f"gemv preload f16x2={f16x2}")
 
 

@@ -63,16 +63,13 @@ class W4Launch:
 
     prefetch_bytes: int
     late: bool
-    preload: int  # the single-stage GEMV loops load each step's codes this many steps ahead (0–2), the first ones
-    # before the wait
+    preload: bool  # the single-stage GEMV loops load each step's codes a step ahead, the first before the wait
 
 
 def w4_launch() -> W4Launch:
     env = os.environ.get
-    preload = env("SPEAR_W4_PRELOAD", "1")
-    if preload not in ("0", "1", "2"):
-        raise ValueError(f"SPEAR_W4_PRELOAD is the steps of codes loaded ahead, 0, 1 or 2; got {preload!r}")
-    return W4Launch(int(env("SPEAR_PDL_PREFETCH", "0")), env("SPEAR_PDL_LATE", "1") == "1", int(preload))
+    return W4Launch(int(env("SPEAR_PDL_PREFETCH", "0")), env("SPEAR_PDL_LATE", "1") == "1",
+                    env("SPEAR_W4_PRELOAD", "1") == "1")
 
 
 @triton.jit

@@ -266,26 +266,9 @@ def _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr):
 
 
 @triton.jit
-def _next_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr, ahead, ahead2, PRELOAD: tl.constexpr):
-    """This step's code tile and the loads in flight after it: with PRELOAD = p > 0 steps ahead, the tile loaded p
-    steps earlier, and the load of step + p starts now (registers hold p + 1 steps; session 11 measured 1, session
-    12 2); with 0, this step's tile, loaded now."""
-    if PRELOAD == 2:
-        packed = ahead
-        ahead = ahead2
-        ahead2 = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 16, k_hi, KW, BKW)
-    elif PRELOAD == 1:
-        packed = ahead
-        ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
-    else:
-        packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)  # [BN, BKW] int32
-    return packed, ahead, ahead2
-
-
-@triton.jit
 def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, group_size,
              SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKW: tl.constexpr,
-             ROWS: tl.constexpr, STAGES: tl.constexpr, first, second, PRELOAD: tl.constexpr):
+             ROWS: tl.constexpr, STAGES: tl.constexpr, first, PRELOAD: tl.constexpr):
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi for M ≤ ROWS ≤ 4 rows of x: the GEMV main loop.
 
     Each step loads a wide [BN, BKW] tile of code words (BKW / 16 packed blocks) and multiplies every
@@ -317,9 +300,13 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     xsum3 = tl.zeros((BKW,), dtype=tl.float32)
     s = tl.zeros((BN, ACC), dtype=tl.float32)
     z = tl.zeros((BN, ACC), dtype=tl.float32)
-    ahead, ahead2 = first, second  # PRELOAD: the first steps' codes, loaded before the PDL wait (_next_codes)
+    ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        packed, ahead, ahead2 = _next_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, ahead2, PRELOAD)
+        if PRELOAD:
+            packed = ahead
+            ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
+        else:
+            packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)  # [BN, BKW] int32
         packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # odd columns' codes
         for c in tl.static_range(0, 4, L):
             if not PER_CHANNEL:
@@ -450,7 +437,7 @@ def _h2_chain_end(acc, xsum, h, xs, s, z, ASM: tl.constexpr, PER_CHANNEL: tl.con
 @triton.jit
 def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
                    group_size, SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                   BKW: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, first, second,
+                   BKW: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, first,
                    PRELOAD: tl.constexpr):
     """_w4_gemv's tile with fp16x2 arithmetic (Marlin / ExLlama style): two weights an instruction.
 
@@ -479,9 +466,13 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
     z16 = z * 0.0625  # z / 16, exact
     off_lo = _h2_pack(-64.0 - z16, -64.0 - z16)[:, None]  # −(64 + z / 16), exact in fp16
     off_hi = _h2_pack(-4.0 - z16, -4.0 - z16)[:, None]
-    ahead, ahead2 = first, second  # PRELOAD: the first steps' codes, loaded before the PDL wait (_next_codes)
+    ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        packed, ahead, ahead2 = _next_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, ahead2, PRELOAD)
+        if PRELOAD:
+            packed = ahead
+            ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
+        else:
+            packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)  # [BN, BKW] int32
         packed8 = packed >> 8  # the pairs of planes 2, 3 at bits 0–7 and 16–23
         for c in tl.static_range(0, 4, L):  # the chain of planes c .. c + L − 1
             if not PER_CHANNEL:
@@ -725,13 +716,11 @@ def _w4_decode_kernel(
         # their HBM latency overlaps the tail of the launch before this one
         if HAS_EC and PEERS == 0:
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
-        GEMV_PRELOAD: tl.constexpr = PRELOAD * (GEMV_ROWS > 0 and GEMV_STAGES == 1)  # steps ahead (0–2)
-        first = tl.zeros((BN, BKW), dtype=tl.int32)  # unused without GEMV_PRELOAD
-        second = first
-        if GEMV_PRELOAD > 0:
+        GEMV_PRELOAD: tl.constexpr = PRELOAD and GEMV_ROWS > 0 and GEMV_STAGES == 1
+        if GEMV_PRELOAD:
             first = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi, KW, BKW)
-        if GEMV_PRELOAD > 1:
-            second = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split + BKW * 8, k_hi, KW, BKW)
+        else:
+            first = tl.zeros((BN, BKW), dtype=tl.int32)  # unused
         pdl_enter(PDL, PDL_LATE)
         if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
             epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
@@ -740,11 +729,11 @@ def _w4_decode_kernel(
         if GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
             acc = _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split,
                                  k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES,
-                                 F16X2_ASM, first, second, GEMV_PRELOAD)
+                                 F16X2_ASM, first, GEMV_PRELOAD)
         elif GEMV_ROWS > 0:
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
                            K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES, first,
-                           second, GEMV_PRELOAD)
+                           GEMV_PRELOAD)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
                                pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
