@@ -9,6 +9,7 @@
 #   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;
 #   or, with NCU=1 (nvidia-h200 is enough), the W4 kernel's hardware counters, then Llama-2-7B through the engine;
 #   or, with STREAM=1 (one GPU), the GEMV tiling's streaming ceiling and the codes' preload depth;
+#   or, with CHAIN=1 (one GPU), the fp16x2 loop's word chains A/B'd, then the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -117,6 +118,15 @@ elif [ "${STREAM:-0}" = 1 ]; then  # session 12, one GPU: the GEMV tiling's stre
     --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_preload${p}_run$i.json" > $log/2_preload${p}_$i.log 2>&1; done
   timeout $((575 - SECONDS)) python bench/stream_lab.py --shapes 7b/qkvo 7b/gate_up 7b/down \
     --json "$out/stream_lab_h200.json" > $log/3_stream.log 2>&1
+elif [ "${CHAIN:-0}" = 1 ]; then  # session 12, one GPU: the fp16x2 loop's chains over 1 or 2 words
+  # (SPEAR_W4_WORD_CHAIN) in both orders, then the engine at the default (2)
+  timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "f16x2 or preload or gemv" \
+    > $log/1_tests.log 2>&1
+  grep -cE " PASSED" $log/1_tests.log > $log/1_tests_summary.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log >> $log/1_tests_summary.log
+  i=0; for c in 1 2 2 1; do i=$((i + 1)); SPEAR_W4_WORD_CHAIN=$c timeout 75 python bench/ec_ablation.py --configs-only --ms 1 \
+    --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_chain${c}_run$i.json" > $log/2_chain${c}_$i.log 2>&1; done
+  timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 \
+    --json "$out/decode_h200.json" > $log/3_decode.log 2>&1
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)

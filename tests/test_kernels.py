@@ -175,6 +175,30 @@ def test_decode_gemv_f16x2_loop_matches_reference(group, with_ec, gen):
         assert_close(y, w4_linear_ref(x, packed, ec), f"gemv f16x2 m={m} g={group} ec={with_ec} split_k={split_k}")
 
 
+@pytest.mark.parametrize("chain", ["1", "2", "4"])
+def test_decode_gemv_f16x2_word_chains_match_reference_and_take_large_x(chain, gen, monkeypatch):
+    """One row, per-channel: the fp16 chains over 2 or 4 words (SPEAR_W4_WORD_CHAIN, codes (q − z) / 256) match the
+    reference, with split K and partial steps, and stay finite for x = 30,000 everywhere: the one-word chain's codes
+    (q − z) / 16 overflow fp16 there (row 0's chains of four products 15/16 · 30,000); 2 words of (q − z) / 256
+    reach 8 · 15/256 · 30,000 = 14,063."""
+    monkeypatch.setenv("SPEAR_W4_WORD_CHAIN", chain)
+    n, k = 64, 576
+    w = torch.randn(n, k, generator=gen).abs() * 1e-3  # small scales: y stays within fp16 for the large x below
+    w[0, :64] = 0.005  # row 0's largest weights: q − z = 15 on the first 64 columns, whole chains of them
+    packed = pack_w4(rtn_quantize(w, QuantConfig(4, -1, sym=False))).to(DEVICE)
+    for split_k, block_kw in ((1, 16), (2, 32)):
+        cfg = DecodeConfig(block_n=32, split_k=split_k, gemv_rows=4, block_kw=block_kw, gemv_f16x2=True, num_stages=1)
+        x = torch.randn(1, k, generator=gen).half().to(DEVICE)
+        assert_close(w4_decode(x, packed, None, None, cfg, out=poisoned(1, n)), w4_linear_ref(x, packed),
+                     f"word chain {chain} split_k={split_k}")
+        x = torch.full((1, k), 30000.0, dtype=torch.float16, device=DEVICE)
+        y = w4_decode(x, packed, None, None, cfg, out=poisoned(1, n))
+        if chain == "1":
+            assert not y.isfinite().all(), "the one-word chain was expected to overflow at |x| = 30,000"
+        else:
+            assert_close(y, w4_linear_ref(x, packed), f"word chain {chain}, |x| = 30,000")
+
+
 @pytest.mark.parametrize("f16x2", [False, True])
 def test_decode_gemv_preload_changes_no_bit(f16x2, gen, monkeypatch):
     """Loading each step's codes a step ahead (SPEAR_W4_PRELOAD, the first before the PDL wait) only moves loads:

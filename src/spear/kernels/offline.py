@@ -119,7 +119,7 @@ def variants() -> dict[str, tuple]:
                                                       {**const, "HAS_EC": False, "GATED": False, "GEMV_STAGES": 3}, 8)
     # the GEMV loop in fp16x2 (DecodeConfig.gemv_f16x2): as the 8-warp one-row GEMV above, and at 4 warps, 16 rows of W
     # and 256 words a step, 2 stages (both loops there); its 4-row and grouped (g = 32, 128) branches
-    f16x2 = {**const, "HAS_EC": False, "GATED": False, "GEMV_F16X2": True}
+    f16x2 = {**const, "HAS_EC": False, "GATED": False, "GEMV_F16X2": True, "WORD_CHAIN": w4.f16x2_word_chain()}
     out["decode rows=1 ec=False warps=8 f16x2"] = (w4._w4_decode_kernel, decode_ptrs, f16x2, 8)
     for on in (False, True):
         out["decode rows=1 ec=False warps=4 bn=16 bkw=256 stages=2" + " f16x2" * on] = (

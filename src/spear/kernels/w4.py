@@ -33,6 +33,7 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -266,6 +267,18 @@ def _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr):
 
 
 @triton.jit
+def _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr, ahead, PRELOAD: tl.constexpr):
+    """The step's code tile and the one loaded ahead: with PRELOAD, `ahead` (loaded a step earlier) and the next
+    step's load starts now, so two steps are in flight; else the step's tile, loaded now (ahead unused)."""
+    if PRELOAD:
+        packed = ahead
+        ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
+    else:
+        packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)
+    return packed, ahead
+
+
+@triton.jit
 def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, group_size,
              SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKW: tl.constexpr,
              ROWS: tl.constexpr, STAGES: tl.constexpr, first, PRELOAD: tl.constexpr):
@@ -302,11 +315,7 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     z = tl.zeros((BN, ACC), dtype=tl.float32)
     ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        if PRELOAD:
-            packed = ahead
-            ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
-        else:
-            packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)  # [BN, BKW] int32
+        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD)  # [BN, BKW]
         packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # odd columns' codes
         for c in tl.static_range(0, 4, L):
             if not PER_CHANNEL:
@@ -354,27 +363,28 @@ def _h2_pack(lo, hi):
 
 
 @triton.jit
-def _h2_codes(src, offset, HI: tl.constexpr, ASM: tl.constexpr):
-    """(q − z) / 16 of the codes at bits 0–3 and 16–19 of src (HI: bits 4–7 and 20–23) as fp16x2, exactly: OR-ing a
-    code into 0x6400 gives 1024 + q (HI: 1024 + 16 q); one fma by 1/16 = 0x2C00 (HI: 1/256 = 0x1C00) gives 64 + q / 16
-    (HI: 4 + q / 16), and `offset` holds −(64 + z / 16) (HI: −(4 + z / 16)) in both halves. One LOP3 and one HFMA2
-    for two weights; the 1/16 that keeps the fp16 partial sums finite rides on the codes, so x needs no scaling."""
+def _h2_codes(src, offset, HI: tl.constexpr, ASM: tl.constexpr, SCALE: tl.constexpr = 16):
+    """(q − z) / SCALE (16 or 256) of the codes at bits 0–3 and 16–19 of src (HI: bits 4–7 and 20–23) as fp16x2,
+    exactly: OR-ing a code into 0x6400 gives 1024 + q (HI: 1024 + 16 q); one fma by 1 / SCALE (HI: 1 / (16 SCALE))
+    gives 1024 / SCALE + q / SCALE (both terms on the fp16 grid there), and `offset` holds −(1024 + z) / SCALE (HI:
+    −(64 + z) / SCALE) in both halves. One LOP3 and one HFMA2 for two weights; the 1 / SCALE that keeps the fp16
+    partial sums finite rides on the codes, so x needs no scaling (SCALE 16: 1/16 = 0x2C00, 1/256 = 0x1C00;
+    SCALE 256: 0x1C00, 1/4096 = 0x0C00)."""
     if ASM:
+        mul = tl.full(src.shape, (0x2C002C00 - 0x10001000 * HI) - 0x10001000 * (SCALE == 256), tl.int32)
         if HI:
-            q = tl.inline_asm_elementwise("{ .reg .b32 t, c; lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xea; "
-                                          "mov.b32 c, 0x1C001C00; fma.rn.f16x2 $0, t, c, $2; }", "=r,r,r",
-                                          [src, offset], dtype=tl.int32, is_pure=True, pack=1)
+            q = tl.inline_asm_elementwise("{ .reg .b32 t; lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xea; "
+                                          "fma.rn.f16x2 $0, t, $3, $2; }", "=r,r,r,r", [src, offset, mul],
+                                          dtype=tl.int32, is_pure=True, pack=1)
         else:
-            q = tl.inline_asm_elementwise("{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xea; "
-                                          "mov.b32 c, 0x2C002C00; fma.rn.f16x2 $0, t, c, $2; }", "=r,r,r",
-                                          [src, offset], dtype=tl.int32, is_pure=True, pack=1)
+            q = tl.inline_asm_elementwise("{ .reg .b32 t; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xea; "
+                                          "fma.rn.f16x2 $0, t, $3, $2; }", "=r,r,r,r", [src, offset, mul],
+                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
         off_lo, off_hi = _h2_unpack(offset)
         lo, hi = _h2_unpack(_pair_bits(src, HI))
-        if HI:
-            q = _h2_pack(lo * 0.00390625 + off_lo, hi * 0.00390625 + off_hi)
-        else:
-            q = _h2_pack(lo * 0.0625 + off_lo, hi * 0.0625 + off_hi)
+        step: tl.constexpr = 1.0 / (SCALE * (1 + 15 * HI))  # 1 / SCALE, HI 1 / (16 SCALE): powers of two
+        q = _h2_pack(lo * step + off_lo, hi * step + off_hi)
     return q
 
 
@@ -468,11 +478,7 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
     off_hi = _h2_pack(-4.0 - z16, -4.0 - z16)[:, None]
     ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        if PRELOAD:
-            packed = ahead
-            ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
-        else:
-            packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)  # [BN, BKW] int32
+        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD)  # [BN, BKW]
         packed8 = packed >> 8  # the pairs of planes 2, 3 at bits 0–7 and 16–23
         for c in tl.static_range(0, 4, L):  # the chain of planes c .. c + L − 1
             if not PER_CHANNEL:
@@ -504,6 +510,69 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
                 acc3 = _h2_chain_end(acc3, xsum, h3, xs3, s, z_span, ASM, PER_CHANNEL, BN, NC, CW)
     return _gemv_tile(acc0, acc1, acc2, acc3, xsum, xsum, xsum, xsum, s_ptr, z_ptr, offs_n, mask_n, G, 16.0, offs_m,
                       ROWS, PER_CHANNEL, BN)
+
+
+@triton.jit
+def _split_words(t, R: tl.constexpr, C: tl.constexpr, WC: tl.constexpr):
+    """t [R, C] as four [R, C / WC] tensors: the columns c ≡ 0, 1, 2, 3 (mod WC) of t (WC = 2: the last two repeat
+    the first two). Each thread holds runs of adjacent words (the loads are 16 bytes wide), so the splits stay in
+    registers."""
+    if WC == 4:
+        even, odd = tl.split(tl.reshape(t, (R, C // 4, 2, 2)))  # columns 4 i + 2 a and 4 i + 2 a + 1
+        w0, w2 = tl.split(even)
+        w1, w3 = tl.split(odd)
+    else:
+        w0, w1 = tl.split(tl.reshape(t, (R, C // 2, 2)))
+        w2, w3 = w0, w1
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _h2_word_plane(h, src0, src1, src2, src3, offset, p0, p1, p2, p3, HI: tl.constexpr, FIRST: tl.constexpr,
+                   ASM: tl.constexpr, WC: tl.constexpr):
+    """h += Σ over the WC words of a chain of (q − z) / 256 · (x_even, x_odd) for one plane (_h2_codes, _h2_fma)."""
+    h = _h2_fma(_h2_codes(src0, offset, HI, ASM, 256), p0, h, FIRST, ASM)
+    h = _h2_fma(_h2_codes(src1, offset, HI, ASM, 256), p1, h, False, ASM)
+    if WC == 4:
+        h = _h2_fma(_h2_codes(src2, offset, HI, ASM, 256), p2, h, False, ASM)
+        h = _h2_fma(_h2_codes(src3, offset, HI, ASM, 256), p3, h, False, ASM)
+    return h
+
+
+@triton.jit
+def _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, BN: tl.constexpr,
+                         BKW: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, first, PRELOAD: tl.constexpr,
+                         WC: tl.constexpr):
+    """_w4_gemv_f16x2 for one row of x and per-channel weights, its fp16 chains running over WC (2 or 4) adjacent
+    words: 4 WC products a chain instead of 4, so the chain's end (two conversions to float32 and two FADDs) comes
+    once per WC words (session 12: 64 of the loop's 334 instructions a step were chain ends). The codes are
+    (q − z) / 256 (_h2_codes, SCALE 256), so a chain's sum stays below 16 · 15 / 256 |x|max: finite for any fp16 x.
+    Returns the float32 [BN, BKW / WC] accumulator of Σ (q − z) x / 256."""
+    acc = tl.zeros((BN, BKW // WC), dtype=tl.float32)
+    z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
+    z256 = z * 0.00390625  # z / 256, exact
+    off_lo = _h2_pack(-4.0 - z256, -4.0 - z256)[:, None]  # −(1024 + z) / 256, exact in fp16
+    off_hi = _h2_pack(-0.25 - z256, -0.25 - z256)[:, None]  # −(64 + z) / 256
+    ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
+    for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
+        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD)  # [BN, BKW]
+        w0, w1, w2, w3 = _split_words(packed, BN, BKW, WC)
+        h = tl.zeros((BN, BKW // WC), dtype=tl.int32)  # fp16x2 (+0, +0)
+        for jj in tl.static_range(4):
+            p0, p1, p2, p3 = _split_words(_x_pairs(x_ptr, 0, M, stride_xm, kb, jj, K, BKW)[None, :], 1, BKW, WC)
+            if jj == 0:
+                h = _h2_word_plane(h, w0, w1, w2, w3, off_lo, p0, p1, p2, p3, False, True, ASM, WC)
+            elif jj == 1:
+                h = _h2_word_plane(h, w0, w1, w2, w3, off_hi, p0, p1, p2, p3, True, False, ASM, WC)
+            elif jj == 2:  # planes 2, 3: the pairs at bits 8–15 and 24–31
+                h = _h2_word_plane(h, w0 >> 8, w1 >> 8, w2 >> 8, w3 >> 8, off_lo, p0, p1, p2, p3, False, False, ASM,
+                                   WC)
+            else:
+                h = _h2_word_plane(h, w0 >> 8, w1 >> 8, w2 >> 8, w3 >> 8, off_hi, p0, p1, p2, p3, True, False, ASM,
+                                   WC)
+        lo, hi = _h2_f32(h, ASM)
+        acc += lo + hi
+    return acc
 
 
 @triton.jit
@@ -647,7 +716,7 @@ def _w4_decode_kernel(
     GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr, F16X2_ASM: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr,
+    PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -726,7 +795,13 @@ def _w4_decode_kernel(
             epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
             if BM * R <= 2048:  # (wide row tiles: g's registers through the main loop would spill; read it after)
                 g = _read_g(g_rows, mask_m, epoch, False)
-        if GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
+        if GEMV_ROWS == 1 and GEMV_F16X2 and PER_CHANNEL and WORD_CHAIN > 1:  # fp16 chains over words
+            acc = _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
+                                       K, KW, G, BN, BKW, GEMV_STAGES, F16X2_ASM, first, GEMV_PRELOAD, WORD_CHAIN)
+            no_xsum = tl.zeros((BKW,), dtype=tl.float32)  # per-channel z is in the codes: no Σ x term
+            acc = _gemv_tile(acc, acc, acc, acc, no_xsum, no_xsum, no_xsum, no_xsum, s_ptr, z_ptr, offs_n, mask_n, G,
+                             256.0, offs_m, 1, PER_CHANNEL, BN)
+        elif GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
             acc = _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split,
                                  k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES,
                                  F16X2_ASM, first, GEMV_PRELOAD)
@@ -991,6 +1066,15 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def f16x2_word_chain() -> int:
+    """Words per fp16 chain of the fp16x2 GEMV loop at one row, per-channel (_w4_gemv_f16x2_words; 1: a chain per
+    word, _w4_gemv_f16x2). SPEAR_W4_WORD_CHAIN (1, 2 or 4) sets it, to time the difference."""
+    chain = os.environ.get("SPEAR_W4_WORD_CHAIN", "2")
+    if chain not in ("1", "2", "4"):
+        raise ValueError(f"SPEAR_W4_WORD_CHAIN is the words per fp16 chain, 1, 2 or 4; got {chain!r}")
+    return int(chain)
+
+
 def _flatten(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -1075,7 +1159,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
-        PRELOAD=pdl.preload, **launch_options(x),
+        PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), **launch_options(x),
     )
     return y
 
