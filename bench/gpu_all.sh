@@ -10,6 +10,7 @@
 #   or, with NCU=1 (nvidia-h200 is enough), the W4 kernel's hardware counters, then Llama-2-7B through the engine;
 #   or, with STREAM=1 (one GPU), the GEMV tiling's streaming ceiling and the codes' preload depth;
 #   or, with CHAIN=1 (one GPU), the fp16x2 loop's word chains A/B'd, then the engine;
+#   or, with FINAL=1 (nvidia-h200-x2), session 12's last call (the block below);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -127,6 +128,26 @@ elif [ "${CHAIN:-0}" = 1 ]; then  # session 12, one GPU: the fp16x2 loop's chain
     --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_chain${c}_run$i.json" > $log/2_chain${c}_$i.log 2>&1; done
   timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 \
     --json "$out/decode_h200.json" > $log/3_decode.log 2>&1
+elif [ "${FINAL:-0}" = 1 ]; then  # session 12's last call, nvidia-h200-x2: GPU 0 the GPU tests, Llama-2-7B through
+  # the engine (every setting) and the batch-1 profile; GPU 1 unmasked code loads (SPEAR_W4_EVEN) and the u-programs'
+  # columns of A (SPEAR_EC_AX_COLUMNS) against the defaults, then Llama-3-8B through the engine
+  (export CUDA_VISIBLE_DEVICES=0
+   timeout 180 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py tests/test_runtime_ops.py \
+     tests/test_runtime_kv_cache.py tests/test_runtime_engine.py tests/test_runtime_fuse.py > $log/1_tests.log 2>&1
+   { grep -cE " PASSED" $log/1_tests.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log; } > $log/1_tests_summary.log
+   timeout 270 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
+   timeout $((560 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 \
+     --json "$out/profile_b1.json" > $log/2_profile.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1; mkdir -p $out/ab
+   # the defaults first and last (drift), between them unmasked loads off, then 512 columns of A a u-program
+   i=0; for v in base:1:256 even0:0:256 ax512:1:512 base:1:256; do i=$((i + 1)); IFS=: read name e a <<< "$v"
+     SPEAR_W4_EVEN=$e SPEAR_EC_AX_COLUMNS=$a timeout 75 python bench/ec_ablation.py --configs-only --ms 1 \
+       --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ab/ec_ablation_h200_${name}_run$i.json" > $log/3_ab_${name}_$i.log 2>&1
+   done
+   timeout $((565 - SECONDS)) python bench/decode.py --models llama3-8b --settings w4 w4+ec38 --batches 1 8 \
+     --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1) &
+  wait
+  tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"  # at most 8 files come back
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
   # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)

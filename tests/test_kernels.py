@@ -176,13 +176,14 @@ def test_decode_gemv_f16x2_loop_matches_reference(group, with_ec, gen):
 
 
 @pytest.mark.parametrize("chain", ["1", "2", "4"])
-def test_decode_gemv_f16x2_word_chains_match_reference_and_take_large_x(chain, gen, monkeypatch):
+@pytest.mark.parametrize("k", [576, 1024])  # partial last steps (masked loads), whole ones (w4_decode's `even`)
+def test_decode_gemv_f16x2_word_chains_match_reference_and_take_large_x(chain, k, gen, monkeypatch):
     """One row, per-channel: the fp16 chains over 2 or 4 words (SPEAR_W4_WORD_CHAIN, codes (q − z) / 256) match the
     reference, with split K and partial steps, and stay finite for x = 30,000 everywhere: the one-word chain's codes
     (q − z) / 16 overflow fp16 there (row 0's chains of four products 15/16 · 30,000); 2 words of (q − z) / 256
     reach 8 · 15/256 · 30,000 = 14,063."""
     monkeypatch.setenv("SPEAR_W4_WORD_CHAIN", chain)
-    n, k = 64, 576
+    n = 64
     w = torch.randn(n, k, generator=gen).abs() * 1e-3  # small scales: y stays within fp16 for the large x below
     w[0, :64] = 0.005  # row 0's largest weights: q − z = 15 on the first 64 columns, whole chains of them
     packed = pack_w4(rtn_quantize(w, QuantConfig(4, -1, sym=False))).to(DEVICE)

@@ -174,19 +174,24 @@ def _x_scale(jj: tl.constexpr):
 
 
 @triton.jit
-def _x_pairs(x_ptr, row, M, stride_xm, kb, jj: tl.constexpr, K, BKW: tl.constexpr):
+def _x_pairs(x_ptr, row, M, stride_xm, kb, jj: tl.constexpr, K, BKW: tl.constexpr, EVEN: tl.constexpr = False):
     """x[row] at the step's words' code pairs in plane jj, as int32 [BKW] holding the pair's two fp16 (the even
     column in bits 0–15). Word 8 h + p of the step (h counts 64-column halves of blocks) pairs columns
     kb + 64 h + 16 jj + 2 p and + 1 (pack.py), adjacent in x, so one int32 takes both (w4_decode keeps x's rows
     4-byte aligned), and a plane's pairs are a run of 8 int32 per half. (Loading the 16 fp16 of a run and
     splitting them into even and odd columns moved x through shared memory: a [BKW, 2] load as wide as the
     program's threads is not re-materialized in the layout the codes want.) The mask tests whole runs (K is a
-    multiple of 64), so the compiler may vectorize the load along a run."""
+    multiple of 64), so the compiler may vectorize the load along a run. EVEN (row 0, whole steps up to K): no mask,
+    no zeroing of the masked-off registers first."""
     offs = tl.arange(0, BKW)
     run = kb + 64 * (offs // 8) + 16 * jj  # first column of each word's run of 16
     pairs = tl.max_contiguous(tl.multiple_of(kb // 2 + 32 * (offs // 8) + 8 * jj + offs % 8, 8), 8)
     x2 = x_ptr.to(tl.pointer_type(tl.int32)) + row * (stride_xm // 2)
-    return tl.load(x2 + pairs, mask=(run < K) & (offs * 0 + row < M), other=0)
+    if EVEN:
+        v = tl.load(x2 + pairs)
+    else:
+        v = tl.load(x2 + pairs, mask=(run < K) & (offs * 0 + row < M), other=0)
+    return v
 
 
 @triton.jit
@@ -256,32 +261,43 @@ def _span_scales(s_ptr, z_ptr, offs_n, mask_n, kb, jj: tl.constexpr, G, group_si
 
 
 @triton.jit
-def _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr):
+def _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr, EVEN: tl.constexpr = False):
     """The GEMV loop's [BN, BKW] int32 code words of the step at column kb (a multiple of 128); nothing past k_hi
-    is read (the mask tests whole 16-word runs, k_hi being a multiple of 128, so the load may vectorize)."""
+    is read (the mask tests whole 16-word runs, k_hi being a multiple of 128, so the load may vectorize). EVEN
+    (every tile row real, every step whole: w4_decode's `even`): no mask (a masked load zeroes its registers
+    first, one CS2R per two; session 12)."""
     offs_w = tl.arange(0, BKW)
     block0 = 128 * (offs_w // 16)  # first column of each word's 128-column block, within the step
     words = tl.multiple_of(kb // 8, 16) + offs_w
-    return tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
-                   mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)
+    if EVEN:
+        tile = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :])
+    else:
+        tile = tl.load(qw_ptr + offs_n[:, None] * KW + words[None, :],
+                       mask=mask_n[:, None] & (kb + block0[None, :] < k_hi), other=0)
+    return tile
 
 
 @triton.jit
-def _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr, ahead, PRELOAD: tl.constexpr):
+def _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW: tl.constexpr, ahead, PRELOAD: tl.constexpr,
+                EVEN: tl.constexpr = False):
     """The step's code tile and the one loaded ahead: with PRELOAD, `ahead` (loaded a step earlier) and the next
-    step's load starts now, so two steps are in flight; else the step's tile, loaded now (ahead unused)."""
+    step's load starts now, so two steps are in flight (EVEN, unmasked: the last step loads itself again, from
+    cache, rather than past the split); else the step's tile, loaded now (ahead unused)."""
     if PRELOAD:
         packed = ahead
-        ahead = _code_tile(qw_ptr, offs_n, mask_n, kb + BKW * 8, k_hi, KW, BKW)
+        next_kb = kb + BKW * 8
+        if EVEN:
+            next_kb = tl.minimum(next_kb, k_hi - BKW * 8)
+        ahead = _code_tile(qw_ptr, offs_n, mask_n, next_kb, k_hi, KW, BKW, EVEN)
     else:
-        packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW)
+        packed = _code_tile(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, EVEN)
     return packed, ahead
 
 
 @triton.jit
 def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, group_size,
              SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BKW: tl.constexpr,
-             ROWS: tl.constexpr, STAGES: tl.constexpr, first, PRELOAD: tl.constexpr):
+             ROWS: tl.constexpr, STAGES: tl.constexpr, first, PRELOAD: tl.constexpr, EVEN: tl.constexpr):
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi for M ≤ ROWS ≤ 4 rows of x: the GEMV main loop.
 
     Each step loads a wide [BN, BKW] tile of code words (BKW / 16 packed blocks) and multiplies every
@@ -315,7 +331,7 @@ def _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 
     z = tl.zeros((BN, ACC), dtype=tl.float32)
     ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD)  # [BN, BKW]
+        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD, EVEN)
         packed_hi = (packed.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)  # odd columns' codes
         for c in tl.static_range(0, 4, L):
             if not PER_CHANNEL:
@@ -448,7 +464,7 @@ def _h2_chain_end(acc, xsum, h, xs, s, z, ASM: tl.constexpr, PER_CHANNEL: tl.con
 def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
                    group_size, SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                    BKW: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, first,
-                   PRELOAD: tl.constexpr):
+                   PRELOAD: tl.constexpr, EVEN: tl.constexpr):
     """_w4_gemv's tile with fp16x2 arithmetic (Marlin / ExLlama style): two weights an instruction.
 
     The code pair of plane jj of a word (columns 2 p, 2 p + 1 of its slice, pack.py) sits at bits 4 jj' and
@@ -478,7 +494,7 @@ def _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, ma
     off_hi = _h2_pack(-4.0 - z16, -4.0 - z16)[:, None]
     ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD)  # [BN, BKW]
+        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD, EVEN)
         packed8 = packed >> 8  # the pairs of planes 2, 3 at bits 0–7 and 16–23
         for c in tl.static_range(0, 4, L):  # the chain of planes c .. c + L − 1
             if not PER_CHANNEL:
@@ -542,7 +558,7 @@ def _h2_word_plane(h, src0, src1, src2, src3, offset, p0, p1, p2, p3, HI: tl.con
 @triton.jit
 def _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G, BN: tl.constexpr,
                          BKW: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, first, PRELOAD: tl.constexpr,
-                         WC: tl.constexpr):
+                         WC: tl.constexpr, EVEN: tl.constexpr):
     """_w4_gemv_f16x2 for one row of x and per-channel weights, its fp16 chains running over WC (2 or 4) adjacent
     words: 4 WC products a chain instead of 4, so the chain's end (two conversions to float32 and two FADDs) comes
     once per WC words (session 12: 64 of the loop's 334 instructions a step were chain ends). The codes are
@@ -555,11 +571,12 @@ def _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, k_l
     off_hi = _h2_pack(-0.25 - z256, -0.25 - z256)[:, None]  # −(64 + z) / 256
     ahead = first  # PRELOAD: each step's codes were loaded a step earlier (the first before the PDL wait)
     for kb in tl.range(k_lo, k_hi, BKW * 8, num_stages=STAGES):
-        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD)  # [BN, BKW]
+        packed, ahead = _step_codes(qw_ptr, offs_n, mask_n, kb, k_hi, KW, BKW, ahead, PRELOAD, EVEN)
         w0, w1, w2, w3 = _split_words(packed, BN, BKW, WC)
         h = tl.zeros((BN, BKW // WC), dtype=tl.int32)  # fp16x2 (+0, +0)
         for jj in tl.static_range(4):
-            p0, p1, p2, p3 = _split_words(_x_pairs(x_ptr, 0, M, stride_xm, kb, jj, K, BKW)[None, :], 1, BKW, WC)
+            pairs = _x_pairs(x_ptr, 0, M, stride_xm, kb, jj, K, BKW, EVEN)[None, :]  # row 0: M ≥ 1
+            p0, p1, p2, p3 = _split_words(pairs, 1, BKW, WC)
             if jj == 0:
                 h = _h2_word_plane(h, w0, w1, w2, w3, off_lo, p0, p1, p2, p3, False, True, ASM, WC)
             elif jj == 1:
@@ -695,6 +712,13 @@ def _read_g(g_rows, mask_m, epoch, WAIT: tl.constexpr):
 
 
 @triton.jit
+def _a_tile(a_ptr, offs_r, k0, k_hi, K, BK: tl.constexpr):
+    """The EC's A [R, BK] at columns k0 .. k0 + BK − 1, zeros from k_hi on (a u-program's slice ends there)."""
+    offs_k = k0 + tl.arange(0, BK)
+    return tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
+
+
+@triton.jit
 def _prefetch_codes(qw_ptr, gid, split_k, k_per_split, N, KW, BN: tl.constexpr, SWIGLU: tl.constexpr,
                     PREFETCH_BYTES: tl.constexpr):
     """L2 prefetch of the first PREFETCH_BYTES of each of the tile's code rows in its split of K."""
@@ -716,7 +740,7 @@ def _w4_decode_kernel(
     GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr, F16X2_ASM: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1,
+    PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -743,14 +767,24 @@ def _w4_decode_kernel(
     offs_r = tl.arange(0, R)
     g_rows = g_ptr + offs_m[:, None] * R + offs_r[None, :]
     if pid < num_ax:
+        # u += A[:, slice] x[slice]  over this program's slice of K; with PRELOAD each step's A tile is loaded a
+        # step ahead, the first before the PDL wait (A is a weight), as the tiles load their codes
+        a_lo = pid * ax_k_per_prog
+        a_hi = tl.minimum(a_lo + ax_k_per_prog, K)
+        a_ahead = tl.zeros((R, BK), dtype=tl.float16)
+        if PRELOAD:
+            a_ahead = _a_tile(a_ptr, offs_r, a_lo, a_hi, K, BK)
         pdl_enter(PDL, PDL_LATE)
-        # u += A[:, slice] x[slice]  over this program's slice of K
         u = tl.zeros((BM, R), dtype=tl.float32)
-        for k0 in range(pid * ax_k_per_prog, (pid + 1) * ax_k_per_prog, BK):
+        for k0 in range(a_lo, a_lo + ax_k_per_prog, BK):
             offs_k = k0 + tl.arange(0, BK)
             xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                          mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-            ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+            if PRELOAD:
+                ak = a_ahead
+                a_ahead = _a_tile(a_ptr, offs_r, k0 + BK, a_hi, K, BK)
+            else:
+                ak = _a_tile(a_ptr, offs_r, k0, a_hi, K, BK)
             u += tl.dot(xk, tl.trans(ak))
         tl.store(u_part_ptr + pid * BM * R + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
         pdl_release(PDL and PDL_LATE)
@@ -787,7 +821,7 @@ def _w4_decode_kernel(
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
         GEMV_PRELOAD: tl.constexpr = PRELOAD and GEMV_ROWS > 0 and GEMV_STAGES == 1
         if GEMV_PRELOAD:
-            first = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi, KW, BKW)
+            first = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi, KW, BKW, EVEN)
         else:
             first = tl.zeros((BN, BKW), dtype=tl.int32)  # unused
         pdl_enter(PDL, PDL_LATE)
@@ -797,18 +831,19 @@ def _w4_decode_kernel(
                 g = _read_g(g_rows, mask_m, epoch, False)
         if GEMV_ROWS == 1 and GEMV_F16X2 and PER_CHANNEL and WORD_CHAIN > 1:  # fp16 chains over words
             acc = _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
-                                       K, KW, G, BN, BKW, GEMV_STAGES, F16X2_ASM, first, GEMV_PRELOAD, WORD_CHAIN)
+                                       K, KW, G, BN, BKW, GEMV_STAGES, F16X2_ASM, first, GEMV_PRELOAD, WORD_CHAIN,
+                                       EVEN)
             no_xsum = tl.zeros((BKW,), dtype=tl.float32)  # per-channel z is in the codes: no Σ x term
             acc = _gemv_tile(acc, acc, acc, acc, no_xsum, no_xsum, no_xsum, no_xsum, s_ptr, z_ptr, offs_n, mask_n, G,
                              256.0, offs_m, 1, PER_CHANNEL, BN)
         elif GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
             acc = _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split,
                                  k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES,
-                                 F16X2_ASM, first, GEMV_PRELOAD)
+                                 F16X2_ASM, first, GEMV_PRELOAD, EVEN)
         elif GEMV_ROWS > 0:
             acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
                            K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES, first,
-                           GEMV_PRELOAD)
+                           GEMV_PRELOAD, EVEN)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
                                pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
@@ -1066,6 +1101,16 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def ec_ax_columns() -> int:
+    """Columns of A per u-program of a W4+EC launch (at most; more where a quarter of the SMs would not do): 256,
+    two steps of 128 (session 12; 512 before), so that the chain A x → g, which every tile waits for at its end, is
+    short where the tiles' own loops are (7B q/k/v/o: ~6 µs). SPEAR_EC_AX_COLUMNS sets it, to time the difference."""
+    columns = os.environ.get("SPEAR_EC_AX_COLUMNS", "256")
+    if not columns.isdigit() or int(columns) < 64:
+        raise ValueError(f"SPEAR_EC_AX_COLUMNS is the columns of A a u-program takes, at least 64; got {columns!r}")
+    return int(columns)
+
+
 def f16x2_word_chain() -> int:
     """Words per fp16 chain of the fp16x2 GEMV loop at one row, per-channel (_w4_gemv_f16x2_words; 1: a chain per
     word, _w4_gemv_f16x2). SPEAR_W4_WORD_CHAIN (1, 2 or 4) sets it, to time the difference."""
@@ -1127,12 +1172,14 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), steps))
     k_per_split = triton.cdiv(steps, split_k) * step
     split_k = triton.cdiv(blocks * 128, k_per_split)
+    even = (bool(gemv_rows) and n % cfg.block_n == 0 and k % step == 0 and kw * 8 == k  # unmasked code loads
+            and os.environ.get("SPEAR_W4_EVEN", "1") != "0")  # (0: masked anyway, to time the difference)
     R = ec.padded_rank if ec is not None else 16
     H = ec.W1.shape[0] if ec is not None else 16
     bk = ax_block(gemv_rows, cfg.block_kw)
     num_ax, ax_k = 0, bk
     if ec is not None:
-        num_ax = max(1, min(triton.cdiv(k, 512), triton.cdiv(sms, 4)))  # ≤ 512 columns of A each
+        num_ax = max(1, min(triton.cdiv(k, ec_ax_columns()), triton.cdiv(sms, 4)))  # ≤ ec_ax_columns() of A each
         ax_k = triton.cdiv(triton.cdiv(k, num_ax), bk) * bk
         num_ax = triton.cdiv(k, ax_k) if EC_ABLATE not in (3, 4) else 0  # 3, 4: no u-programs
     assert tiles < READS_PER_LAUNCH.value, "the reads count's per-launch total must exceed the tiles"
@@ -1159,7 +1206,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
-        PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), **launch_options(x),
+        PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, **launch_options(x),
     )
     return y
 
