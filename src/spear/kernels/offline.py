@@ -35,6 +35,8 @@ def compile_for_gpu(kernel, pointers: dict[str, str], constexprs: dict[str, obje
     `divisible_by_16` carry the 16-divisibility hint the JIT gives such arguments at run time."""
     fn = kernel  # a JITFunction: run without TRITON_INTERPRET
     names = fn.arg_names
+    # a constexpr parameter left out takes its default, as at a launch (not an int32: `if` on it would be a branch)
+    constexprs = {**{q.name: q.default for q in fn.params if q.is_constexpr and q.has_default}, **constexprs}
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     hinted = [n for n in names if (n in pointers or n in divisible_by_16) and n not in constexprs]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
