@@ -6,7 +6,8 @@ A stand-in for the GEMV loop with the same grid, tiles and loads (an [N, K / 8] 
 [BN, BKW] tiles along K, split K as w4_decode splits it) and a dial for the work per code word: WORK dependent
 integer multiply-adds a word (the fp16x2 loop issues about 21 instructions a word, the float32 one 28). How the
 next tiles are fetched: `s1` a plain loop, `s3` three stages through shared memory (cp.async), `a1`/`a2`/`a3` one,
-two or three steps loaded ahead into registers. WORK = 0 is the tiling's own streaming ceiling; the gap between
+two or three steps loaded ahead into registers, `k2`/`k4` stream-K (2 or 4 persistent programs an SM, each over a run
+of (tile, step) pairs, loading ahead across tiles: no ramp and tail per tile; session 12, untimed). WORK = 0 is the tiling's own streaming ceiling; the gap between
 WORK = 0 and WORK = 20 is what the arithmetic costs where it does not overlap the loads. Each figure is the median
 µs per launch of a CUDA graph over code copies larger than the L2 (bench/kernels.py's method).
 """
@@ -27,12 +28,12 @@ import triton.language as tl
 SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
           "7b/gate_up_fused": (22016, 4096)}
 TILES = [(16, 256, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 8)]
-MODES = ["s1", "s3", "a1", "a2", "a3"]
+MODES = ["s1", "s3", "a1", "a2", "a3", "k2", "k4"]
 
 
 @triton.jit
 def _work(acc, words, WORK: tl.constexpr):
-    acc ^= words
+    acc += words  # WORK = 0: every mode's row sums are the matrix's (mod 2^32), whatever its order
     for i in tl.static_range(WORK):
         acc = acc * words + i  # one IMAD a word, dependent on the last
     return acc
@@ -81,6 +82,42 @@ def _stream_kernel(qw_ptr, out_ptr, N, KW, kw_per_split, BN: tl.constexpr, BKW: 
     tl.store(out_ptr + pid_k * N + offs_n, tl.sum(acc, axis=1), mask=mask_n)
 
 
+@triton.jit
+def _stream_k_kernel(qw_ptr, out_ptr, N, KW, steps_per_tile, total, per_program, BN: tl.constexpr, BKW: tl.constexpr,
+                     WORK: tl.constexpr):
+    """Stream-K: a persistent program walks a contiguous run of the (tile, step) pairs, `per_program` of `total`, with
+    the next step's codes loaded ahead across tile boundaries (no per-tile ramp), and adds each tile's partial row sums
+    into out[0] by atomics where its run of the tile ends."""
+    start = tl.program_id(0) * per_program
+    end = tl.minimum(start + per_program, total)
+    col = tl.arange(0, BKW)[None, :]
+    offs = tl.arange(0, BN)
+    acc = tl.zeros((BN, BKW), dtype=tl.int32)
+    tile = start // steps_per_tile  # the (tile, step) of `it`, then of `it + 1`, counted on (no division a step)
+    step = start - tile * steps_per_tile
+    next_tile, next_step = tile, step
+    rows = tile * BN + offs
+    base = qw_ptr + rows[:, None] * KW + col  # the tile's first step; recomputed only where the tile changes
+    row_ok = rows[:, None] < N
+    cur = tl.load(base + step * BKW, mask=row_ok & (step * BKW + col < KW) & (col * 0 + start < end))
+    for it in range(start, end):
+        next_step += 1
+        if next_step == steps_per_tile:
+            next_step = 0
+            next_tile += 1
+            rows = next_tile * BN + offs
+            base = qw_ptr + rows[:, None] * KW + col
+            row_ok = rows[:, None] < N
+        nxt = tl.load(base + next_step * BKW, mask=row_ok & (next_step * BKW + col < KW) & (col * 0 + it + 1 < end))
+        acc = _work(acc, cur, WORK)
+        if (next_step == 0) | (it == end - 1):  # this run of the tile ends: its partial row sums out
+            rows = tile * BN + offs
+            tl.atomic_add(out_ptr + rows, tl.sum(acc, axis=1), mask=rows < N, sem="relaxed")
+            acc = tl.zeros((BN, BKW), dtype=tl.int32)
+        cur = nxt
+        tile, step = next_tile, next_step
+
+
 def launch(codes: torch.Tensor, out: torch.Tensor, bn: int, bkw: int, warps: int, mode: str, work: int, sms: int):
     n, kw = codes.shape
     tiles = triton.cdiv(n, bn)
@@ -88,6 +125,12 @@ def launch(codes: torch.Tensor, out: torch.Tensor, bn: int, bkw: int, warps: int
     split = max(1, min(triton.cdiv(2 * sms, tiles), steps))  # as w4_decode: at least 2 programs an SM
     kw_per_split = triton.cdiv(steps, split) * bkw
     split = triton.cdiv(kw, kw_per_split)
+    if mode.startswith("k"):  # stream-K over the whole GPU: int(mode[1]) programs an SM, adding into out[0]
+        programs = sms * int(mode[1])
+        total = tiles * steps
+        _stream_k_kernel[(programs,)](codes, out, n, kw, steps, total, triton.cdiv(total, programs), BN=bn, BKW=bkw,
+                                      WORK=work, num_warps=warps)
+        return
     ahead = 0 if mode.startswith("s") else int(mode[1])
     stages = int(mode[1]) if mode.startswith("s") else 1
     _stream_kernel[(tiles, split)](codes, out, n, kw, kw_per_split, BN=bn, BKW=bkw, AHEAD=ahead, STAGES=stages,

@@ -1,0 +1,26 @@
+"""bench/stream_lab.py's stand-in kernels (the W4 GEMV's grid and loads with a dial for the arithmetic): with no
+arithmetic (WORK = 0) every way of fetching, the split-K grid and stream-K alike, must read each code word exactly
+once, so each gives the matrix's row sums (mod 2^32) against PyTorch's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import stream_lab  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", stream_lab.MODES)
+def test_every_mode_reads_each_word_once(mode):
+    gen = torch.Generator().manual_seed(0)
+    n, kw = 80, 96  # 80 rows: a partial last tile of 32; 96 words: 3 steps of 32, partial splits
+    codes = torch.randint(-2**31, 2**31 - 1, (n, kw), generator=gen, dtype=torch.int32)
+    ref = (codes.long().sum(1) + 2**31) % 2**32 - 2**31  # int32 wrap-around
+    out = torch.zeros(64, n, dtype=torch.int32)
+    stream_lab.launch(codes, out, 32, 32, 4, mode, 0, 3)  # 3 "SMs": 6 or 12 stream-K programs
+    assert torch.equal(out.long().sum(0).add(2**31).remainder(2**32).sub(2**31), ref), mode
