@@ -8,7 +8,7 @@
 #          the SwiGLU epilogue with an EC (the block below);
 #   or, with AB=1, every decode candidate of two source trees (src/ and a carried .lab/src) on both GPUs in turn;
 #   or, with NCU=1 (nvidia-h200 is enough), the W4 kernel's hardware counters, then Llama-2-7B through the engine;
-#   or, with STREAM=1 (one GPU), the GEMV tiling's streaming ceiling and the codes' preload depth;
+#   or, with STREAM=1 (one GPU), the GEMV tiling's streaming ceiling (stream_lab.py; STREAM_MODES picks modes);
 #   or, with CHAIN=1 (one GPU), the fp16x2 loop's word chains A/B'd, then the engine;
 #   or, with FINAL=1 (nvidia-h200-x2), session 12's last call (the block below);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -110,15 +110,10 @@ elif [ "${NCU:-0}" = 1 ]; then  # session 12, one GPU: the W4 kernel's hardware 
     > $log/1_ncu_summary.log 2>&1
   gzip -c $log/ncu.csv > "$out/ncu_w4_h200.csv.gz"
   timeout 300 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
-elif [ "${STREAM:-0}" = 1 ]; then  # session 12, one GPU: the GEMV tiling's streaming ceiling (bench/stream_lab.py)
-  # and the codes loaded one or two steps ahead (SPEAR_W4_PRELOAD), in both orders
-  timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "preload or f16x2 or gemv" \
-    > $log/1_tests.log 2>&1
-  grep -cE " PASSED" $log/1_tests.log > $log/1_tests_summary.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log >> $log/1_tests_summary.log
-  i=0; for p in 1 2 2 1; do i=$((i + 1)); SPEAR_W4_PRELOAD=$p timeout 75 python bench/ec_ablation.py --configs-only --ms 1 \
-    --shapes 7b/qkvo 7b/gate_up 7b/down --json "$out/ec_ablation_h200_preload${p}_run$i.json" > $log/2_preload${p}_$i.log 2>&1; done
-  timeout $((575 - SECONDS)) python bench/stream_lab.py --shapes 7b/qkvo 7b/gate_up 7b/down \
-    --json "$out/stream_lab_h200.json" > $log/3_stream.log 2>&1
+elif [ "${STREAM:-0}" = 1 ]; then  # session 12, one GPU: the GEMV tiling's streaming ceiling (bench/stream_lab.py;
+  # its codes-two-steps-ahead runs are gone with that refuted knob)
+  timeout $((575 - SECONDS)) python bench/stream_lab.py --shapes 7b/qkvo 7b/gate_up 7b/down ${STREAM_MODES:+--modes $STREAM_MODES} \
+    --json "$out/stream_lab_h200.json" > $log/3_stream.log 2>&1  # STREAM_MODES="a1 s3 k2 k4": stream-K against the best
 elif [ "${CHAIN:-0}" = 1 ]; then  # session 12, one GPU: the fp16x2 loop's chains over 1 or 2 words
   # (SPEAR_W4_WORD_CHAIN) in both orders, then the engine at the default (2)
   timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "f16x2 or preload or gemv" \

@@ -146,6 +146,9 @@ def main() -> None:
     p.add_argument("--json", required=True)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--works", type=int, nargs="+", default=[0, 20])
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument("--tiles", nargs="+", default=[f"{bn}/{bkw}/{w}" for bn, bkw, w in TILES],
+                   help="BN/BKW/warps of the tilings to time")
     args = p.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bandwidth = copy_bandwidth(torch.device("cuda"))
@@ -156,8 +159,8 @@ def main() -> None:
         copies = [codes] + [codes.clone() for _ in range(max(1, math.ceil((128 << 20) / (codes.numel() * 4))) - 1)]
         out = torch.empty(64, n, device="cuda", dtype=torch.int32)
         floor_us = codes.numel() * 4 / bandwidth["kernel_graph"] * 1e6  # the copy's DRAM rate (read + write bytes)
-        for bn, bkw, warps in TILES:
-            for mode in MODES:
+        for bn, bkw, warps in (tuple(int(v) for v in t.split("/")) for t in args.tiles):
+            for mode in args.modes:
                 for work in args.works:
                     try:
                         us = time_in_graph([lambda c=c, o=out: launch(c, o, bn, bkw, warps, mode, work, sms)
