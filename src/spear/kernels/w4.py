@@ -387,6 +387,7 @@ def _h2_codes(src, offset, HI: tl.constexpr, ASM: tl.constexpr, SCALE: tl.conste
     partial sums finite rides on the codes, so x needs no scaling (SCALE 16: 1/16 = 0x2C00, 1/256 = 0x1C00;
     SCALE 256: 0x1C00, 1/4096 = 0x0C00)."""
     if ASM:
+        # 1 / 16 is 0x2C00 in both halves; each further factor 1/16 takes 4 from the exponent (0x1000 a half)
         mul = tl.full(src.shape, (0x2C002C00 - 0x10001000 * HI) - 0x10001000 * (SCALE == 256), tl.int32)
         if HI:
             q = tl.inline_asm_elementwise("{ .reg .b32 t; lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xea; "
