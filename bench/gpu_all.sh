@@ -10,6 +10,7 @@
 #   or, with NCU=1 (nvidia-h200 is enough), the W4 kernel's hardware counters, then Llama-2-7B through the engine;
 #   or, with STREAM=1 (one GPU), the GEMV tiling's streaming ceiling (stream_lab.py; STREAM_MODES picks modes);
 #   or, with CHAIN=1 (one GPU), the fp16x2 loop's word chains A/B'd, then the engine;
+#   or, with FOLD=1 (one GPU), the add + RMSNorm folded into the W4 launches (SPEAR_FOLD_NORM) A/B'd in the engine;
 #   or, with FINAL=1 (nvidia-h200-x2), session 12's last call (the block below);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
@@ -114,6 +115,17 @@ elif [ "${STREAM:-0}" = 1 ]; then  # session 12, one GPU: the GEMV tiling's stre
   # its codes-two-steps-ahead runs are gone with that refuted knob)
   timeout $((575 - SECONDS)) python bench/stream_lab.py --shapes 7b/qkvo 7b/gate_up 7b/down ${STREAM_MODES:+--modes $STREAM_MODES} \
     --json "$out/stream_lab_h200.json" > $log/3_stream.log 2>&1  # STREAM_MODES="a1 s3 k2 k4": stream-K against the best
+elif [ "${FOLD:-0}" = 1 ]; then  # session 13, one GPU: the add + RMSNorm folded into the W4 launches around it
+  # (SPEAR_FOLD_NORM) in both orders through the engine, after its GPU tests; then the batch-1 profile with it
+  timeout 120 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py tests/test_runtime_fuse.py \
+    -k "folded or pdl_chain or swiglu" > $log/1_tests.log 2>&1
+  grep -cE " PASSED" $log/1_tests.log > $log/1_tests_summary.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log >> $log/1_tests_summary.log
+  mkdir -p $out/fold; i=0; for f in 1 0 0 1; do i=$((i + 1)); SPEAR_FOLD_NORM=$f timeout $((i == 1 ? 180 : 90)) \
+    python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 32 \
+    --json "$out/fold/decode_h200_fold${f}_run$i.json" > $log/2_fold${f}_$i.log 2>&1; done
+  tar czf "$out/fold_jsons.tgz" -C "$out" fold && rm -r "$out/fold"  # at most 8 files come back
+  timeout $((570 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 \
+    --json "$out/profile_b1.json" > $log/3_profile.log 2>&1
 elif [ "${CHAIN:-0}" = 1 ]; then  # session 12, one GPU: the fp16x2 loop's chains over 1 or 2 words
   # (SPEAR_W4_WORD_CHAIN) in both orders, then the engine at the default (2)
   timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "f16x2 or preload or gemv" \

@@ -116,6 +116,52 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
 
 
+@pytest.mark.parametrize("with_ec", [False, True])
+def test_folded_norm_matches_add_rms_norm_between_two_launches(with_ec, gen):
+    """An RMSNorm folded into the W4 launches around it (FoldedNorm): the producer's h, its per-tile Σ h², and
+    the consumer's output (plain or SwiGLU) against ops.add_rms_norm between two reference layers; every main
+    loop (fp16x2 word chains at one row, float32 GEMV, tensor-core dots) and split-K on both sides."""
+    from spear.kernels.w4 import w4_decode_add_norm
+    from spear.runtime.ops import add_rms_norm_ref
+
+    k, n, n2 = 256, 192, 128
+    producer = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
+    consumer = pack_w4(random_w4(2 * n2, n, -1, gen)).to(DEVICE)  # [gate; up] for the SwiGLU case
+    ec_p = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE) if with_ec else None
+    ec_c = pack_ec(random_ec(2 * n2, n, 8, gen)).to(DEVICE) if with_ec else None
+    bias = torch.randn(n, generator=gen).half().to(DEVICE)
+    norm_w = (1 + torch.rand(n, generator=gen)).half().to(DEVICE)
+    f16x2 = DecodeConfig(block_n=32, split_k=2, gemv_rows=4, block_kw=32, num_stages=1, gemv_f16x2=True)
+    f32 = DecodeConfig(block_n=64, split_k=3, gemv_rows=4, block_kw=16, num_stages=1)
+    dot = DecodeConfig(block_n=32, split_k=2, gemv_rows=0)
+    for m, cfg_p, cfg_c in ((1, f16x2, f32), (3, f32, f16x2), (5, dot, dot), (1, dot, f16x2)):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        residual = (torch.randn(m, n, generator=gen) * 4).half().to(DEVICE)
+        folded = w4_decode_add_norm(x, producer, ec_p, bias, residual, norm_w, 1e-5, cfg_p)
+        normed, h = add_rms_norm_ref(w4_linear_ref(x, producer, ec_p, bias), norm_w, 1e-5, residual)
+        what = f"m={m} producer {cfg_p} consumer {cfg_c} ec={with_ec}"
+        assert_close(folded.h, h, f"h {what}", rtol=1e-3)
+        tiles = -(-n // cfg_p.block_n)
+        assert folded.ssq.shape == (m, tiles)
+        hf = folded.h.float().view(m, tiles, -1)
+        torch.testing.assert_close(folded.ssq, (hf * hf).sum(-1), rtol=1e-5, atol=0, msg=what)
+        assert_close(folded.hw, folded.h * norm_w, f"hw {what}", rtol=1e-3)
+        y = w4_decode(folded.hw, consumer, ec_c, None, cfg_c, out=poisoned(m, 2 * n2), rms=folded)
+        assert_close(y, w4_linear_ref(normed, consumer, ec_c), f"consumer {what}")
+        act = w4_decode(folded.hw, consumer, ec_c, None, cfg_c, out=poisoned(m, n2), rms=folded, swiglu=True)
+        gate, up = w4_linear_ref(normed, consumer, ec_c).float().chunk(2, dim=-1)
+        assert_close(act, torch.nn.functional.silu(gate) * up, f"swiglu consumer {what}")
+
+
+def test_folded_norm_rejects_what_it_cannot_take(gen):
+    from spear.kernels.w4 import w4_decode_add_norm
+
+    packed = pack_w4(random_w4(64, 64, -1, gen)).to(DEVICE)
+    x = torch.randn(1, 64, generator=gen).half().to(DEVICE)
+    with pytest.raises(ValueError, match="residual"):
+        w4_decode_add_norm(x, packed, None, None, torch.zeros(2, 64).half(), torch.ones(64).half(), 1e-5)
+
+
 def test_decode_kernel_stores_float32_into_a_strided_view(gen):
     """Tensor parallelism's symmetric path: the partial y_r in float32 straight into the [y | u] staging rows."""
     n, k = 192, 256

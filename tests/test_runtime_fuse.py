@@ -160,12 +160,42 @@ def test_swiglu_in_the_epilogue_keeps_the_model_logits(monkeypatch, gen):
     fuse_projections(model)
     ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
     monkeypatch.setattr(model_module, "FUSE_SWIGLU", False)
+    monkeypatch.setattr(model_module, "FOLD_NORM", False)  # test_folded_norms_keep_the_model_logits
     ref = logits(model, ids, prefill=5)
     calls = []
     fused = FusedLinear.swiglu
-    monkeypatch.setattr(FusedLinear, "swiglu", lambda self, x: calls.append(x.shape[0]) or fused(self, x))
+    monkeypatch.setattr(FusedLinear, "swiglu", lambda self, x, **kw: calls.append(x.shape[0]) or fused(self, x, **kw))
     monkeypatch.setattr(model_module, "FUSE_SWIGLU", True)
     out = logits(model, ids, prefill=5)
     assert calls == [5, 5, 1, 1, 1, 1], f"swiglu launches by rows: {calls}"
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, f"swiglu in the epilogue vs the separate op, logits: {err:.2e}; seed {SEED}"
+
+
+def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
+    """The runtime model with FOLD_NORM (each layer's two add + RMSNorm launches folded into the W4 launches
+    around them, kernels.w4.FoldedNorm) against the separate norm op: on every decode-sized step, the 5-token
+    prefill included, o and down hand a FoldedNorm on (down's to the next layer only: the last layer's goes to
+    the final norm) and the logits stay the same."""
+    from spear.kernels import w4 as w4_module
+    from spear.runtime import model as model_module
+
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=3, vocab=64,
+                     attention_bias=True)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, device=DEVICE, kernels=False,
+                         seed=SEED % 1000)
+    assert all(m.use_kernels() for m in model.modules() if isinstance(m, SpearLinear))
+    fuse_projections(model)
+    ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
+    monkeypatch.setattr(model_module, "FOLD_NORM", False)
+    ref = logits(model, ids, prefill=5)
+    folds = []
+    add_norm = w4_module.w4_decode_add_norm
+    monkeypatch.setattr(w4_module, "w4_decode_add_norm",
+                        lambda x, *a, **kw: folds.append(x.shape[0]) or add_norm(x, *a, **kw))
+    monkeypatch.setattr(model_module, "FOLD_NORM", True)
+    out = logits(model, ids, prefill=5)
+    per_step = 2 * args.n_layers - 1  # o in every layer, down in all but the last
+    assert folds == [5] * per_step + [1] * per_step * 2, f"folded norms by rows: {folds}"
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, f"folded norms vs the separate op, logits: {err:.2e}; seed {SEED}"

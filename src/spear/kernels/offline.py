@@ -142,6 +142,16 @@ def variants() -> dict[str, tuple]:
                                ("decode rows=1 ec=True warps=4 f16x2 preload", {**f16x2, "HAS_EC": True, "GATED": True,
                                                                                 "BKW": 64, "BK": 128}, 4)):
         out[name] = (w4._w4_decode_kernel, decode_ptrs, {**extra, "PDL": True, "PDL_LATE": True, "PRELOAD": True}, warps)
+    # an RMSNorm folded across two launches (kernels.norm_fold): the producer's add + Σ h² epilogue, the consumer's
+    # rstd scaling (SwiGLU, as gate/up takes it), both as the tuner's 4-warp fp16x2 EC candidate runs under PDL
+    fold = {**f16x2, "HAS_EC": True, "GATED": True, "BKW": 64, "BK": 128, "PDL": True, "PDL_LATE": True, "PRELOAD": True}
+    out["decode rows=1 ec=True f16x2 add_norm"] = (w4._w4_decode_kernel, {**decode_ptrs, "res_ptr": F16, "nw_ptr": F16,
+                                                                         "hw_ptr": F16, "ssq_ptr": F32},
+                                                   {**fold, "ADD_NORM": True}, 4)
+    for rows in (1, 0):
+        out[f"decode rows={rows or 'dot'} ec=True swiglu rms_in"] = (
+            w4._w4_decode_kernel, {**decode_ptrs, "ssq_ptr": F32, "eps": "fp32"},
+            {**fold, "SWIGLU": True, "GEMV_ROWS": rows, "RMS_IN": True, "SSQ_BLOCK": 128}, 4)
     out["decode rows=dot ec=True swiglu pdl"] = (w4._w4_decode_kernel, decode_ptrs,
                                                  {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
                                                   "GEMV_ROWS": 0, "PDL": True, "PREFETCH_BYTES": 4096}, 4)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import tune_cache
+from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, PackedW4
 from spear.kernels.pdl import (
     launch_options,
@@ -668,6 +669,32 @@ def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.conste
 
 
 @triton.jit
+def _store_add_norm(acc, offs_m, mask_m, offs_n, mask_n, pid_n, h_ptr, stride_m, res_ptr, nw_ptr, hw_ptr, ssq_ptr,
+                    num_ssq):
+    """The next RMSNorm's share of a tile (FoldedNorm), for acc [BN, BM] = yᵀ: h = y + residual rounded as
+    ops.add_rms_norm rounds it, hw = h ⊙ w_norm, and Σ h² over the tile's columns per row into ssq[m, pid_n]."""
+    mask = mask_n[:, None] & mask_m[None, :]
+    rows = offs_m[None, :] * stride_m + offs_n[:, None]
+    r = tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    h = (acc.to(tl.float16).to(tl.float32) + r).to(tl.float16)
+    tl.store(h_ptr + rows, h, mask=mask)
+    hf = tl.where(mask, h.to(tl.float32), 0.0)
+    tl.store(ssq_ptr + offs_m * num_ssq + pid_n, tl.sum(hf * hf, axis=0), mask=mask_m)
+    w = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(hw_ptr + rows, (hf * w[:, None]).to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK: tl.constexpr):
+    """rstd [BM] = 1 / sqrt(mean(h²) + eps) from the per-tile sums of h² a FoldedNorm's producer stored, summed
+    in a fixed order (every program of the launch gets the same bits)."""
+    offs_p = tl.arange(0, SSQ_BLOCK)
+    parts = tl.load(ssq_ptr + offs_m[:, None] * num_ssq + offs_p[None, :],
+                    mask=mask_m[:, None] & (offs_p < num_ssq)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=1) / K + eps)
+
+
+@triton.jit
 def _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC: tl.constexpr, R: tl.constexpr):
     """(alpha·B)_tile [BN, R] fp16 (zeros without an EC)."""
     offs_r = tl.arange(0, R)
@@ -734,7 +761,9 @@ def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
     y_part_ptr, u_part_ptr, g_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr,
+    res_ptr, nw_ptr, hw_ptr, ssq_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
+    num_ssq, eps,
     HAS_EC: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GEMV_ROWS: tl.constexpr,
@@ -742,6 +771,7 @@ def _w4_decode_kernel(
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
     PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
+    ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -760,6 +790,10 @@ def _w4_decode_kernel(
     # and its first code step (PRELOAD: the single-stage GEMV loops then load each step's codes one step ahead, two
     # steps in flight), then waits for the launch before it; the next launch may start after this one's main loops
     # (PDL_LATE) or at once.
+    # An RMSNorm folded across two launches (FoldedNorm): ADD_NORM, this launch's epilogue stores h = y + residual
+    # (res_ptr) at y_ptr, hw = h ⊙ w_norm (nw_ptr) at hw_ptr and the tile's Σ h² per row at ssq_ptr[m, tile];
+    # RMS_IN, x is such an hw and the tiles' acc and the u-sum are scaled by rstd = 1 / sqrt(Σ_tiles ssq / K + eps)
+    # (num_ssq tiles): norm(h) Wᵀ = rstd ⊙ (hw Wᵀ), exact up to rounding.
     pid = tl.program_id(0)
     if PDL and pid >= num_ax and PREFETCH_BYTES > 0:
         _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU, PREFETCH_BYTES)
@@ -801,6 +835,8 @@ def _w4_decode_kernel(
                                 + offs_r[None, None, :], mask=(p < num_ax)[:, None, None] & mask_m[None, :, None],
                                 other=0.0, cache_modifier=".cg")
                 u += tl.sum(parts, axis=0)
+            if RMS_IN:
+                u = u * _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)[:, None]
             if PEERS > 0:  # u_r, ungated: the gate needs the sum over the ranks
                 for p in tl.static_range(PEERS):
                     rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
@@ -881,9 +917,14 @@ def _w4_decode_kernel(
             else:
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
+            if RMS_IN:
+                acc = acc * _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)[None, :]
             acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if SWIGLU:
                 _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
+            elif ADD_NORM:
+                _store_add_norm(acc, offs_m, mask_m, offs_n, mask_n, pid_n, y_ptr, stride_ym, res_ptr, nw_ptr, hw_ptr,
+                                ssq_ptr, num_ssq)
             else:
                 _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym)
 
@@ -1146,19 +1187,42 @@ def w4_decode_to_peers(x: torch.Tensor, w: PackedW4, ec: PackedEC | None, peers:
     w4_decode(x, w, ec, cfg=cfg, peers=peers)
 
 
+def w4_decode_add_norm(x: torch.Tensor, w: PackedW4, ec: PackedEC | None, bias: torch.Tensor | None,
+                       residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       cfg: DecodeConfig | None = None) -> FoldedNorm:
+    """y = x Ŵᵀ + bias + EC(x) (w4_decode), then the next add + RMSNorm's share in the same launch's epilogue:
+    the FoldedNorm of h = y + residual [M, N] with norm_weight [N]."""
+    m, n = x.shape[0], w.out_features
+    if residual.shape != (m, n) or norm_weight.shape != (n,):
+        raise ValueError(f"residual {tuple(residual.shape)} and norm weight {tuple(norm_weight.shape)} do not fit "
+                         f"the layer's output [{m}, {n}]")
+    h = torch.empty(m, n, dtype=torch.float16, device=x.device)
+    hw = torch.empty_like(h)
+    cfg = cfg or decode_config(w, m, ec)
+    ssq = torch.empty(m, triton.cdiv(n, cfg.block_n), dtype=torch.float32, device=x.device)
+    w4_decode(x, w, ec, bias, cfg, out=h, add_norm=(residual.contiguous(), norm_weight.contiguous(), hw, ssq))
+    return FoldedNorm(h, hw, ssq, eps)
+
+
 def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
               cfg: DecodeConfig | None = None, out: torch.Tensor | None = None,
-              peers: PeerRows | None = None, swiglu: bool = False) -> torch.Tensor:
+              peers: PeerRows | None = None, swiglu: bool = False, rms: FoldedNorm | None = None,
+              add_norm: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """y [M, N] for x [M, K] with M ≤ DECODE_KERNEL_MAX_M, in one launch (see the module docstring); into `out`
     if given. With `peers`, see w4_decode_to_peers (and the result is x, untouched). With `swiglu`, w stacks
     [gate; up] (N / 2 rows each) and the result is silu(gate) ⊙ up [M, N / 2], from the tiles' epilogue (each tile
-    computes rows of gate and the same rows of up)."""
+    computes rows of gate and the same rows of up). With `rms`, x is rms.hw and y = norm(rms.h) Ŵᵀ + ...
+    (FoldedNorm); `add_norm` (residual, w_norm, hw, ssq) is w4_decode_add_norm's."""
     m, k = x.shape
     n = w.out_features
     if m > DECODE_KERNEL_MAX_M:
         raise ValueError(f"the decode kernel takes at most {DECODE_KERNEL_MAX_M} rows, got {m}")
     if swiglu and (n % 2 or peers is not None):
         raise ValueError(f"swiglu needs [gate; up] stacked in equal halves and no peers (out_features {n})")
+    if (rms is not None or add_norm is not None) and peers is not None:
+        raise ValueError("a folded RMSNorm (rms, add_norm) does not combine with peers")
+    if add_norm is not None and (swiglu or (out is not None and out.stride(0) != n)):
+        raise ValueError("add_norm stores h [M, N] densely: no swiglu, no strided out")
     bm = _row_tile(m)
     cfg = cfg or decode_config(w, m, ec)
     kw = w.qweight.shape[1]
@@ -1192,14 +1256,18 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         y = out if out is not None else torch.empty(m, width, dtype=x.dtype, device=x.device)
         stride_y = y.stride(0)
 
+    num_ssq = tiles if add_norm is not None else rms.ssq.shape[1] if rms is not None else 0
+    if rms is not None and rms.ssq.shape[0] != m:
+        raise ValueError(f"rms holds {rms.ssq.shape[0]} rows, x {m}")
     pdl = w4_launch()
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
         y_part, u_part, g_cells, counters, reads,
         *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
+        *(add_norm if add_norm is not None else (y, y, y, rms.ssq if rms is not None else reads)),
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
-        split_k, k_per_split, num_ax, ax_k, tiles,
+        split_k, k_per_split, num_ax, ax_k, tiles, num_ssq, rms.eps if rms is not None else 0.0,
         HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
         BM=bm, BN=cfg.block_n, BK=bk, SPG=_slices_per_group(w.group_size),
         GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, GEMV_F16X2=cfg.gemv_f16x2,
@@ -1207,7 +1275,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
-        PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, **launch_options(x),
+        PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, ADD_NORM=add_norm is not None,
+        RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), **launch_options(x),
     )
     return y
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
+from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
 from spear.layer import SpearLinear
@@ -34,6 +35,9 @@ from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
 # (session 9, decode_h200_fuse_*_71458e1.json). SPEAR_FUSE_SWIGLU=0 turns it off. (RoPE and the K/V write fused
 # into the q/k/v launch's epilogue measured 2.47 / 4.19 on top of it, slower at batch 1: removed.)
 FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
+# The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those W4 decode
+# launches (kernels.w4.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
+FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -152,8 +156,13 @@ class FusedLinear(nn.Module):
         self.bias = None if self.bias is None else self.bias.to(device)
         return self
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The parts' outputs, as views of one [..., Σ N_i] result."""
+    def forward(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs, as views of one [..., Σ N_i] result; with `rms` (a decode step), of norm(rms.h),
+        x being rms.hw (FoldedNorm)."""
+        if rms is not None:
+            from spear.kernels.w4 import w4_decode
+
+            return w4_decode(x, self.packed, self.packed_ec, self.bias, rms=rms).split(self.sizes, dim=-1)
         if x.dtype == torch.float16:  # the kernels (CUDA, or the Triton interpreter on CPU)
             from spear.kernels.w4 import w4_linear
 
@@ -162,13 +171,13 @@ class FusedLinear(nn.Module):
             y = w4_linear_ref(x, self.packed, self.packed_ec, self.bias)
         return y.split(self.sizes, dim=-1)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> torch.Tensor:
         """silu(gate) ⊙ up [T, N / 2] of fused [gate; up] parts in one W4 decode launch (the activation in its
-        epilogue), for fp16 x [T, K] with T ≤ DECODE_PATH_MAX_M."""
+        epilogue), for fp16 x [T, K] with T ≤ DECODE_PATH_MAX_M (x = rms.hw with `rms`, as forward)."""
         from spear.kernels.w4 import w4_decode
 
         assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
-        return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True)
+        return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True, rms=rms)
 
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
@@ -185,6 +194,21 @@ def _decode_launch(x: torch.Tensor) -> bool:
     return x.shape[0] <= DECODE_PATH_MAX_M
 
 
+def _folds_norm(producer: nn.Module, consumer: FusedLinear | None, x: torch.Tensor) -> bool:
+    """Whether the add + RMSNorm after `producer` (a packed SpearLinear, on the decode kernel's step x) folds into
+    its launch and the consumer's (FOLD_NORM, kernels.w4.FoldedNorm)."""
+    return (FOLD_NORM and consumer is not None and isinstance(producer, SpearLinear) and producer.packed is not None
+            and _decode_launch(x))
+
+
+def _add_norm(producer: SpearLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> FoldedNorm:
+    """producer(x), then the norm of producer(x) + residual, both in the producer's W4 decode launch."""
+    from spear.kernels.w4 import w4_decode_add_norm
+
+    bias = None if producer.bias is None else producer.bias.half()
+    return w4_decode_add_norm(x, producer.packed, producer.packed_ec, bias, residual, norm.weight, norm.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, wq: nn.Module, wk: nn.Module, wv: nn.Module, wo: nn.Module):
         super().__init__()
@@ -192,11 +216,14 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.wqkv: FusedLinear | None = None  # set by fuse_projections
 
-    def project(self, x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
-        T = x.shape[0]
-        q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        T = x.h.shape[0] if isinstance(x, FoldedNorm) else x.shape[0]
+        if isinstance(x, FoldedNorm):  # this layer's attention norm, folded into the launch before (Block)
+            q, k, v = self.wqkv(x.hw, rms=x)
+        else:
+            q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(T, self.n_kv_heads, self.head_dim)
@@ -223,23 +250,36 @@ class Block(nn.Module):
         self.attention, self.feed_forward = attention, feed_forward
         self.attention_norm, self.ffn_norm = attention_norm, ffn_norm
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor, batch: Batch,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | FoldedNorm, residual: torch.Tensor | None, inv_freq: torch.Tensor,
+                batch: Batch, kv: tuple[torch.Tensor, torch.Tensor],
+                next_block: Block | None = None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
         """(x, residual) -> (this block's FFN output, the residual stream before it); their sum is the
-        block's output, formed by the next norm. The first block gets residual None (x is the stream)."""
+        block's output, formed by the next norm. The first block gets residual None (x is the stream).
+        On decode steps the next block's attention norm may be folded into this block's down launch: the
+        output is then that norm's FoldedNorm (and the residual its h)."""
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
-        return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual)
+        return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
 
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,
                          positions: torch.Tensor, slots: torch.Tensor,
                          kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (rotated queries [T, H, D], residual); this block's keys and values are cached."""
+        if isinstance(x, FoldedNorm):  # the norm is done: x.h is the stream
+            return self.attention.project(x, inv_freq, positions, slots, kv), x.h
         h, residual = self.attention_norm(x, residual)
         return self.attention.project(h, inv_freq, positions, slots, kv), residual
 
-    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
+                        next_block: Block | None = None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
         """(attention output [T, H * D], residual) -> (FFN output, residual), as forward returns them."""
+        ff = self.feed_forward
+        if FUSE_SWIGLU and _folds_norm(self.attention.wo, ff.w_gate_up, attn):  # o -> norm -> gate/up, folded
+            normed = _add_norm(self.attention.wo, attn, residual, self.ffn_norm)
+            act = ff.w_gate_up.swiglu(normed.hw, rms=normed)
+            if next_block is not None and _folds_norm(ff.w_down, next_block.attention.wqkv, act):
+                return _add_norm(ff.w_down, act, normed.h, next_block.attention_norm), normed.h
+            return ff.w_down(act), normed.h
         h, residual = self.ffn_norm(self.attention.wo(attn), residual)
         return self.feed_forward(h), residual
 
@@ -267,7 +307,8 @@ class Transformer(nn.Module):
         x = self.embed(batch.tokens)  # [T, dim]
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, self.rope.inv_freq, batch, cache.layer(i))
+            next_block = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            x, residual = layer(x, residual, self.rope.inv_freq, batch, cache.layer(i), next_block)
         return self.logits(x, residual, batch.last_index)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
