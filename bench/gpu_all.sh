@@ -117,11 +117,11 @@ elif [ "${STREAM:-0}" = 1 ]; then  # session 12, one GPU: the GEMV tiling's stre
     --json "$out/stream_lab_h200.json" > $log/3_stream.log 2>&1  # STREAM_MODES="a1 s3 k2 k4": stream-K against the best
 elif [ "${FOLD:-0}" = 1 ]; then  # session 13, one GPU: the add + RMSNorm folded into the W4 launches around it
   # (SPEAR_FOLD_NORM) in both orders through the engine, after its GPU tests; then the batch-1 profile with it
-  timeout 120 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py tests/test_runtime_fuse.py \
-    -k "folded or pdl_chain or swiglu" > $log/1_tests.log 2>&1
+  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py tests/test_runtime_fuse.py \
+    tests/test_runtime_ops.py -k "folded or pdl_chain or rms" > $log/1_tests.log 2>&1
   grep -cE " PASSED" $log/1_tests.log > $log/1_tests_summary.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log >> $log/1_tests_summary.log
-  mkdir -p $out/fold; i=0; for f in 1 0 0 1; do i=$((i + 1)); SPEAR_FOLD_NORM=$f timeout $((i == 1 ? 180 : 90)) \
-    python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 32 \
+  mkdir -p $out/fold; i=0; for f in ${FOLD_ORDER:-0 1 1 0}; do i=$((i + 1)); SPEAR_FOLD_NORM=$f timeout $((i == 1 ? 170 : 80)) \
+    python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches ${FOLD_BATCHES:-1 8} \
     --json "$out/fold/decode_h200_fold${f}_run$i.json" > $log/2_fold${f}_$i.log 2>&1; done
   tar czf "$out/fold_jsons.tgz" -C "$out" fold && rm -r "$out/fold"  # at most 8 files come back
   timeout $((570 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 \

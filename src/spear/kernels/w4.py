@@ -669,19 +669,18 @@ def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.conste
 
 
 @triton.jit
-def _store_add_norm(acc, offs_m, mask_m, offs_n, mask_n, pid_n, h_ptr, stride_m, res_ptr, nw_ptr, hw_ptr, ssq_ptr,
+def _store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, h_ptr, stride_m, hw_ptr, ssq_ptr,
                     num_ssq):
-    """The next RMSNorm's share of a tile (FoldedNorm), for acc [BN, BM] = yᵀ: h = y + residual rounded as
-    ops.add_rms_norm rounds it, hw = h ⊙ w_norm, and Σ h² over the tile's columns per row into ssq[m, pid_n]."""
+    """The next RMSNorm's share of a tile (FoldedNorm), for acc [BN, BM] = yᵀ, the residual's tile res [BN, BM] and
+    the norm's weights norm_w [BN]: h = y + residual rounded as ops.add_rms_norm rounds it, hw = h ⊙ w_norm, and
+    Σ h² over the tile's columns per row into ssq[m, pid_n]."""
     mask = mask_n[:, None] & mask_m[None, :]
     rows = offs_m[None, :] * stride_m + offs_n[:, None]
-    r = tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    h = (acc.to(tl.float16).to(tl.float32) + r).to(tl.float16)
+    h = (acc.to(tl.float16).to(tl.float32) + res.to(tl.float32)).to(tl.float16)
     tl.store(h_ptr + rows, h, mask=mask)
     hf = tl.where(mask, h.to(tl.float32), 0.0)
     tl.store(ssq_ptr + offs_m * num_ssq + pid_n, tl.sum(hf * hf, axis=0), mask=mask_m)
-    w = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(hw_ptr + rows, (hf * w[:, None]).to(tl.float16), mask=mask)
+    tl.store(hw_ptr + rows, (hf * norm_w.to(tl.float32)[:, None]).to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -810,6 +809,8 @@ def _w4_decode_kernel(
         if PRELOAD:
             a_ahead = _a_tile(a_ptr, offs_r, a_lo, a_hi, K, BK)
         pdl_enter(PDL, PDL_LATE)
+        if RMS_IN:  # loaded now, used after the u-sum: no load on the gate's critical path
+            rstd = _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)
         u = tl.zeros((BM, R), dtype=tl.float32)
         for k0 in range(a_lo, a_lo + ax_k_per_prog, BK):
             offs_k = k0 + tl.arange(0, BK)
@@ -836,7 +837,7 @@ def _w4_decode_kernel(
                                 other=0.0, cache_modifier=".cg")
                 u += tl.sum(parts, axis=0)
             if RMS_IN:
-                u = u * _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)[:, None]
+                u = u * rstd[:, None]
             if PEERS > 0:  # u_r, ungated: the gate needs the sum over the ranks
                 for p in tl.static_range(PEERS):
                     rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
@@ -852,7 +853,8 @@ def _w4_decode_kernel(
         pid_k = gid % split_k
         offs_n, mask_n = _tile_rows(pid_n, N, BN, SWIGLU)  # SWIGLU: BN / 2 rows of gate and the same of up
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
-        # Weights only before the PDL wait (kernels.pdl): B, and with PRELOAD the GEMV loop's first codes, so that
+        # Weights only before the PDL wait (kernels.pdl): B, the folded norm's weights, and with PRELOAD the GEMV loop's
+        # first codes, so that
         # their HBM latency overlaps the tail of the launch before this one
         if HAS_EC and PEERS == 0:
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
@@ -861,7 +863,15 @@ def _w4_decode_kernel(
             first = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi, KW, BKW, EVEN)
         else:
             first = tl.zeros((BN, BKW), dtype=tl.int32)  # unused
+        if ADD_NORM:  # the norm's weight before the wait (a weight), the residual tile after it: both before the
+            # main loop, so that the epilogue waits for no load (FoldedNorm)
+            norm_w = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0)
         pdl_enter(PDL, PDL_LATE)
+        if ADD_NORM:
+            res = tl.load(res_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                          mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+        if RMS_IN:
+            rstd = _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)
         if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
             epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
             if BM * R <= 2048:  # (wide row tiles: g's registers through the main loop would spill; read it after)
@@ -918,12 +928,12 @@ def _w4_decode_kernel(
                 g = tl.zeros((BM, R), dtype=tl.float32)
                 b = tl.zeros((BN, R), dtype=tl.float16)
             if RMS_IN:
-                acc = acc * _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)[None, :]
+                acc = acc * rstd[None, :]
             acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC and EC_ABLATE != 4, HAS_BIAS)
             if SWIGLU:
                 _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
             elif ADD_NORM:
-                _store_add_norm(acc, offs_m, mask_m, offs_n, mask_n, pid_n, y_ptr, stride_ym, res_ptr, nw_ptr, hw_ptr,
+                _store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, y_ptr, stride_ym, hw_ptr,
                                 ssq_ptr, num_ssq)
             else:
                 _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym)

@@ -81,10 +81,11 @@ def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @_jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)  # every kernel here launches dependent on the one before (kernels.pdl)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: loaded before the wait
+    pdl_enter(PDL)  # every kernel here launches dependent on the one before (kernels.pdl)
     h = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0)  # [BLOCK]
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * N + cols, mask=ok, other=0.0)
@@ -93,7 +94,6 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, N, eps,
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
     normed = (hf * rstd).to(h.dtype).to(tl.float32)  # cast to x's dtype before the weight
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * N + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
 
 
