@@ -12,6 +12,7 @@
 #   or, with CHAIN=1 (one GPU), the fp16x2 loop's word chains A/B'd, then the engine;
 #   or, with FOLD=1 (one GPU), the add + RMSNorm folded into the W4 launches (SPEAR_FOLD_NORM) A/B'd in the engine;
 #   or, with FINAL=1 (nvidia-h200-x2), session 12's last call (the block below);
+#   or, with FINAL13=1 (one GPU), session 13's last call: GPU tests of the changed ops, the engine on 7B and 8B;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
 #          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
@@ -126,6 +127,18 @@ elif [ "${FOLD:-0}" = 1 ]; then  # session 13, one GPU: the add + RMSNorm folded
   tar czf "$out/fold_jsons.tgz" -C "$out" fold && rm -r "$out/fold"  # at most 8 files come back
   timeout $((570 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 \
     --json "$out/profile_b1.json" > $log/3_profile.log 2>&1
+elif [ "${FINAL13:-0}" = 1 ]; then  # session 13's last call, one GPU (carry .gpu_cache: tuned at this w4.py): the GPU
+  # tests of the ops whose loads moved before the PDL wait and of the folded norm, Llama-2-7B through the engine
+  # (fp16, W4, W4+EC38), W4+EC38 with SPEAR_FOLD_NORM=0 beside it, then Llama-3-8B
+  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_runtime_ops.py tests/test_kernels.py \
+    -k "attention or rope or rms or folded" > $log/1_tests.log 2>&1
+  { grep -cE " PASSED" $log/1_tests.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log; } > $log/1_tests_summary.log
+  timeout 230 python bench/decode.py --models llama2-7b --settings fp16 w4 w4+ec38 --json "$out/decode_h200.json" \
+    > $log/2_decode.log 2>&1
+  SPEAR_FOLD_NORM=0 timeout 100 python bench/decode.py --models llama2-7b --settings w4+ec38 --batches 1 8 \
+    --json "$out/decode_h200_fold0.json" > $log/3_decode_fold0.log 2>&1
+  timeout $((540 - SECONDS)) python bench/decode.py --models llama3-8b --settings w4 w4+ec38 --batches 1 8 \
+    --json "$out/decode_h200_llama3.json" > $log/4_decode_llama3.log 2>&1
 elif [ "${CHAIN:-0}" = 1 ]; then  # session 12, one GPU: the fp16x2 loop's chains over 1 or 2 words
   # (SPEAR_W4_WORD_CHAIN) in both orders, then the engine at the default (2)
   timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "f16x2 or preload or gemv" \

@@ -146,19 +146,25 @@ def test_swiglu_in_the_epilogue_equals_silu_of_the_fused_output(m, block_n, spli
     assert_close(act, ref, f"swiglu m={m} block_n={block_n} split_k={split_k} ec={with_ec} group={group}")
 
 
+def packed_fused_model(n_layers: int):
+    """A small random runtime model, ECs on half its linears, packed for the kernels and fused (q/k/v, gate/up)."""
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=n_layers, vocab=64,
+                     attention_bias=True)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, device=DEVICE, kernels=False,
+                         seed=SEED % 1000)
+    assert all(m.use_kernels() for m in model.modules() if isinstance(m, SpearLinear))
+    fuse_projections(model)
+    return model
+
+
 def test_swiglu_in_the_epilogue_keeps_the_model_logits(monkeypatch, gen):
     """The runtime model with FUSE_SWIGLU (gate/up's activation from the launch's epilogue, the default) against
     the separate SiLU·up op: the fused launch runs on every decode-sized step (the 5-token prefill included) and
     the logits stay the same."""
     from spear.runtime import model as model_module
 
-    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64,
-                     attention_bias=True)
-    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, device=DEVICE, kernels=False,
-                         seed=SEED % 1000)
-    assert all(m.use_kernels() for m in model.modules() if isinstance(m, SpearLinear))
-    fuse_projections(model)
-    ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
+    model = packed_fused_model(n_layers=2)
+    ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
     monkeypatch.setattr(model_module, "FUSE_SWIGLU", False)
     monkeypatch.setattr(model_module, "FOLD_NORM", False)  # test_folded_norms_keep_the_model_logits
     ref = logits(model, ids, prefill=5)
@@ -180,13 +186,8 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
     from spear.kernels import w4 as w4_module
     from spear.runtime import model as model_module
 
-    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=3, vocab=64,
-                     attention_bias=True)
-    model = random_model(args, QuantConfig(4, -1), ec_fraction=0.5, rank=8, device=DEVICE, kernels=False,
-                         seed=SEED % 1000)
-    assert all(m.use_kernels() for m in model.modules() if isinstance(m, SpearLinear))
-    fuse_projections(model)
-    ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
+    model = packed_fused_model(n_layers=3)
+    ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
     monkeypatch.setattr(model_module, "FOLD_NORM", False)
     ref = logits(model, ids, prefill=5)
     folds = []
@@ -195,7 +196,7 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
                         lambda x, *a, **kw: folds.append(x.shape[0]) or add_norm(x, *a, **kw))
     monkeypatch.setattr(model_module, "FOLD_NORM", True)
     out = logits(model, ids, prefill=5)
-    per_step = 2 * args.n_layers - 1  # o in every layer, down in all but the last
+    per_step = 2 * model.args.n_layers - 1  # o in every layer, down in all but the last
     assert folds == [5] * per_step + [1] * per_step * 2, f"folded norms by rows: {folds}"
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, f"folded norms vs the separate op, logits: {err:.2e}; seed {SEED}"

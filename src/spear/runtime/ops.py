@@ -191,19 +191,20 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
                           H, KV, block_size, stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): j < H rotates query head j of token t; j >= H rotates key head j - H and stores it,
-    and the token's value head, at the token's slot."""
-    pdl_enter(PDL)
+    and the token's value head, at the token's slot. The step's positions and slots (written by the host, never by
+    a kernel) and the angles come before the PDL wait; the rows of q, k and v after it."""
     t, j = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
     theta = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=ok, other=0.0)  # [BLOCK_HALF]
     cos, sin = tl.cos(theta), tl.sin(theta)
+    slot = tl.load(slots_ptr + t)
+    pdl_enter(PDL)
     D: tl.constexpr = 2 * HALF
     if j < H:
         _rope_row(q_ptr + t * stride_qt + j * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF)
     else:
         kv = j - H
-        slot = tl.load(slots_ptr + t)
         dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
         _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
         for half in tl.static_range(2):  # v as it is, in two halves
@@ -254,6 +255,26 @@ def attention_tile_rows(group: int) -> int:
     return max(1, 16 // _next_pow2(group))
 
 
+@_jit
+def _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale, block_size,
+                    stride_pool_block, stride_pool_offset, D: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over the keys at positions t [BLOCK_N] (< end), in the pool blocks `block`:
+    (m, l, acc) updated for the query rows q [BLOCK_Q, D], row r seeing keys < row_len_r."""
+    t_ok = t < end
+    kv_off = block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D
+    k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
+    v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_Q, BLOCK_N]
+    s = tl.where(t[None, :] < row_len[:, None], s, float("-inf"))  # causal: row r sees keys < row_len_r
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
+    alpha = tl.exp(m - m_safe)  # rescales what came before
+    prob = tl.exp(s - m_safe[:, None])
+    l = l * alpha + tl.sum(prob, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)  # prob in v's dtype
+    return m_new, l, acc
+
+
 @_jit(do_not_specialize=("stride_table",))
 def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
                                m_ptr, l_ptr, acc_ptr, out_ptr,
@@ -271,14 +292,23 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     BLOCK_N): the splits follow the sequence's length, not the table's width, so a short context is one
     step a program. Writes each (row, head)'s running max m, sum l = Σ exp(s - m) and acc = Σ exp(s - m) v
     (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
-    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step)."""
-    pdl_enter(PDL)
+    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step).
+    The step's tiles, lengths and block tables (written by the host, never by a kernel) are read before the PDL
+    wait, the first step's table entries included; q and the keys after it."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
         first = tl.load(tiles_ptr + 2 * tile)  # the tile's first row and its row count (0: a padding tile)
         count = tl.load(tiles_ptr + 2 * tile + 1)
     else:
         first, count = tile, 1
+    last = first + count - 1  # the tile's last row sees the most keys, and its table has all their blocks
+    seq_len = tl.load(seq_lens_ptr + last, mask=count > 0, other=0)
+    split_len = tl.cdiv(seq_len, SPLITS * BLOCK_N) * BLOCK_N
+    start = p * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    t = start + tl.arange(0, BLOCK_N)  # the first step's key positions
+    block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
+    pdl_enter(PDL)
     if count > 0:
         i = tl.arange(0, BLOCK_Q)  # dot row i: query row first + i // BLOCK_G, head kv * GROUP + i % BLOCK_G
         r, g = i // BLOCK_G, i % BLOCK_G
@@ -288,31 +318,18 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         d = tl.arange(0, D)
         q = tl.load(q_ptr + (row * H + head)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
         row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
-        last = first + count - 1  # the tile's last row sees the most keys, and its table has all their blocks
-        seq_len = tl.load(seq_lens_ptr + last)
-        split_len = tl.cdiv(seq_len, SPLITS * BLOCK_N) * BLOCK_N
-        start = p * split_len
-        end = tl.minimum(start + split_len, seq_len)
 
         m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):  # no steps past the end: an empty split just writes (-inf, 0)
+        if start < end:  # the first step, its table entries read before the wait
+            m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
+                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):  # no steps past the end: an empty split writes (-inf, 0)
             t = n0 + tl.arange(0, BLOCK_N)  # key positions
-            t_ok = t < end
-            block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t_ok, other=0)  # [BLOCK_N]
-            kv_off = block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D
-            k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_Q, BLOCK_N]
-            s = tl.where(t[None, :] < row_len[:, None], s, float("-inf"))  # causal: row r sees keys < row_len_r
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
-            alpha = tl.exp(m - m_safe)  # rescales what came before
-            prob = tl.exp(s - m_safe[:, None])
-            l = l * alpha + tl.sum(prob, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)  # prob in v's dtype
-            m = m_new
+            block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
+            m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
+                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
 
         if SPLITS == 1:  # every key in this program: the output
             out = (row * H + head)[:, None] * D + d[None, :]
