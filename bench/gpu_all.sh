@@ -174,6 +174,9 @@ elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass 
   timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \
     --json "$out/decode_tp2_h200x2.json" > $log/8_decode_tp2.log 2>&1
   timeout 60 python bench/step_channel.py --json "$out/step_channel_h200host.json" > $log/11_step_channel.log 2>&1
+  # session 13's fold of the next add + RMSNorm into the p2p epilogue (SPEAR_FOLD_NORM_TP, off by default: untimed)
+  SPEAR_FOLD_NORM_TP=1 timeout $((575 - SECONDS)) python bench/decode.py --tp 2 --models llama2-7b \
+    --settings w4 w4+ec38 --batches 1 16 --json "$out/decode_tp2_foldtp_h200x2.json" > $log/9_decode_tp2_foldtp.log 2>&1
 else
   (export CUDA_VISIBLE_DEVICES=0; gpu0) &
   (export CUDA_VISIBLE_DEVICES=1; gpu1) &

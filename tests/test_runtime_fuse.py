@@ -200,3 +200,27 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
     assert folds == [5] * per_step + [1] * per_step * 2, f"folded norms by rows: {folds}"
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, f"folded norms vs the separate op, logits: {err:.2e}; seed {SEED}"
+
+
+def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypatch):
+    """runtime.model._folds_norm: a packed SpearLinear folds with FOLD_NORM; a row-parallel layer (a module with
+    folds_norm, tp.RowParallelLinear) only with FOLD_NORM_TP as well, and only where its reduction takes the rows."""
+    from spear.runtime import model as model_module
+
+    class RowParallel(torch.nn.Module):  # tp.RowParallelLinear's side of the contract
+        def folds_norm(self, rows: int) -> bool:
+            return rows <= 4
+
+    consumer = object()
+    x = torch.zeros(2, 8, dtype=torch.float16)
+    monkeypatch.setattr(model_module, "FOLD_NORM", True)
+    monkeypatch.setattr(model_module, "FOLD_NORM_TP", False)
+    assert not model_module._folds_norm(RowParallel(), consumer, x)
+    monkeypatch.setattr(model_module, "FOLD_NORM_TP", True)
+    assert model_module._folds_norm(RowParallel(), consumer, x)
+    assert not model_module._folds_norm(RowParallel(), consumer, torch.zeros(5, 8, dtype=torch.float16))
+    assert not model_module._folds_norm(RowParallel(), None, x)  # no fused consumer
+    assert not model_module._folds_norm(RowParallel(), consumer, x.float())  # not the kernels' dtype
+    monkeypatch.setattr(model_module, "FOLD_NORM", False)
+    assert not model_module._folds_norm(RowParallel(), consumer, x)
+

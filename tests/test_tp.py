@@ -189,6 +189,49 @@ def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer():
         assert [shard.reduce.state.tolist() for shard in shards] == [[call, 0]] * world
 
 
+def test_p2p_epilogue_folds_the_next_norm_on_both_ranks():
+    """PeerReduce.receive_add_norm (the p2p epilogue with the next add + RMSNorm folded in, kernels.norm_fold): two
+    simulated ranks (TRITON_INTERPRET) give the same h, h ⊙ w and Σ h² partials bit for bit, and h and the norm
+    they imply match ops.add_rms_norm over the unsharded layer's output."""
+    from spear.kernels.pack import pack_w4
+    from spear.kernels.w4 import PeerRows
+    from spear.runtime.ops import add_rms_norm_ref
+    from spear.runtime.tp import PEER_BLOCK_N, PeerReduce
+
+    args = ModelArgs(dim=192, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=48, n_layers=1, vocab=64)
+    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=2)
+    lin = model.layers[0].feed_forward.w_down  # 192 × 128: two epilogue blocks of columns, the second partial
+    world, max_rows, width = 2, 4, lin.out_features + 16
+    shards = [RowParallelLinear(lin, rank, world) for rank in range(world)]
+    slots = [torch.full((world, max_rows, width), float("nan")) for _ in range(world)]
+    signals = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
+    for rank, shard in enumerate(shards):
+        shard.base.packed = pack_w4(shard.base.qweight)
+        rows = torch.tensor([slots[p].data_ptr() + 4 * rank * max_rows * width for p in range(world)])
+        own = torch.tensor([signals[p].data_ptr() + 4 * rank for p in range(world)])
+        shard.reduce = PeerReduce(slots[rank], signals[rank], torch.zeros(2, dtype=torch.int32),
+                                  PeerRows(rows, own, width), max_rows)
+    assert all(shard.folds_norm(3) for shard in shards) and not shards[0].folds_norm(max_rows + 1)
+    gen = torch.Generator().manual_seed(5)
+    half = lin.in_features // 2
+    x = torch.randn(3, lin.in_features, generator=gen).half()
+    residual = (torch.randn(3, lin.out_features, generator=gen) * 3).half()
+    norm_w = (1 + torch.rand(lin.out_features, generator=gen)).half()
+    with torch.inference_mode():
+        normed, h = add_rms_norm_ref(lin(x.float()).half(), norm_w, 1e-5, residual)
+        for rank, shard in enumerate(shards):
+            shard.reduce.send(shard, x[:, rank * half:(rank + 1) * half])
+        got = [shard.reduce.receive_add_norm(shard, 3, residual, norm_w, 1e-5) for shard in shards]
+    for field in ("h", "hw", "ssq"):
+        assert torch.equal(getattr(got[0], field), getattr(got[1], field)), f"the ranks disagree on {field}"
+    folded = got[0]
+    assert folded.ssq.shape == (3, -(-lin.out_features // PEER_BLOCK_N))
+    torch.testing.assert_close(folded.h.float(), h.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(folded.ssq.sum(1), folded.h.float().pow(2).sum(1), rtol=1e-5, atol=0)
+    rstd = torch.rsqrt(folded.ssq.sum(1, keepdim=True) / lin.out_features + 1e-5)
+    torch.testing.assert_close((folded.hw.float() * rstd), normed.float(), atol=3e-2, rtol=2e-2)
+
+
 def test_tp_decode_bench_tiny_runs_end_to_end(tmp_path):
     out = tmp_path / "tp_decode.json"
     cmd = [sys.executable, str(ROOT / "bench" / "tp_decode.py"), "--tiny", "--batches", "2", "--json", str(out)]

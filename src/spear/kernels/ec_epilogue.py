@@ -81,20 +81,26 @@ def _ec_epilogue_kernel(y_ptr, u_ptr, out_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2
 
 @triton.jit
 def _peer_epilogue_kernel(slots_ptr, signals_ptr, state_ptr, out_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
-                          bias_ptr, N, R, H, width, slot_stride, stride_out,
+                          bias_ptr, res_ptr, nw_ptr, hw_ptr, ssq_ptr, N, R, H, width, slot_stride, stride_out,
                           WORLD: tl.constexpr, HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                          ADD_NORM: tl.constexpr = False):
     """Program (row m, block of N): wait until every rank's signal reached this call's epoch (state[0] + 1), sum
     the ranks' [y_r | u_r] rows in rank order (every rank sums the same numbers in the same order: identical
-    outputs), add bias and EC; the last program to finish advances the epoch (state[1] counts them)."""
+    outputs), add bias and EC; the last program to finish advances the epoch (state[1] counts them).
+    ADD_NORM (kernels.norm_fold.FoldedNorm): out gets h = y + residual instead, hw_ptr h ⊙ w_norm and
+    ssq_ptr[m, block] the block's Σ h² (the residual and the norm's weights are loaded before the wait)."""
     m = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    if ADD_NORM:
+        res = tl.load(res_ptr + m * stride_out + n, mask=n_ok, other=0.0).to(tl.float32)
+        norm_w = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     epoch = tl.atomic_add(state_ptr, 0) + 1
     for s in tl.static_range(WORLD):
         seen = tl.atomic_add(signals_ptr + s, 0, sem="acquire", scope="sys")
         while seen < epoch:
             seen = tl.atomic_add(signals_ptr + s, 0, sem="acquire", scope="sys")
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -106,7 +112,14 @@ def _peer_epilogue_kernel(slots_ptr, signals_ptr, state_ptr, out_ptr, b_ptr, w1_
             u += tl.load(row + N + r, mask=r_ok, other=0.0, cache_modifier=".cg")
     y = _bias_and_ec(y, u, n, n_ok, r, r_ok, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, R, H,
                      HAS_EC, GATED, HAS_BIAS, BLOCK_H)
-    tl.store(out_ptr + m * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if ADD_NORM:  # h = y + residual, rounded as ops.add_rms_norm rounds it
+        h = (y.to(out_ptr.dtype.element_ty).to(tl.float32) + res).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m * stride_out + n, h, mask=n_ok)
+        hf = tl.where(n_ok, h.to(tl.float32), 0.0)
+        tl.store(ssq_ptr + m * tl.num_programs(1) + tl.program_id(1), tl.sum(hf * hf, axis=0))
+        tl.store(hw_ptr + m * stride_out + n, (hf * norm_w).to(hw_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(out_ptr + m * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     tl.debug_barrier()
     done = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
     if done == tl.num_programs(0) * tl.num_programs(1) - 1:  # every program has read this epoch
@@ -139,12 +152,15 @@ def ec_epilogue(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None,
 def peer_epilogue(slots: torch.Tensor, signals: torch.Tensor, state: torch.Tensor, rows: int, n: int, width: int,
                   B: torch.Tensor | None, W1: torch.Tensor | None = None, b1: torch.Tensor | None = None,
                   W2: torch.Tensor | None = None, b2: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, rank: int = 0, block_n: int = 128) -> torch.Tensor:
+                  out: torch.Tensor | None = None, rank: int = 0, block_n: int = 128,
+                  add_norm: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """After every rank's w4_decode_to_peers: y [rows, n] = Σ_ranks y_r + bias + (alpha·B)(gamma(u) ⊙ u), u = Σ u_r.
 
     slots float32 [world, max_rows, width] (this rank's buffer: rank s's rows in slot s), signals int32 [world]
     (rank s's arrivals), state int32 [2] (epoch, programs done; zero at first). `rank` (that of u's true width)
-    is the EC's rank r ≤ width − n; out: default a new tensor of B's dtype (fp16 without an EC)."""
+    is the EC's rank r ≤ width − n; out: default a new tensor of B's dtype (fp16 without an EC). `add_norm`
+    (residual [rows, n], w_norm [n], hw [rows, n], ssq [rows, cdiv(n, block_n)]): out gets y + residual and the
+    next RMSNorm's share is formed too (kernels.norm_fold.FoldedNorm); residual, hw and out share a row stride."""
     world = slots.shape[0]
     R = max(rank, 1)
     H = 1 if W1 is None else W1.shape[0]
@@ -154,8 +170,10 @@ def peer_epilogue(slots: torch.Tensor, signals: torch.Tensor, state: torch.Tenso
     dummy = out
     _peer_epilogue_kernel[(rows, triton.cdiv(n, block_n))](
         slots, signals, state, out, B if B is not None else dummy, *((W1, b1, W2, b2) if gated else (dummy,) * 4),
-        bias if bias is not None else dummy, n, R, H, width, slots.stride(0), out.stride(0),
+        bias if bias is not None else dummy, *(add_norm if add_norm is not None else (dummy,) * 4),
+        n, R, H, width, slots.stride(0), out.stride(0),
         WORLD=world, HAS_EC=B is not None, GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_H=max(16, triton.next_power_of_2(H)),
+        ADD_NORM=add_norm is not None,
     )
     return out

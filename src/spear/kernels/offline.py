@@ -177,6 +177,11 @@ def variants() -> dict[str, tuple]:
                                                                  "state_ptr": I32, "out_ptr": F16},
                             dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
                                  BLOCK_H=16), 4)
+    out["peer_epilogue add_norm"] = (ec_epilogue._peer_epilogue_kernel,
+                                     {**f16, "slots_ptr": F32, "signals_ptr": I32, "state_ptr": I32, "out_ptr": F16,
+                                      "res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32},
+                                     dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
+                                          BLOCK_H=16, ADD_NORM=True), 4)
     # decode attention (runtime.ops), rows alone or tiled
     from spear.runtime import ops
 

@@ -38,6 +38,9 @@ FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
 # The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those W4 decode
 # launches (kernels.w4.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
 FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
+# The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): built
+# and tested on CPU, not yet timed on GPUs, so off unless SPEAR_FOLD_NORM_TP=1.
+FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -195,14 +198,21 @@ def _decode_launch(x: torch.Tensor) -> bool:
 
 
 def _folds_norm(producer: nn.Module, consumer: FusedLinear | None, x: torch.Tensor) -> bool:
-    """Whether the add + RMSNorm after `producer` (a packed SpearLinear, on the decode kernel's step x) folds into
-    its launch and the consumer's (FOLD_NORM, kernels.w4.FoldedNorm)."""
-    return (FOLD_NORM and consumer is not None and isinstance(producer, SpearLinear) and producer.packed is not None
-            and _decode_launch(x))
+    """Whether the add + RMSNorm after `producer` (on the decode kernel's step x) folds into its launch and the
+    consumer's (FOLD_NORM, kernels.norm_fold.FoldedNorm): a packed SpearLinear, or with FOLD_NORM_TP a row-parallel
+    layer whose reduction can take it (a module with `folds_norm(rows)` and `add_norm`: tp.RowParallelLinear)."""
+    if not (FOLD_NORM and consumer is not None and _decode_launch(x)):
+        return False
+    if isinstance(producer, SpearLinear):
+        return producer.packed is not None
+    return FOLD_NORM_TP and hasattr(producer, "folds_norm") and producer.folds_norm(x.shape[0])
 
 
-def _add_norm(producer: SpearLinear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> FoldedNorm:
-    """producer(x), then the norm of producer(x) + residual, both in the producer's W4 decode launch."""
+def _add_norm(producer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> FoldedNorm:
+    """producer(x), then the norm of producer(x) + residual, both in the producer's W4 decode launch (or, row-parallel,
+    its reduction's epilogue)."""
+    if not isinstance(producer, SpearLinear):
+        return producer.add_norm(x, residual, norm.weight, norm.eps)
     from spear.kernels.w4 import w4_decode_add_norm
 
     bias = None if producer.bias is None else producer.bias.half()

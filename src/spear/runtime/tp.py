@@ -59,6 +59,7 @@ from torch import nn
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
+from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, pow2_at_least_16
 from spear.layer import SpearLinear
 from spear.quant.record import QuantizedWeight
@@ -207,6 +208,9 @@ class SymmetricReduce:
                            bias=layer.bias, out=torch.empty(m, n, dtype=x.dtype, device=x.device))
 
 
+PEER_BLOCK_N = 128  # columns a program of the p2p epilogue (and, folded, the Σ h² partials' width)
+
+
 class PeerReduce:
     """The "p2p" reduction (see the module docstring): `send` (the W4 kernel writing the partials to every rank and
     signalling), then `receive` (wait, sum, bias, gate, B). Tests run the two halves of several ranks in turn."""
@@ -248,13 +252,24 @@ class PeerReduce:
             raise SpearError("the p2p reduction needs the W4 kernels: pack the sharded model (use_kernels), fp16")
         w4_decode_to_peers(x, packed, None if layer.ec is None else layer.ec.packed_a(), self.peers)
 
-    def receive(self, layer: RowParallelLinear, rows: int) -> torch.Tensor:
+    def receive(self, layer: RowParallelLinear, rows: int,
+                add_norm: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """The reduced output [rows, N]; with `add_norm` (ec_epilogue.peer_epilogue's), y + residual."""
         from spear.kernels.ec_epilogue import peer_epilogue
 
         out = torch.empty(rows, layer.out_features, dtype=torch.float16, device=self.slots.device)
         return peer_epilogue(self.slots, self.signals, self.state, rows, layer.out_features, self.peers.width,
                              *epilogue_weights(layer.ec), bias=layer.bias, out=out,
-                             rank=0 if layer.ec is None else layer.ec.rank)
+                             rank=0 if layer.ec is None else layer.ec.rank, block_n=PEER_BLOCK_N, add_norm=add_norm)
+
+    def receive_add_norm(self, layer: RowParallelLinear, rows: int, residual: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float) -> FoldedNorm:
+        """receive, with the next add + RMSNorm folded into the epilogue (kernels.norm_fold.FoldedNorm)."""
+        n = layer.out_features
+        hw = torch.empty(rows, n, dtype=torch.float16, device=self.slots.device)
+        ssq = torch.empty(rows, -(-n // PEER_BLOCK_N), dtype=torch.float32, device=self.slots.device)
+        h = self.receive(layer, rows, (residual.contiguous(), norm_weight.contiguous(), hw, ssq))
+        return FoldedNorm(h, hw, ssq, eps)
 
     def __call__(self, layer: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
         self.send(layer, x)
@@ -289,9 +304,15 @@ class RowParallelLinear(nn.Module):
                 self.ec = RankSpaceEC(lin.ec, rank, world, lin.weight_hat.dtype)
         self.reduce: CollectiveReduce | SymmetricReduce | PeerReduce = CollectiveReduce()  # set_reduction
 
+    def _staged_width(self) -> int:
+        """The columns of a staged [y | u] row: u's at the EC's rank, padded to the kernel's for the p2p path."""
+        if self.ec is None:
+            return self.out_features
+        return self.out_features + (self.ec.padded_rank if isinstance(self.reduce, PeerReduce) else self.ec.rank)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        width = self.out_features + (0 if self.ec is None else self.ec.rank)
+        width = self._staged_width()
         if isinstance(self.reduce, (SymmetricReduce, PeerReduce)) and self.reduce.fits(x2.shape[0], width):
             return self.reduce(self, x2).view(*x.shape[:-1], self.out_features)
         y = self.base(x)  # [M, N] partial
@@ -300,6 +321,17 @@ class RowParallelLinear(nn.Module):
         if self.ec is not None:
             y = self.ec.epilogue(y, u)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def folds_norm(self, rows: int) -> bool:
+        """Whether add_norm can fold the next add + RMSNorm into this layer's reduction (the p2p epilogue) for a
+        step of `rows` rows (runtime.model: FOLD_NORM_TP)."""
+        return isinstance(self.reduce, PeerReduce) and self.reduce.fits(rows, self._staged_width())
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> FoldedNorm:
+        """forward(x), then the next norm of forward(x) + residual, folded into the p2p epilogue (folds_norm)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        self.reduce.send(self, x2)
+        return self.reduce.receive_add_norm(self, x2.shape[0], residual, norm_weight, eps)
 
     def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's partial y_r = x_r Ŵ_rᵀ into `out` [M, N] (a float32 view with a row stride): stored by the W4
