@@ -151,20 +151,15 @@ def test_symmetric_path_equals_the_unsharded_layer():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer():
-    """PeerReduce with two simulated ranks (TRITON_INTERPRET): each rank's W4 launch writes its [y_r | u_r] rows into
-    its slot of both ranks' buffers and signals both; then each rank's epilogue sums the slots. Twice, so the
-    epoch advances and the kernel's counters are left clean; both ranks agree bit for bit."""
+def p2p_shards(lin, world: int, max_rows: int):
+    """`world` row-parallel shards of lin, packed, each with a PeerReduce over buffers in this process (ranks
+    simulated in turn under TRITON_INTERPRET): (shards, each rank's slots, each rank's signals). The EC's rank 8
+    pads to 16 u columns."""
     from spear.kernels.pack import pack_w4
     from spear.kernels.w4 import PeerRows
     from spear.runtime.tp import PeerReduce
 
-    args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
-    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1)
-    lin = model.layers[0].feed_forward.w_down  # 64 × 128, a gated EC; groups of 32 (the kernels' smallest)
-    lin.ec.B.mul_(30)
-    lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
-    world, max_rows, width = 2, 4, lin.out_features + 16  # rank 8 pads to 16 u columns
+    width = lin.out_features + 16
     shards = [RowParallelLinear(lin, rank, world) for rank in range(world)]
     slots = [torch.full((world, max_rows, width), float("nan")) for _ in range(world)]
     signals = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
@@ -174,6 +169,20 @@ def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer():
         own = torch.tensor([signals[p].data_ptr() + 4 * rank for p in range(world)])
         shard.reduce = PeerReduce(slots[rank], signals[rank], torch.zeros(2, dtype=torch.int32),
                                   PeerRows(rows, own, width), max_rows)
+    return shards, slots, signals
+
+
+def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer():
+    """PeerReduce with two simulated ranks (TRITON_INTERPRET): each rank's W4 launch writes its [y_r | u_r] rows into
+    its slot of both ranks' buffers and signals both; then each rank's epilogue sums the slots. Twice, so the
+    epoch advances and the kernel's counters are left clean; both ranks agree bit for bit."""
+    args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
+    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1)
+    lin = model.layers[0].feed_forward.w_down  # 64 × 128, a gated EC; groups of 32 (the kernels' smallest)
+    lin.ec.B.mul_(30)
+    lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
+    world, max_rows = 2, 4
+    shards, slots, signals = p2p_shards(lin, world, max_rows)
     gen = torch.Generator().manual_seed(3)
     half = lin.in_features // 2
     for call in (1, 2):
@@ -193,24 +202,14 @@ def test_p2p_epilogue_folds_the_next_norm_on_both_ranks():
     """PeerReduce.receive_add_norm (the p2p epilogue with the next add + RMSNorm folded in, kernels.norm_fold): two
     simulated ranks (TRITON_INTERPRET) give the same h, h ⊙ w and Σ h² partials bit for bit, and h and the norm
     they imply match ops.add_rms_norm over the unsharded layer's output."""
-    from spear.kernels.pack import pack_w4
-    from spear.kernels.w4 import PeerRows
     from spear.runtime.ops import add_rms_norm_ref
-    from spear.runtime.tp import PEER_BLOCK_N, PeerReduce
+    from spear.runtime.tp import PEER_BLOCK_N
 
     args = ModelArgs(dim=192, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=48, n_layers=1, vocab=64)
     model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=2)
     lin = model.layers[0].feed_forward.w_down  # 192 × 128: two epilogue blocks of columns, the second partial
-    world, max_rows, width = 2, 4, lin.out_features + 16
-    shards = [RowParallelLinear(lin, rank, world) for rank in range(world)]
-    slots = [torch.full((world, max_rows, width), float("nan")) for _ in range(world)]
-    signals = [torch.zeros(world, dtype=torch.int32) for _ in range(world)]
-    for rank, shard in enumerate(shards):
-        shard.base.packed = pack_w4(shard.base.qweight)
-        rows = torch.tensor([slots[p].data_ptr() + 4 * rank * max_rows * width for p in range(world)])
-        own = torch.tensor([signals[p].data_ptr() + 4 * rank for p in range(world)])
-        shard.reduce = PeerReduce(slots[rank], signals[rank], torch.zeros(2, dtype=torch.int32),
-                                  PeerRows(rows, own, width), max_rows)
+    world, max_rows = 2, 4
+    shards, slots, signals = p2p_shards(lin, world, max_rows)
     assert all(shard.folds_norm(3) for shard in shards) and not shards[0].folds_norm(max_rows + 1)
     gen = torch.Generator().manual_seed(5)
     half = lin.in_features // 2
