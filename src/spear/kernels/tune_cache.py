@@ -1,5 +1,6 @@
 """The W4 tuner's choices on disk, so that a later process on the same GPU does not time the candidates again
-(`kernels.w4.tune_w4`; the file's entries: key → {"kind": config class name, "fields": its fields}).
+(`kernels.w4.tune_w4`; the file's entries: key → {"kind": config class name, "fields": its fields, "fastest_us":
+the fastest candidates' median µs and fields, for reading only}).
 
 The key holds the GPU's name, the Triton and torch versions and a hash of the kernel source (any of them can
 change the winner), then the tuner's own key (shape, row bucket, EC rank). A stale or corrupt entry is timed
@@ -69,13 +70,16 @@ def config(entry: object, classes: tuple[type, ...], candidates: list) -> object
     return cfg if cfg in candidates else None
 
 
-def write(file: Path, new: dict[str, object]) -> None:
+def write(file: Path, new: dict[str, object], fastest: dict[str, list] | None = None) -> None:
     """Merge `new` (key → config dataclass) into the file, atomically (a temp file beside it, then os.replace);
-    where it cannot be written, warn once and go on: the cache never fails tuning."""
+    where it cannot be written, warn once and go on: the cache never fails tuning. `fastest` (key → the fastest
+    candidates' (µs, config)) is kept beside each choice, to read how close the race was; nothing reads it back."""
     global _warned
     entries = read(file)
     for k, cfg in new.items():
         entries[k] = {"kind": type(cfg).__name__, "fields": dataclasses.asdict(cfg)}
+        if fastest and k in fastest:
+            entries[k]["fastest_us"] = [[us, dataclasses.asdict(c)] for us, c in fastest[k]]
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)

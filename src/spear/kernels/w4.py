@@ -1446,6 +1446,7 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
     if len(chosen) == len(ms):
         return chosen
     to_time = [m for m in ms if m not in chosen]
+    runners_up = {}  # m → the fastest candidates' (µs, config), kept in the cache beside the choice
     copies = [w] + [w.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
     for m in to_time:
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
@@ -1458,8 +1459,11 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
             except (OutOfResources, CompilationError):  # e.g. out of shared memory: not a candidate
                 pass
         chosen[m] = _TUNED[_tune_key(w, m, ec)] = min(measured, key=lambda t: t[0])[1]
+        ranked = [(round(us, 2), cfg) for us, cfg in sorted(measured, key=lambda t: t[0])]
+        runners_up[m] = ranked[:3]
         if timings is not None:
-            timings[m] = [(round(us, 2), cfg) for us, cfg in sorted(measured, key=lambda t: t[0])]
+            timings[m] = ranked
     if cache is not None:
-        tune_cache.write(cache, {tune_cache.key(w.qweight.device, _tune_key(w, m, ec)): chosen[m] for m in to_time})
+        tune_cache.write(cache, {tune_cache.key(w.qweight.device, _tune_key(w, m, ec)): chosen[m] for m in to_time},
+                         {tune_cache.key(w.qweight.device, _tune_key(w, m, ec)): runners_up[m] for m in to_time})
     return chosen
