@@ -853,9 +853,8 @@ def _w4_decode_kernel(
         pid_k = gid % split_k
         offs_n, mask_n = _tile_rows(pid_n, N, BN, SWIGLU)  # SWIGLU: BN / 2 rows of gate and the same of up
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
-        # Weights only before the PDL wait (kernels.pdl): B, the folded norm's weights, and with PRELOAD the GEMV loop's
-        # first codes, so that
-        # their HBM latency overlaps the tail of the launch before this one
+        # Weights only before the PDL wait (kernels.pdl): B, the folded norm's weights, and with PRELOAD the GEMV
+        # loop's first codes, so that their HBM latency overlaps the tail of the launch before this one
         if HAS_EC and PEERS == 0:
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
         GEMV_PRELOAD: tl.constexpr = PRELOAD and GEMV_ROWS > 0 and GEMV_STAGES == 1

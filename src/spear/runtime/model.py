@@ -36,7 +36,7 @@ from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
 # into the q/k/v launch's epilogue measured 2.47 / 4.19 on top of it, slower at batch 1: removed.)
 FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
 # The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those W4 decode
-# launches (kernels.w4.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
+# launches (kernels.norm_fold.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
 FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
 # The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): built
 # and tested on CPU, not yet timed on GPUs, so off unless SPEAR_FOLD_NORM_TP=1.
@@ -229,10 +229,11 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
-        T = x.h.shape[0] if isinstance(x, FoldedNorm) else x.shape[0]
         if isinstance(x, FoldedNorm):  # this layer's attention norm, folded into the launch before (Block)
+            T = x.h.shape[0]
             q, k, v = self.wqkv(x.hw, rms=x)
         else:
+            T = x.shape[0]
             q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
