@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from spear.kernels.w4 import store_add_norm
+
 
 def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,
                     b1: torch.Tensor | None = None, W2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -94,8 +96,8 @@ def _peer_epilogue_kernel(slots_ptr, signals_ptr, state_ptr, out_ptr, b_ptr, w1_
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     if ADD_NORM:
-        res = tl.load(res_ptr + m * stride_out + n, mask=n_ok, other=0.0).to(tl.float32)
-        norm_w = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + m * stride_out + n, mask=n_ok, other=0.0)
+        norm_w = tl.load(nw_ptr + n, mask=n_ok, other=0.0)
     epoch = tl.atomic_add(state_ptr, 0) + 1
     for s in tl.static_range(WORLD):
         seen = tl.atomic_add(signals_ptr + s, 0, sem="acquire", scope="sys")
@@ -112,12 +114,10 @@ def _peer_epilogue_kernel(slots_ptr, signals_ptr, state_ptr, out_ptr, b_ptr, w1_
             u += tl.load(row + N + r, mask=r_ok, other=0.0, cache_modifier=".cg")
     y = _bias_and_ec(y, u, n, n_ok, r, r_ok, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bias_ptr, R, H,
                      HAS_EC, GATED, HAS_BIAS, BLOCK_H)
-    if ADD_NORM:  # h = y + residual, rounded as ops.add_rms_norm rounds it
-        h = (y.to(out_ptr.dtype.element_ty).to(tl.float32) + res).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + m * stride_out + n, h, mask=n_ok)
-        hf = tl.where(n_ok, h.to(tl.float32), 0.0)
-        tl.store(ssq_ptr + m * tl.num_programs(1) + tl.program_id(1), tl.sum(hf * hf, axis=0))
-        tl.store(hw_ptr + m * stride_out + n, (hf * norm_w).to(hw_ptr.dtype.element_ty), mask=n_ok)
+    if ADD_NORM:  # the W4 decode epilogue's own, on this row as a [BLOCK_N, 1] tile
+        rows = tl.full((1,), m, tl.int32)
+        store_add_norm(y[:, None], res[:, None], norm_w, rows, rows == m, n, n_ok, tl.program_id(1), out_ptr,
+                       stride_out, hw_ptr, ssq_ptr, tl.num_programs(1))
     else:
         tl.store(out_ptr + m * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     tl.debug_barrier()

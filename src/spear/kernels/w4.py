@@ -669,11 +669,11 @@ def _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN: tl.conste
 
 
 @triton.jit
-def _store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, h_ptr, stride_m, hw_ptr, ssq_ptr,
+def store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, h_ptr, stride_m, hw_ptr, ssq_ptr,
                     num_ssq):
     """The next RMSNorm's share of a tile (FoldedNorm), for acc [BN, BM] = yᵀ, the residual's tile res [BN, BM] and
     the norm's weights norm_w [BN]: h = y + residual rounded as ops.add_rms_norm rounds it, hw = h ⊙ w_norm, and
-    Σ h² over the tile's columns per row into ssq[m, pid_n]."""
+    Σ h² over the tile's columns per row into ssq[m, pid_n]. (Also the p2p epilogue's, ec_epilogue.)"""
     mask = mask_n[:, None] & mask_m[None, :]
     rows = offs_m[None, :] * stride_m + offs_n[:, None]
     h = (acc.to(tl.float16).to(tl.float32) + res.to(tl.float32)).to(tl.float16)
@@ -932,8 +932,8 @@ def _w4_decode_kernel(
             if SWIGLU:
                 _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
             elif ADD_NORM:
-                _store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, y_ptr, stride_ym, hw_ptr,
-                                ssq_ptr, num_ssq)
+                store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, y_ptr, stride_ym, hw_ptr,
+                               ssq_ptr, num_ssq)
             else:
                 _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym)
 
@@ -1445,7 +1445,7 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
     if len(chosen) == len(ms):
         return chosen
     to_time = [m for m in ms if m not in chosen]
-    runners_up = {}  # m → the fastest candidates' (µs, config), kept in the cache beside the choice
+    fastest = {}  # m → the fastest candidates' (µs, config), kept in the cache beside the choice
     copies = [w] + [w.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, w.nbytes())) - 1)]
     for m in to_time:
         x = torch.randn(m, w.in_features, dtype=torch.float16, device=w.qweight.device)
@@ -1457,12 +1457,12 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
                 measured.append((time_in_graph(calls, reps=5), cfg))
             except (OutOfResources, CompilationError):  # e.g. out of shared memory: not a candidate
                 pass
-        chosen[m] = _TUNED[_tune_key(w, m, ec)] = min(measured, key=lambda t: t[0])[1]
         ranked = [(round(us, 2), cfg) for us, cfg in sorted(measured, key=lambda t: t[0])]
-        runners_up[m] = ranked[:3]
+        chosen[m] = _TUNED[_tune_key(w, m, ec)] = ranked[0][1]
+        fastest[m] = ranked[:3]
         if timings is not None:
             timings[m] = ranked
     if cache is not None:
-        tune_cache.write(cache, {tune_cache.key(w.qweight.device, _tune_key(w, m, ec)): chosen[m] for m in to_time},
-                         {tune_cache.key(w.qweight.device, _tune_key(w, m, ec)): runners_up[m] for m in to_time})
+        keys = {m: tune_cache.key(w.qweight.device, _tune_key(w, m, ec)) for m in to_time}
+        tune_cache.write(cache, {keys[m]: chosen[m] for m in to_time}, {keys[m]: fastest[m] for m in to_time})
     return chosen
