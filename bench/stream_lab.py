@@ -7,7 +7,8 @@ A stand-in for the GEMV loop with the same grid, tiles and loads (an [N, K / 8] 
 integer multiply-adds a word (the fp16x2 loop issues about 21 instructions a word, the float32 one 28). How the
 next tiles are fetched: `s1` a plain loop, `s3` three stages through shared memory (cp.async), `a1`/`a2`/`a3` one,
 two or three steps loaded ahead into registers, `k2`/`k4` stream-K (2 or 4 persistent programs an SM, each over a run
-of (tile, step) pairs, loading ahead across tiles: no ramp and tail per tile; session 12, untimed). WORK = 0 is the tiling's own streaming ceiling; the gap between
+of (tile, step) pairs, loading ahead across tiles: no ramp and tail per tile; timed in session 13, no faster than the
+grid on the 7B MLP shapes: BENCHMARKS §4). WORK = 0 is the tiling's own streaming ceiling; the gap between
 WORK = 0 and WORK = 20 is what the arithmetic costs where it does not overlap the loads. Each figure is the median
 µs per launch of a CUDA graph over code copies larger than the L2 (bench/kernels.py's method).
 """
