@@ -14,8 +14,8 @@
 #   or, with FINAL=1 (nvidia-h200-x2), session 12's last call (the block below);
 #   or, with FINAL13=1 (one GPU), session 13's last call: GPU tests of the changed ops, the engine on 7B and 8B;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
-#          layer-level TP grid (bench/tp_decode.py), then the serving engine at TP 2 (bench/decode.py --tp 2),
-#          then the engine's step hand-off between the ranks on this host's CPU (bench/step_channel.py).
+#          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
+#          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
 # Run as: run(command="SPEAR_COMMIT=<sha> bash bench/gpu_all.sh", kind="nvidia-h200-x2"). At most 8 files come
 # back from $OUT, so the logs are gathered into one file.
 set -u
@@ -169,14 +169,16 @@ elif [ "${FINAL:-0}" = 1 ]; then  # session 12's last call, nvidia-h200-x2: GPU 
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"  # at most 8 files come back
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
-  timeout 300 python bench/tp_decode.py --json "$out/tp_decode_h200x2.json" --time-limit 240 > $log/6_tp.log 2>&1
-  # the serving engine over both GPUs, row-parallel layers reduced peer to peer (as `spear serve --tp 2`)
-  timeout 240 python bench/decode.py --tp 2 --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 16 \
-    --json "$out/decode_tp2_h200x2.json" > $log/8_decode_tp2.log 2>&1
-  timeout 60 python bench/step_channel.py --json "$out/step_channel_h200host.json" > $log/11_step_channel.log 2>&1
-  # session 13's fold of the next add + RMSNorm into the p2p epilogue (SPEAR_FOLD_NORM_TP, off by default: untimed)
-  SPEAR_FOLD_NORM_TP=1 timeout $((575 - SECONDS)) python bench/decode.py --tp 2 --models llama2-7b \
-    --settings w4 w4+ec38 --batches 1 16 --json "$out/decode_tp2_foldtp_h200x2.json" > $log/9_decode_tp2_foldtp.log 2>&1
+  # the layer-level grid, 13B then 7B, TP 1 then 2: the baseline (collective), p2p, and p2p with the next add +
+  # RMSNorm folded into its epilogue (p2p+fold, session 13's SPEAR_FOLD_NORM_TP) timed right after p2p
+  timeout 340 python bench/tp_decode.py --reductions collective p2p p2p+fold --time-limit 300 \
+    --json "$out/tp_decode_h200x2.json" > $log/6_tp.log 2>&1
+  # the serving engine over both GPUs (as `spear serve --tp 2`), with the fold on where the grid found it exact
+  fold=$(python -c "import json; r = [x for x in json.load(open('$out/tp_decode_h200x2.json'))['rows'] if x['reduce'] == 'p2p+fold']
+print(int(bool(r) and all(x['repeat_identical'] and x['ranks_identical'] and x.get('max_abs_diff_vs_collective', 1) < 0.1 for x in r)))" 2>/dev/null || echo 0)
+  echo "fold under TP in the engine run: $fold" > $log/7_fold.log
+  SPEAR_FOLD_NORM_TP=$fold timeout $((575 - SECONDS)) python bench/decode.py --tp 2 --models llama2-7b \
+    --settings w4 w4+ec38 --batches 1 16 --json "$out/decode_tp2_h200x2.json" > $log/8_decode_tp2.log 2>&1
 else
   (export CUDA_VISIBLE_DEVICES=0; gpu0) &
   (export CUDA_VISIBLE_DEVICES=1; gpu1) &

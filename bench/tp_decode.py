@@ -14,12 +14,14 @@ rank. ms/token is the mean step time. At TP > 1 the row-parallel layers reduce t
 NCCL ("collective", the baseline: one all-reduce of y, a separate one of the EC's u; gloo on
 CPU), through symmetric memory ("symmetric": [y | u] staged by the W4 kernel, one one-shot
 all-reduce, one epilogue kernel), or peer to peer ("p2p": the W4 kernel's epilogue writes [y_r | u_r]
-into every rank's buffer and signals; one epilogue kernel waits, sums, gates; no collective call).
+into every rank's buffer and signals; one epilogue kernel waits, sums, gates; no collective call), and
+"p2p+fold": p2p with the next add + RMSNorm folded into that epilogue and the next W4 launch (set here per row,
+whatever SPEAR_FOLD_NORM_TP says). `--settings` and `--reductions` narrow the grid.
 
 Checks in every row: `repeat_identical` (the step re-run on the same inputs gives the same
 logits bit for bit), `ranks_identical` (every rank's logits are the same bits),
 `max_abs_diff_vs_tp1` (logits against the TP=1 run of the same model, setting and batch),
-and `max_abs_diff_vs_collective` for the symmetric and p2p rows. `--time-limit` stops starting new runs;
+and `max_abs_diff_vs_collective` for the symmetric and p2p rows (when collective ran). `--time-limit` stops starting new runs;
 the JSON is rewritten after every row.
 """
 
@@ -42,6 +44,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from spear.quant.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
+from spear.runtime import model as model_module
 from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
 from spear.runtime.runner import DecodeGraph
 from spear.runtime.tp import apply_tp, launch, set_reduction
@@ -60,11 +63,12 @@ BLOCK = 16
 def runs(world: int, cuda: bool) -> list[tuple[str, float | None, list[str]]]:
     """(setting, EC fraction or None for float, reductions) in order; symmetric, then p2p, after collective (CUDA,
     TP > 1). p2p last: its kernels wait on signals from the peers, so a fault there stalls until --time-limit's
-    caller kills the run, and the rows before it are already in the JSON."""
+    caller kills the run, and the rows before it are already in the JSON. "p2p+fold" is p2p with the next add +
+    RMSNorm folded into its epilogue (runtime.model.FOLD_NORM_TP), timed right after p2p on the same model."""
     float_name = "fp16" if cuda else "fp32"
     if world == 1:
         return [(float_name, None, ["-"]), ("w4", 0.0, ["-"]), ("w4+ec", EC_FRACTION, ["-"])]
-    symm = ["symmetric", "p2p"] if cuda else []
+    symm = ["symmetric", "p2p", "p2p+fold"] if cuda else []
     return [(float_name, None, ["collective"]), ("w4", 0.0, ["collective", *symm]),
             ("w4+ec", EC_FRACTION, ["collective", *symm])]
 
@@ -139,14 +143,21 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
     for name in opts["models"]:
         args = dataclasses.replace(MODELS[name], n_layers=opts["layers"] or MODELS[name].n_layers)
         for setting, fraction, reductions in runs(world, cuda):
+            reductions = [r for r in reductions if r == "-" or not opts["reductions"] or r in opts["reductions"]]
+            if (opts["settings"] and setting not in opts["settings"]) or not reductions:
+                continue
             if not go_on(opts["deadline"]):
                 return
             start = time.perf_counter()
             model = build(args, fraction, dtype, device)
             build_s = time.perf_counter() - start
+            current = None
             for reduction in reductions:
-                if reduction != "-":
-                    set_reduction(model, reduction, max(opts["batches"]))
+                base_reduction = reduction.removesuffix("+fold")
+                model_module.FOLD_NORM_TP = reduction.endswith("+fold")
+                if reduction != "-" and base_reduction != current:
+                    set_reduction(model, base_reduction, max(opts["batches"]))
+                    current = base_reduction
                 for batch in opts["batches"]:
                     if not go_on(opts["deadline"]):
                         return
@@ -164,7 +175,7 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
                         row["max_abs_diff_vs_tp1"] = (logits.cpu().float() - torch.load(f"{key}.pt").float()).abs().max().item()
                     if reduction == "collective":
                         torch.save(logits.cpu(), f"{key}-collective-{rank}.pt")
-                    elif reduction in ("symmetric", "p2p"):
+                    elif reduction != "-" and Path(f"{key}-collective-{rank}.pt").exists():
                         baseline = torch.load(f"{key}-collective-{rank}.pt").float()
                         row["max_abs_diff_vs_collective"] = (logits.cpu().float() - baseline).abs().max().item()
                     rows.append(row)
@@ -182,6 +193,12 @@ def main() -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes, one launch each (default 1 2)")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None, help="default: llama2-13b llama2-7b")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16")
+    p.add_argument("--settings", nargs="+", choices=["fp16", "fp32", "w4", "w4+ec"], default=None,
+                   help="only these settings (default: all)")
+    p.add_argument("--reductions", nargs="+", choices=["collective", "symmetric", "p2p", "p2p+fold"],
+                   default=None,
+                   help="only these TP > 1 reductions (default: all; symmetric and p2p compare with collective, "
+                        "so keep it for max_abs_diff_vs_collective)")
     p.add_argument("--layers", type=int, default=None, help="fewer decoder layers (smoke tests only, not a figure)")
     p.add_argument("--context", type=int, default=None, help="prompt tokens before the timed step (default 128)")
     p.add_argument("--iters", type=int, default=None, help="timed decode steps, the same on every rank (default 50)")
@@ -193,7 +210,7 @@ def main() -> None:
     opts = {"models": a.models or (["tiny"] if a.tiny else ["llama2-13b", "llama2-7b"]),
             "batches": a.batches or ([1, 2] if a.tiny else [1, 16]), "layers": a.layers,
             "context": a.context or (8 if a.tiny else 128), "iters": a.iters or (3 if a.tiny else 50),
-            "eager": a.eager, "deadline": time.time() + a.time_limit, "json": a.json}
+            "eager": a.eager, "settings": a.settings, "reductions": a.reductions, "deadline": time.time() + a.time_limit, "json": a.json}
     header = {"quant": QuantConfig(bits=4, group_size=-1).to_dict(),
               "ec": {"fraction": EC_FRACTION, "rank": EC_RANK, "gate_hidden": 8},
               **{k: opts[k] for k in ("context", "iters", "layers")}, "time_limit_s": a.time_limit,
