@@ -171,14 +171,17 @@ elif [ "${FINAL:-0}" = 1 ]; then  # session 12's last call, nvidia-h200-x2: GPU 
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   # the layer-level grid, 13B then 7B, TP 1 then 2: the baseline (collective), p2p, and p2p with the next add +
   # RMSNorm folded into its epilogue (p2p+fold, session 13's SPEAR_FOLD_NORM_TP) timed right after p2p
-  timeout 340 python bench/tp_decode.py --reductions collective p2p p2p+fold --time-limit 300 \
+  timeout 340 python bench/tp_decode.py ${TP_GRID:---reductions collective p2p p2p+fold --time-limit 300} \
     --json "$out/tp_decode_h200x2.json" > $log/6_tp.log 2>&1
-  # the serving engine over both GPUs (as `spear serve --tp 2`), with the fold on where the grid found it exact
+  # the serving engine over both GPUs (as `spear serve --tp 2`): with TP_FOLDS="0 1" the fold off, then on; by
+  # default once, with the fold on where the grid found it exact
   fold=$(python -c "import json; r = [x for x in json.load(open('$out/tp_decode_h200x2.json'))['rows'] if x['reduce'] == 'p2p+fold']
 print(int(bool(r) and all(x['repeat_identical'] and x['ranks_identical'] and x.get('max_abs_diff_vs_collective', 1) < 0.1 for x in r)))" 2>/dev/null || echo 0)
-  echo "fold under TP in the engine run: $fold" > $log/7_fold.log
-  SPEAR_FOLD_NORM_TP=$fold timeout $((575 - SECONDS)) python bench/decode.py --tp 2 --models llama2-7b \
-    --settings w4 w4+ec38 --batches 1 16 --json "$out/decode_tp2_h200x2.json" > $log/8_decode_tp2.log 2>&1
+  echo "the fold checked exact in the grid: $fold" > $log/7_fold.log
+  for f in ${TP_FOLDS:-$fold}; do
+    SPEAR_FOLD_NORM_TP=$f timeout $((575 - SECONDS)) python bench/decode.py --tp 2 --models llama2-7b \
+      --settings w4 w4+ec38 --batches 1 16 --json "$out/decode_tp2_fold${f}_h200x2.json" > $log/8_decode_tp2_fold$f.log 2>&1
+  done
 else
   (export CUDA_VISIBLE_DEVICES=0; gpu0) &
   (export CUDA_VISIBLE_DEVICES=1; gpu1) &

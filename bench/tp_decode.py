@@ -16,7 +16,8 @@ CPU), through symmetric memory ("symmetric": [y | u] staged by the W4 kernel, on
 all-reduce, one epilogue kernel), or peer to peer ("p2p": the W4 kernel's epilogue writes [y_r | u_r]
 into every rank's buffer and signals; one epilogue kernel waits, sums, gates; no collective call), and
 "p2p+fold": p2p with the next add + RMSNorm folded into that epilogue and the next W4 launch (set here per row,
-whatever SPEAR_FOLD_NORM_TP says). `--settings` and `--reductions` narrow the grid.
+whatever SPEAR_FOLD_NORM_TP says). `--settings` and `--reductions` narrow the grid; `--reductions none ...` adds
+rows with no reduction at all (timing only, wrong logits: what TP's kernels cost without the communication).
 
 Checks in every row: `repeat_identical` (the step re-run on the same inputs gives the same
 logits bit for bit), `ranks_identical` (every rank's logits are the same bits),
@@ -47,7 +48,8 @@ from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime import model as model_module
 from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
 from spear.runtime.runner import DecodeGraph
-from spear.runtime.tp import apply_tp, launch, set_reduction
+from spear.runtime import tp as tp_module
+from spear.runtime.tp import CollectiveReduce, apply_tp, launch, set_reduction
 
 MODELS = {
     "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
@@ -69,8 +71,16 @@ def runs(world: int, cuda: bool) -> list[tuple[str, float | None, list[str]]]:
     if world == 1:
         return [(float_name, None, ["-"]), ("w4", 0.0, ["-"]), ("w4+ec", EC_FRACTION, ["-"])]
     symm = ["symmetric", "p2p", "p2p+fold"] if cuda else []
-    return [(float_name, None, ["collective"]), ("w4", 0.0, ["collective", *symm]),
-            ("w4+ec", EC_FRACTION, ["collective", *symm])]
+    return [(float_name, None, ["none", "collective"]), ("w4", 0.0, ["none", "collective", *symm]),
+            ("w4+ec", EC_FRACTION, ["none", "collective", *symm])]
+
+
+class SkippedReduce(CollectiveReduce):
+    """The "none" rows (timing only): the row-parallel layers keep their rank's partial sums, so a step costs what
+    TP's kernels cost without any reduction; its logits are wrong."""
+
+    def __call__(self, y: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return y, u
 
 
 def go_on(deadline: float) -> bool:
@@ -143,7 +153,8 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
     for name in opts["models"]:
         args = dataclasses.replace(MODELS[name], n_layers=opts["layers"] or MODELS[name].n_layers)
         for setting, fraction, reductions in runs(world, cuda):
-            reductions = [r for r in reductions if r == "-" or not opts["reductions"] or r in opts["reductions"]]
+            wanted = opts["reductions"] or [r for r in reductions if r != "none"]  # "none" only when asked for
+            reductions = [r for r in reductions if r == "-" or r in wanted]
             if (opts["settings"] and setting not in opts["settings"]) or not reductions:
                 continue
             if not go_on(opts["deadline"]):
@@ -155,8 +166,9 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
             for reduction in reductions:
                 base_reduction = reduction.removesuffix("+fold")
                 model_module.FOLD_NORM_TP = reduction.endswith("+fold")
+                tp_module.CollectiveReduce = SkippedReduce if reduction == "none" else CollectiveReduce
                 if reduction != "-" and base_reduction != current:
-                    set_reduction(model, base_reduction, max(opts["batches"]))
+                    set_reduction(model, "collective" if reduction == "none" else base_reduction, max(opts["batches"]))
                     current = base_reduction
                 for batch in opts["batches"]:
                     if not go_on(opts["deadline"]):
@@ -169,7 +181,9 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
                            "iters": opts["iters"], "build_s": build_s, "repeat_identical": identical,
                            "ranks_identical": all(torch.equal(g, gathered[0]) for g in gathered)}
                     key = Path(logits_dir) / f"{name}-{setting}-{batch}"
-                    if world == 1:
+                    if reduction == "none":
+                        row["timing_only"] = True  # the ranks' partials are never summed: wrong logits
+                    elif world == 1:
                         torch.save(logits.cpu(), f"{key}.pt")
                     elif Path(f"{key}.pt").exists():
                         row["max_abs_diff_vs_tp1"] = (logits.cpu().float() - torch.load(f"{key}.pt").float()).abs().max().item()
@@ -195,7 +209,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16")
     p.add_argument("--settings", nargs="+", choices=["fp16", "fp32", "w4", "w4+ec"], default=None,
                    help="only these settings (default: all)")
-    p.add_argument("--reductions", nargs="+", choices=["collective", "symmetric", "p2p", "p2p+fold"],
+    p.add_argument("--reductions", nargs="+", choices=["none", "collective", "symmetric", "p2p", "p2p+fold"],
                    default=None,
                    help="only these TP > 1 reductions (default: all; symmetric and p2p compare with collective, "
                         "so keep it for max_abs_diff_vs_collective)")
