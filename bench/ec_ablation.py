@@ -28,6 +28,7 @@ from spear.kernels.timing import time_in_graph
 from spear.quant.record import QuantConfig, rtn_quantize
 
 SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
+          "7b/qkv_fused": (12288, 4096), "7b/gate_up_fused": (22016, 4096),  # the engine's fused launches
           "70b/gate_up": (28672, 8192), "70b/down": (8192, 28672)}
 VARIANTS = {"ec": 0, "no_wait": 1, "no_u_programs": 3, "no_u_no_epilogue": 4,  # sessions 6-7
             "no_count": 6}  # session 8-9: what the count of g's readers costs
@@ -39,7 +40,7 @@ def main() -> None:
     p.add_argument("--ms", type=int, nargs="+", default=[1, 16])
     p.add_argument("--configs-only", action="store_true",
                    help="time only every decode candidate as W4 and W4+EC (no tuning, no ablated variants)")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if "fused" not in s], choices=list(SHAPES))
     p.add_argument("--split-ks", type=int, nargs="+", default=[0],
                    help="split-K of the dot-loop candidates (0: the launch's own choice, ≥ 2 programs an SM)")
     args = p.parse_args()

@@ -13,6 +13,7 @@
 #   or, with FOLD=1 (one GPU), the add + RMSNorm folded into the W4 launches (SPEAR_FOLD_NORM) A/B'd in the engine;
 #   or, with FINAL=1 (nvidia-h200-x2), session 12's last call (the block below);
 #   or, with FINAL13=1 (one GPU), session 13's last call: GPU tests of the changed ops, the engine on 7B and 8B;
+#   or, with WIDE=1 (nvidia-h200-x2), session 14's dot-loop A/B (one dot a block, more K splits) and the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -168,6 +169,28 @@ elif [ "${FINAL:-0}" = 1 ]; then  # session 12's last call, nvidia-h200-x2: GPU 
      --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1) &
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"  # at most 8 files come back
+elif [ "${WIDE:-0}" = 1 ]; then  # session 14, nvidia-h200-x2: the dot loop at 16-32 rows, one dot a 128-column block
+  # (SPEAR_W4_DOT_WIDE) and K split for 4 / 8 programs an SM (SPEAR_W4_DOT_FILLS), per config on both GPUs in both
+  # orders, then the engine: GPU 0 both on, GPU 1 both off (each arm tuned into its own cache)
+  mkdir -p $out/ab
+  arm() {  # wide, run number
+    SPEAR_W4_DOT_WIDE=$1 timeout 110 python bench/ec_ablation.py --configs-only --ms 16 32 \
+      --shapes 7b/qkv_fused 7b/gate_up_fused 7b/down 7b/qkvo --json "$out/ab/ec_ablation_h200_wide$1_run$2.json" \
+      > $log/3_ab_wide$1_$2.log 2>&1
+  }
+  (export CUDA_VISIBLE_DEVICES=0
+   timeout 150 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py > $log/1_tests.log 2>&1
+   arm 1 1; arm 0 3
+   SPEAR_TUNE_CACHE=/tmp/tune_new.json timeout $((570 - SECONDS)) python bench/decode.py --models llama2-7b \
+     --settings w4 w4+ec38 --batches 1 8 16 32 --json "$out/decode_h200_dotnew.json" > $log/4_decode_new.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   arm 0 2; arm 1 4
+   SPEAR_W4_DOT_WIDE=0 SPEAR_W4_DOT_FILLS=2 SPEAR_TUNE_CACHE=/tmp/tune_old.json timeout $((570 - SECONDS)) \
+     python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 16 32 \
+     --json "$out/decode_h200_dotold.json" > $log/4_decode_old.log 2>&1) &
+  wait
+  cp /tmp/tune_new.json "$out/w4_tuning_dotnew.json" 2>/dev/null
+  tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
 elif [ "${TP:-0}" = 1 ]; then  # a call of its own: with the rest it would pass the device's 10-minute limit
   # the layer-level grid, 13B then 7B, TP 1 then 2: the baseline (collective), p2p, and p2p with the next add +
   # RMSNorm folded into its epilogue (p2p+fold, session 13's SPEAR_FOLD_NORM_TP) timed right after p2p

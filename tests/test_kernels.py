@@ -22,6 +22,7 @@ from spear.kernels.pack import pack_ec, pack_w4, unpack_w4
 from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.w4 import (
     _WORKSPACE,
+    DECODE_CANDIDATES,
     READS_SHIFT,
     DecodeConfig,
     PrefillConfig,
@@ -114,6 +115,24 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, split_k=split_k, gemv_rows=0), out=poisoned(m, n))
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
+
+
+def test_dot_loop_split_for_more_programs_an_sm_matches_reference(gen):
+    """DecodeConfig.fill (the dot-loop candidates split for 4 and 8 programs an SM): more splits, same result."""
+    from spear.kernels.w4 import DOT_FILLS, split_count
+
+    assert split_count(DecodeConfig(block_n=64, gemv_rows=0, fill=2), tiles=2, steps=8, sms=4) == 4
+    assert split_count(DecodeConfig(block_n=64, gemv_rows=0, fill=8), tiles=2, steps=8, sms=4) == 8  # one step each
+    assert split_count(DecodeConfig(block_n=64, split_k=3, fill=8), tiles=2, steps=8, sms=4) == 3  # explicit wins
+    assert {c.fill for c in DECODE_CANDIDATES if c.gemv_rows == 0} == set(DOT_FILLS)
+    n, k = 128, 1024
+    packed = pack_w4(random_w4(n, k, -1, gen, sym=True)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
+    x = torch.randn(16, k, generator=gen).half().to(DEVICE)
+    for fill in (2, 8):
+        y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=64, gemv_rows=0, num_warps=4, fill=fill),
+                      out=poisoned(16, n))
+        assert_close(y, w4_linear_ref(x, packed, ec), f"dot loop fill={fill}")
 
 
 @pytest.mark.parametrize("with_ec", [False, True])

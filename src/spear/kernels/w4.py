@@ -61,6 +61,8 @@ TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x
 # the count's high bits are the launch's epoch, the tag of g's cells (the kernel's comment); a launch has fewer tiles.
 READS_SHIFT: tl.constexpr = tl.constexpr(20)
 READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
+# Session 14 (lab): the per-channel dot loop as one dot a 128-column block (_w4_block_wide); SPEAR_W4_DOT_WIDE=0 off.
+DOT_WIDE: tl.constexpr = tl.constexpr(os.environ.get("SPEAR_W4_DOT_WIDE", "1") == "1")
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -104,6 +106,39 @@ def _slice_f16(words, words8, jj: tl.constexpr, off_lo, off_hi, BN: tl.constexpr
 
 
 @triton.jit
+def _plane(src, off_lo, off_hi, jj: tl.constexpr):
+    """q − z of plane jj of code words src [BN, W] (_slice_f16's arithmetic): [BN, W, 2], the pair (bit 0, 1)."""
+    lo, hi = _h2_unpack(_pair_bits(src, jj % 2 == 1))
+    if jj % 2 == 1:
+        lo = lo * 0.0625 - off_hi
+        hi = hi * 0.0625 - off_hi
+    else:
+        lo = lo - off_lo
+        hi = hi - off_lo
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN: tl.constexpr):
+    """_w4_block per-channel as one tensor-core dot over the block's 128 columns: the four planes of the 16 words
+    (_slice_f16's pair layout) joined and put back in column order (64 h + 16 jj + 2 p + bit), so that the dot's
+    k-steps follow each other without a fence and a wait between slices."""
+    words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
+                    mask=mask_n[:, None], other=0)  # [BN, 16] int32: word 8 h + p
+    words8 = words >> 8  # planes 2 and 3
+    off_lo = (z + 1024.0)[:, None]
+    off_hi = (z + 64.0)[:, None]
+    t = tl.join(tl.join(_plane(words, off_lo, off_hi, 0), _plane(words, off_lo, off_hi, 1)),
+                tl.join(_plane(words8, off_lo, off_hi, 2), _plane(words8, off_lo, off_hi, 3)))  # [BN, 16, 2, 2, 2]
+    t = tl.reshape(t, (BN, 2, 8, 2, 2, 2))  # (h, p, bit, jj0, jj1)
+    q = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BN, 128))  # column 64 h + 16 (2 jj1 + jj0) + 2 p + bit
+    offs_k = kb + tl.arange(0, 128)
+    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                 mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [128, BM]
+    return tl.dot(q, xt, acc)
+
+
+@triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
               z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one packed block
@@ -115,6 +150,15 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
     acc += s · Σ (q − z) x. No Σ x correction term. Per-channel, `z` [BN] comes from the caller and the dots
     accumulate straight into acc.
     """
+    if DOT_WIDE and (PER_CHANNEL or SPG == 8):  # one group spans the block: one dot (_w4_block_wide)
+        if PER_CHANNEL:
+            return _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN)
+        g = kb // group_size
+        mask_g = mask_n & (offs_n * 0 + g < G)
+        z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)
+        part = _w4_block_wide(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n,
+                              mask_n, kb, K, KW, z, BN)
+        return acc + tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)[:, None] * part
     part = tl.zeros((BN, BM), dtype=tl.float32)
     if PER_CHANNEL:
         part = acc
@@ -1016,12 +1060,13 @@ def _w4_prefill_kernel(
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int = 32  # untuned defaults: the H200's most frequent pick at M = 1 (BENCHMARKS.md §4)
-    split_k: int = 0  # 0: pick so that the grid fills the GPU
+    split_k: int = 0  # 0: pick so that the grid fills the GPU (`fill` programs an SM)
     num_warps: int = 8
     num_stages: int = 3
     gemv_rows: int = 4  # up to this many rows (≤ 4), the GEMV main loop instead of tensor-core dots
     block_kw: int = 128  # GEMV loop: code words per row per step (a multiple of 16: 128 columns each)
     gemv_f16x2: bool = False  # GEMV loop in fp16x2 arithmetic (_w4_gemv_f16x2), else float32 FMAs (_w4_gemv)
+    fill: int = 2  # with split_k = 0, K is split until the grid has this many programs an SM (or one step each)
 
 
 @dataclass(frozen=True)
@@ -1033,6 +1078,11 @@ class PrefillConfig:
     num_stages: int = 3
 
 
+# Session 14: the dot loop at 16–32 rows is latency-bound (a 128-column block is a chain of cp.async wait, ldmatrix,
+# dequantization and eight fenced wgmma at ~2 µs, with 2–3 programs an SM), so BN 64 / 128 dot configs whose K is
+# split for 4 and 8 programs an SM are candidates too. SPEAR_W4_DOT_FILLS="2" drops them (lab A/B).
+DOT_FILLS = tuple(int(f) for f in os.environ.get("SPEAR_W4_DOT_FILLS", "2 4 8").split())
+
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
 # The H200's picks over the 7B/8B/13B/70B shapes (bench/results/kernels_h200*.json, sessions 3–4): every
 # winner, and the configs that came second or third most often; the 13 former candidates dropped never won
@@ -1041,6 +1091,7 @@ class PrefillConfig:
 # caches): the 8-warp dot loop, and the 4-warp 128-word and 8-warp 4-stage GEMV configs.
 DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M), then the GEMV loop (M ≤ 4)
     DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in ((32, 4, 3), (64, 4, 3), (128, 4, 3))
+] + [DecodeConfig(bn, 0, 4, 3, gemv_rows=0, fill=fill) for bn in (64, 128) for fill in DOT_FILLS if fill != 2
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
      ((16, 4, 3, 256), (32, 8, 1, 128))  # the float32 GEMV loop: 3 stages through shared memory, or none
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw, gemv_f16x2=True) for bn, warps, stages, bkw in
@@ -1147,6 +1198,12 @@ _WORKSPACE = _Workspace()
 
 
 @functools.cache
+def split_count(cfg: DecodeConfig, tiles: int, steps: int, sms: int) -> int:
+    """How many ways a decode launch splits K (before whole steps round it): cfg.split_k, or with 0 enough for
+    cfg.fill programs an SM, at most one a main-loop step."""
+    return cfg.split_k or max(1, min(triton.cdiv(cfg.fill * sms, tiles), steps))
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 elsewhere, so that CPU tests see split grids)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -1243,8 +1300,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         x = x.clone(memory_format=torch.contiguous_format)
     step = cfg.block_kw * 8 if gemv_rows else 128  # columns per main-loop step; a split holds whole steps
     steps = triton.cdiv(blocks * 128, step)
-    split_k = cfg.split_k or max(1, min(triton.cdiv(2 * sms, tiles), steps))
-    k_per_split = triton.cdiv(steps, split_k) * step
+    k_per_split = triton.cdiv(steps, split_count(cfg, tiles, steps, sms)) * step
     split_k = triton.cdiv(blocks * 128, k_per_split)
     even = (bool(gemv_rows) and n % cfg.block_n == 0 and k % step == 0 and kw * 8 == k  # unmasked code loads
             and os.environ.get("SPEAR_W4_EVEN", "1") != "0")  # (0: masked anyway, to time the difference)
