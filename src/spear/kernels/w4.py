@@ -9,7 +9,8 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   stream the int4 weight (split-K when N alone gives too few programs), with one of two main
   loops: for up to 4 rows a GEMV loop (plain FMAs on codes turned into denormal floats by one
   AND each, `_w4_gemv`; or two weights an HFMA2, `_w4_gemv_f16x2`, where the tuner picks it), else
-  tensor-core dots on 16-column slices (`_w4_block`). The last program
+  tensor-core dots: one a 128-column block where one quantization group spans it (`_w4_block_wide`,
+  the codes' four planes joined back into column order), else one a 16-column slice (`_w4_block`). The last program
   to finish an output tile (a per-tile arrival counter) sums the splits' partials in split
   order, and adds (alpha·B)_tile g in registers to it, g = gamma(u) ⊙ u, then writes the output
   once. The last u-program to arrive sums the partial u in program order, applies the gate once
@@ -61,7 +62,8 @@ TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x
 # the count's high bits are the launch's epoch, the tag of g's cells (the kernel's comment); a launch has fewer tiles.
 READS_SHIFT: tl.constexpr = tl.constexpr(20)
 READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
-# Session 14 (lab): the per-channel dot loop as one dot a 128-column block (_w4_block_wide); SPEAR_W4_DOT_WIDE=0 off.
+# The decode kernel's dot loop as one dot a 128-column block where one group spans it (_w4_block_wide; session 14:
+# 20-36% faster at 16-128 rows on the 7B shapes than a dot a 16-column slice). SPEAR_W4_DOT_WIDE=0 turns it off.
 DOT_WIDE: tl.constexpr = tl.constexpr(os.environ.get("SPEAR_W4_DOT_WIDE", "1") == "1")
 
 
@@ -140,7 +142,7 @@ def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n
 
 @triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
-              z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
+              z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr):
     """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one packed block
     (per-channel: without the scale, which _w4_dot_loop applies once at the end).
 
@@ -150,7 +152,7 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
     acc += s · Σ (q − z) x. No Σ x correction term. Per-channel, `z` [BN] comes from the caller and the dots
     accumulate straight into acc.
     """
-    if DOT_WIDE and (PER_CHANNEL or SPG == 8):  # one group spans the block: one dot (_w4_block_wide)
+    if WIDE and (PER_CHANNEL or SPG == 8):  # one group spans the block: one dot (_w4_block_wide)
         if PER_CHANNEL:
             return _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN)
         g = kb // group_size
@@ -188,16 +190,17 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 
 @triton.jit
 def _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
-                 group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns).
-    Per-channel, z is loaded once and s applied once, after the loop."""
+                 group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                 WIDE: tl.constexpr = False):
+    """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns; WIDE: one dot a
+    block where one group spans it). Per-channel, z is loaded once and s applied once, after the loop."""
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     z = tl.zeros((BN,), dtype=tl.float16)
     if PER_CHANNEL:
         z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
     for kb in range(k_lo, k_hi, 128):
         acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
-                        group_size, z, SPG, BN, BM, PER_CHANNEL)
+                        group_size, z, SPG, BN, BM, PER_CHANNEL, WIDE)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return acc
@@ -936,7 +939,7 @@ def _w4_decode_kernel(
                            GEMV_PRELOAD, EVEN)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL)
+                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, DOT_WIDE)
         pdl_release(PDL and PDL_LATE)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
@@ -1078,10 +1081,10 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-# Session 14: the dot loop at 16–32 rows is latency-bound (a 128-column block is a chain of cp.async wait, ldmatrix,
-# dequantization and eight fenced wgmma at ~2 µs, with 2–3 programs an SM), so BN 64 / 128 dot configs whose K is
-# split for 4 and 8 programs an SM are candidates too. SPEAR_W4_DOT_FILLS="2" drops them (lab A/B).
-DOT_FILLS = tuple(int(f) for f in os.environ.get("SPEAR_W4_DOT_FILLS", "2 4 8").split())
+# Dot-loop candidates whose K is split for more programs an SM (DecodeConfig.fill; lab: SPEAR_W4_DOT_FILLS="2 4 8"
+# adds BN 64 / 128 at 4 and 8). Session 14 timed them beside the one-dot-a-block loop: within 1–4% of fill 2 where
+# they won at all (`ec_ablation_h200_wide*_b807cd4`), so the tuner does not spend time on them by default.
+DOT_FILLS = tuple(int(f) for f in os.environ.get("SPEAR_W4_DOT_FILLS", "2").split())
 
 # Candidate configs for `tune_w4`; the untuned default is each dataclass's defaults.
 # The H200's picks over the 7B/8B/13B/70B shapes (bench/results/kernels_h200*.json, sessions 3–4): every
