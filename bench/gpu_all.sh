@@ -14,6 +14,7 @@
 #   or, with FINAL=1 (nvidia-h200-x2), session 12's last call (the block below);
 #   or, with FINAL13=1 (one GPU), session 13's last call: GPU tests of the changed ops, the engine on 7B and 8B;
 #   or, with WIDE=1 (nvidia-h200-x2), session 14's dot-loop A/B (one dot a block, more K splits) and the engine;
+#   or, with FINAL14=1 (nvidia-h200-x2), session 14's last call: the TP grid at TP 2, the engine on 7B and 8B;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -169,6 +170,19 @@ elif [ "${FINAL:-0}" = 1 ]; then  # session 12's last call, nvidia-h200-x2: GPU 
      --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1) &
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"  # at most 8 files come back
+elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
+  # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
+  timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \
+    --reductions collective p2p --time-limit 170 --json "$out/tp_decode_h200x2.json" > $log/6_tp.log 2>&1
+  (export CUDA_VISIBLE_DEVICES=0
+   timeout $((565 - SECONDS)) python bench/decode.py --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 8 16 32 \
+     --json "$out/decode_h200.json" > $log/2_decode.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout 150 python -m pytest -p no:cacheprovider -o addopts= -q -x tests/test_kernels.py tests/test_runtime_ops.py \
+     tests/test_runtime_fuse.py > $log/1_tests.log 2>&1
+   timeout $((565 - SECONDS)) python bench/decode.py --models llama3-8b --settings w4 w4+ec38 --batches 1 8 32 \
+     --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1) &
+  wait
 elif [ "${WIDE:-0}" = 1 ]; then  # session 14, nvidia-h200-x2: the dot loop at 16-32 rows, one dot a 128-column block
   # (SPEAR_W4_DOT_WIDE) and K split for 4 / 8 programs an SM (SPEAR_W4_DOT_FILLS), per config on both GPUs in both
   # orders, then the engine: GPU 0 both on, GPU 1 both off (each arm tuned into its own cache)
