@@ -43,7 +43,16 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if "fused" not in s], choices=list(SHAPES))
     p.add_argument("--split-ks", type=int, nargs="+", default=[0],
                    help="split-K of the dot-loop candidates (0: the launch's own choice, ≥ 2 programs an SM)")
+    p.add_argument("--extra-dot", nargs="+", default=[], metavar="BN:WARPS:STAGES",
+                   help="dot-loop configs to time beside the candidates (lab), e.g. 64:4:4 128:8:3")
     args = p.parse_args()
+    extra = []
+    for spec in args.extra_dot:
+        try:
+            bn, warps, stages = (int(v) for v in spec.split(":"))
+        except ValueError:
+            p.error(f"--extra-dot takes BN:WARPS:STAGES, got {spec!r}")
+        extra.append(w4mod.DecodeConfig(bn, 0, warps, stages, gemv_rows=0))
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
@@ -68,7 +77,7 @@ def main() -> None:
                         w4mod._WORKSPACE.buffers[x.device][4].add_(w4mod.READS_PER_LAUNCH.value)
             # every decode candidate for this M, with and without the EC: is W4's tuned config also W4+EC's best?
             per_config = []
-            configs = [dataclasses.replace(c, split_k=k) for c in w4mod.DECODE_CANDIDATES
+            configs = [dataclasses.replace(c, split_k=k) for c in w4mod.DECODE_CANDIDATES + extra
                        for k in (args.split_ks if c.gemv_rows == 0 else [0])]
             for cfg in configs:
                 if cfg.gemv_rows and m > cfg.gemv_rows:

@@ -180,6 +180,9 @@ elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: th
   (export CUDA_VISIBLE_DEVICES=1
    timeout 150 python -m pytest -p no:cacheprovider -o addopts= -q -x tests/test_kernels.py tests/test_runtime_ops.py \
      tests/test_runtime_fuse.py > $log/1_tests.log 2>&1
+   # dot-loop configs that are not candidates: more stages, 8 warps (for the next session's candidate list)
+   timeout 120 python bench/ec_ablation.py --configs-only --ms 16 32 64 --shapes 7b/qkv_fused 7b/gate_up_fused 7b/down \
+     7b/qkvo --extra-dot 64:4:4 64:4:5 128:4:4 64:8:3 128:8:3 --json "$out/ec_ablation_h200_extra.json" > $log/3_extra.log 2>&1
    timeout $((565 - SECONDS)) python bench/decode.py --models llama3-8b --settings w4 w4+ec38 --batches 1 8 32 \
      --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1) &
   wait
