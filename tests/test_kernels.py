@@ -247,7 +247,7 @@ def test_decode_gemv_f16x2_word_chains_match_reference_and_take_large_x(chain, k
     reference, with split K and partial steps, and stay finite for x = 30,000 everywhere: the one-word chain's codes
     (q − z) / 16 overflow fp16 there (row 0's chains of four products 15/16 · 30,000); 2 words of (q − z) / 256
     reach 8 · 15/256 · 30,000 = 14,063."""
-    monkeypatch.setenv("SPEAR_W4_WORD_CHAIN", chain)
+    monkeypatch.setattr(w4_module, "f16x2_word_chain", lambda: int(chain))  # SPEAR_W4_WORD_CHAIN, read once a process
     n = 64
     w = torch.randn(n, k, generator=gen).abs() * 1e-3  # small scales: y stays within fp16 for the large x below
     w[0, :64] = 0.005  # row 0's largest weights: q − z = 15 on the first 64 columns, whole chains of them

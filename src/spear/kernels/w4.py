@@ -1081,6 +1081,8 @@ class PrefillConfig:
     num_stages: int = 3
 
 
+# Session 14 added the 4-stage BN 64 dot loop (3-6% faster than 3 stages on 7B gate/up and down at 16-32 rows, slower at
+# 64: `ec_ablation_h200_extra_77e62e7.json`); 8 warps and 5 stages never won.
 # Dot-loop candidates whose K is split for more programs an SM (DecodeConfig.fill; lab: SPEAR_W4_DOT_FILLS="2 4 8"
 # adds BN 64 / 128 at 4 and 8). Session 14 timed them beside the one-dot-a-block loop: within 1–4% of fill 2 where
 # they won at all (`ec_ablation_h200_wide*_b807cd4`), so the tuner does not spend time on them by default.
@@ -1093,7 +1095,8 @@ DOT_FILLS = tuple(int(f) for f in os.environ.get("SPEAR_W4_DOT_FILLS", "2").spli
 # dropped four more that no shape's W4 or W4+EC picked first in sessions 8–9 (ec_ablation per_config, the tuner
 # caches): the 8-warp dot loop, and the 4-warp 128-word and 8-warp 4-stage GEMV configs.
 DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M), then the GEMV loop (M ≤ 4)
-    DecodeConfig(bn, 0, warps, stages, gemv_rows=0) for bn, warps, stages in ((32, 4, 3), (64, 4, 3), (128, 4, 3))
+    DecodeConfig(bn, 0, warps, stages, gemv_rows=0)
+    for bn, warps, stages in ((32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3))
 ] + [DecodeConfig(bn, 0, 4, 3, gemv_rows=0, fill=fill) for bn in (64, 128) for fill in DOT_FILLS if fill != 2
 ] + [DecodeConfig(bn, 0, warps, stages, gemv_rows=4, block_kw=bkw) for bn, warps, stages, bkw in
      ((16, 4, 3, 256), (32, 8, 1, 128))  # the float32 GEMV loop: 3 stages through shared memory, or none
@@ -1212,16 +1215,19 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+@functools.cache
 def ec_ax_columns() -> int:
     """Columns of A per u-program of a W4+EC launch (at most; more where a quarter of the SMs would not do): 256,
     two steps of 128 (session 12; 512 before), so that the chain A x → g, which every tile waits for at its end, is
-    short where the tiles' own loops are (7B q/k/v/o: ~6 µs). SPEAR_EC_AX_COLUMNS sets it, to time the difference."""
+    short where the tiles' own loops are (7B q/k/v/o: ~6 µs). SPEAR_EC_AX_COLUMNS sets it, to time the difference
+    (read once a process, as are the other switches: w4_decode runs on every eager step)."""
     columns = os.environ.get("SPEAR_EC_AX_COLUMNS", "256")
     if not columns.isdigit() or int(columns) < 64:
         raise ValueError(f"SPEAR_EC_AX_COLUMNS is the columns of A a u-program takes, at least 64; got {columns!r}")
     return int(columns)
 
 
+@functools.cache
 def f16x2_word_chain() -> int:
     """Words per fp16 chain of the fp16x2 GEMV loop at one row, per-channel (_w4_gemv_f16x2_words; 1: a chain per
     word, _w4_gemv_f16x2). SPEAR_W4_WORD_CHAIN (1, 2 or 4) sets it, to time the difference."""
@@ -1229,6 +1235,13 @@ def f16x2_word_chain() -> int:
     if chain not in ("1", "2", "4"):
         raise ValueError(f"SPEAR_W4_WORD_CHAIN is the words per fp16 chain, 1, 2 or 4; got {chain!r}")
     return int(chain)
+
+
+@functools.cache
+def unmasked_loads() -> bool:
+    """Whether the GEMV loops may load whole code tiles unmasked where the shape allows (w4_decode's `even`);
+    SPEAR_W4_EVEN=0: masked anyway, to time the difference."""
+    return os.environ.get("SPEAR_W4_EVEN", "1") != "0"
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -1306,7 +1319,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     k_per_split = triton.cdiv(steps, split_count(cfg, tiles, steps, sms)) * step
     split_k = triton.cdiv(blocks * 128, k_per_split)
     even = (bool(gemv_rows) and n % cfg.block_n == 0 and k % step == 0 and kw * 8 == k  # unmasked code loads
-            and os.environ.get("SPEAR_W4_EVEN", "1") != "0")  # (0: masked anyway, to time the difference)
+            and unmasked_loads())
     R = ec.padded_rank if ec is not None else 16
     H = ec.W1.shape[0] if ec is not None else 16
     bk = ax_block(gemv_rows, cfg.block_kw)
