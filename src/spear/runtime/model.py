@@ -38,8 +38,8 @@ FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
 # The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those W4 decode
 # launches (kernels.norm_fold.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
 FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
-# The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): built
-# and tested on CPU, not yet timed on GPUs, so off unless SPEAR_FOLD_NORM_TP=1.
+# The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): exact
+# on an H200 pair but level in time (session 14, BENCHMARKS §7: ±1.5% at TP 2), so off unless SPEAR_FOLD_NORM_TP=1.
 FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
