@@ -14,6 +14,13 @@ from pathlib import Path
 import torch
 
 
+# (N = out, K = in) of the weight shapes the kernel lab scripts time (ec_ablation, stream_lab, ncu_w4): Llama-2-7B's
+# linears, the engine's fused q/k/v and gate/up launches on it, and Llama-2-70B's MLP.
+LAB_SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
+              "7b/qkv_fused": (12288, 4096), "7b/gate_up_fused": (22016, 4096),
+              "70b/gate_up": (28672, 8192), "70b/down": (8192, 28672)}
+
+
 def provenance() -> dict:
     # The device machine's copy of the tree may carry a stale .git: pass SPEAR_COMMIT=$(git rev-parse HEAD).
     commit = os.environ.get("SPEAR_COMMIT")

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from common import write_json
+from common import LAB_SHAPES, write_json
 from kernels import random_ec
 
 from spear.kernels import w4 as w4mod
@@ -27,9 +27,7 @@ from spear.kernels.pack import pack_ec, pack_w4
 from spear.kernels.timing import time_in_graph
 from spear.quant.record import QuantConfig, rtn_quantize
 
-SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
-          "7b/qkv_fused": (12288, 4096), "7b/gate_up_fused": (22016, 4096),  # the engine's fused launches
-          "70b/gate_up": (28672, 8192), "70b/down": (8192, 28672)}
+SHAPES = LAB_SHAPES
 VARIANTS = {"ec": 0, "no_wait": 1, "no_u_programs": 3, "no_u_no_epilogue": 4,  # sessions 6-7
             "no_count": 6}  # session 8-9: what the count of g's readers costs
 

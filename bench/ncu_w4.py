@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
-          "7b/gate_up_fused": (22016, 4096)}
+from common import LAB_SHAPES  # noqa: E402
+
+SHAPES = {name: LAB_SHAPES[name] for name in ("7b/qkvo", "7b/gate_up", "7b/down", "7b/gate_up_fused")}
 KEEP = {  # ncu metric name → short key
     "Duration": "duration",
     "DRAM Throughput": "dram_pct",

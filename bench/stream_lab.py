@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import triton
 import triton.language as tl
+from common import LAB_SHAPES
 
-SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
-          "7b/gate_up_fused": (22016, 4096)}
+SHAPES = {name: LAB_SHAPES[name] for name in ("7b/qkvo", "7b/gate_up", "7b/down", "7b/gate_up_fused")}
 TILES = [(16, 256, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 8)]
 MODES = ["s1", "s3", "a1", "a2", "a3", "k2", "k4"]
 
