@@ -75,3 +75,15 @@ def test_u_program_block_keeps_the_gemv_loop_lean(report):
     launched, same = report["decode rows=1 ec=False warps=8"], report["decode rows=1 ec=False warps=8 bk=128"]
     assert launched["registers"] < same["registers"], (launched["registers"], same["registers"])
     assert main_loop("decode rows=1 ec=False warps=8") < main_loop("decode rows=1 ec=False warps=8 bk=128")
+
+
+def test_wide_dot_loop_issues_its_wgmma_without_a_fence_per_slice(report):
+    """kernels.w4._w4_block_wide: one K = 128 dot a 128-column block. Its eight k-steps per 64 rows of W follow each
+    other without the fence (MEMBAR) and wait that each K = 16 dot of the slice loop had (469 → 372 SASS a block,
+    session 14), and the joined code planes stay in registers (no STS / LDS round trip; session 5's wide loop had one)."""
+    main = max(report["decode rows=dot ec=False bn=128 wide"]["loops"],
+               key=lambda loop: dict(loop["mix"]).get("HGMMA.64x16x16.F32", 0))
+    ops = dict(main["mix"])
+    assert ops.get("HGMMA.64x16x16.F32") == 16, main["mix"]  # 2 × 64 rows × 8 k-steps
+    assert sum(n for op, n in ops.items() if op.startswith("MEMBAR")) <= 2, main["mix"]
+    assert not any(op.startswith("STS") for op in ops), main["mix"]

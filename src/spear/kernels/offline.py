@@ -105,6 +105,12 @@ def variants() -> dict[str, tuple]:
                      BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=w4.u_chunk(bm, 32), **lab_off)
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
         out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
+    # the dot loop at 16 rows as the tuner picks it since session 14 (BN 64 / 128, 4 warps: wgmma, one K = 128 dot a
+    # block, _w4_block_wide)
+    for bn in (64, 128):
+        const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=32, H=16, BM=16, BN=bn, BK=128, SPG=8, GEMV_ROWS=0,
+                     BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=w4.u_chunk(16, 32), **lab_off)
+        out[f"decode rows=dot ec=False bn={bn} wide"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
     for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=w4.ax_block(1, 128), SPG=8,
                      GEMV_ROWS=1, BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
