@@ -63,7 +63,7 @@ TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x
 READS_SHIFT: tl.constexpr = tl.constexpr(20)
 READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
 # The decode kernel's dot loop as one dot a 128-column block where one group spans it (_w4_block_wide; session 14:
-# 20-36% faster at 16-128 rows on the 7B shapes than a dot a 16-column slice). SPEAR_W4_DOT_WIDE=0 turns it off.
+# 19–36% faster at 16–128 rows on the 7B shapes than a dot a 16-column slice). SPEAR_W4_DOT_WIDE=0 turns it off.
 DOT_WIDE: tl.constexpr = tl.constexpr(os.environ.get("SPEAR_W4_DOT_WIDE", "1") == "1")
 
 
@@ -122,7 +122,8 @@ def _plane(src, off_lo, off_hi, jj: tl.constexpr):
 
 @triton.jit
 def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN: tl.constexpr):
-    """_w4_block per-channel as one tensor-core dot over the block's 128 columns: the four planes of the 16 words
+    """acc + Σ (q − z) x over one block as one tensor-core dot over its 128 columns (one z a row: per-channel, or the
+    block's group where one spans it; the caller applies the scale): the four planes of the 16 words
     (_slice_f16's pair layout) joined and put back in column order (64 h + 16 jj + 2 p + bit), so that the dot's
     k-steps follow each other without a fence and a wait between slices."""
     words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
@@ -1081,8 +1082,6 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-# Session 14 added the 4-stage BN 64 dot loop (3-6% faster than 3 stages on 7B gate/up and down at 16-32 rows, slower at
-# 64: `ec_ablation_h200_extra_77e62e7.json`); 8 warps and 5 stages never won.
 # Dot-loop candidates whose K is split for more programs an SM (DecodeConfig.fill; lab: SPEAR_W4_DOT_FILLS="2 4 8"
 # adds BN 64 / 128 at 4 and 8). Session 14 timed them beside the one-dot-a-block loop: within 1–4% of fill 2 where
 # they won at all (`ec_ablation_h200_wide*_b807cd4`), so the tuner does not spend time on them by default.
@@ -1106,6 +1105,8 @@ DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M
 # 16 (`ab_pairlayout_1a95746_gpu{0,1}.json`), the one the 13B qkvo tuning picked, and the BN 32 dot loop for
 # narrow layers; dropped (never within 3%): the float32 twins of the fp16x2 configs, (32 rows, 8 warps, 3 stages),
 # (16, 4, 2, 256) in float32 and the 4-stage BN 128 dot loop. Tuning a shape times 10 candidates instead of 16.
+# Session 14 added the 4-stage BN 64 dot loop (3–6% faster than 3 stages on 7B gate/up and down at 16–32 rows, slower
+# at 64: `ec_ablation_h200_extra_77e62e7.json`; the tuner decides per bucket); 8 warps and 5 stages never won.
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
