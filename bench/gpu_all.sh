@@ -26,6 +26,11 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the W4 tuner's choices come back in $OUT; carry=[".gpu_cache"] on the next call skips the tuning it did
 export SPEAR_CACHE=$PWD/.gpu_cache
+# compiled Triton kernels too: they come back as triton_cache.tgz (where under 15 MB); copied into .gpu_cache/ and
+# carried, the next call unpacks it and skips most compiles (the GPU tests and the tuner's candidates: minutes on a
+# fresh machine; a kernel whose source changed compiles again)
+export TRITON_CACHE_DIR=$PWD/.gpu_cache/triton
+[ -f .gpu_cache/triton_cache.tgz ] && tar xzf .gpu_cache/triton_cache.tgz -C .gpu_cache
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
 gpu0() {
@@ -228,5 +233,10 @@ else
   wait
 fi
 cp .gpu_cache/w4_tuning.json "$out/" 2>/dev/null  # at most 8 files come back: the default call makes 7
+# the compiled kernels, where small enough and a file is left of the 8 (gpu_all.log comes after)
+if tar czf /tmp/triton_cache.tgz -C .gpu_cache triton 2>/dev/null && [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt 15000000 ] \
+   && [ "$(ls "$out" | wc -l)" -lt 7 ]; then
+  cp /tmp/triton_cache.tgz "$out/"
+fi
 for f in $log/*.log; do echo "=== $f"; tail -n ${TAIL:-40} "$f"; done > "$out/gpu_all.log"
 tail -c 11000 "$out/gpu_all.log"
