@@ -135,6 +135,18 @@ def test_dot_loop_split_for_more_programs_an_sm_matches_reference(gen):
         assert_close(y, w4_linear_ref(x, packed, ec), f"dot loop fill={fill}")
 
 
+@pytest.mark.parametrize("group", [-1, 128])
+def test_wide_dot_loop_takes_a_partial_last_block(group, gen):
+    """The one-dot-a-block loop (_w4_block_wide) where K is not a whole number of 128-column blocks: the packed codes
+    pad the last block and x's load is masked there (per-channel, and one group of 128 a block)."""
+    n, k = 64, 320 if group == -1 else 384
+    packed = pack_w4(random_w4(n, k, group, gen, sym=False)).to(DEVICE)
+    for m in (5, 16, 33):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        y = w4_decode(x, packed, None, None, DecodeConfig(block_n=32, split_k=2, gemv_rows=0), out=poisoned(m, n))
+        assert_close(y, w4_linear_ref(x, packed), f"wide dot loop m={m} k={k} g={group}")
+
+
 @pytest.mark.parametrize("with_ec", [False, True])
 def test_folded_norm_matches_add_rms_norm_between_two_launches(with_ec, gen):
     """An RMSNorm folded into the W4 launches around it (FoldedNorm): the producer's h, its per-tile Σ h², and
