@@ -58,8 +58,9 @@ def plot(history: list[dict], out: Path, batch: int = 1) -> None:
                    label=f"target: fp16 ≤ 1.2× its floor ({1.2 * fp16_floor:.2f} ms)")
         goal = [(x, r["ms"]["fp16"] / 2.5) for x, r in zip(xs, history) if "fp16" in r["ms"]]
         ax.plot(*zip(*goal), "_", color="tab:blue", markersize=14, label="target: W4 at 2.5× fp16 tokens/s")
-    ax.set_xticks(list(xs), [f"{r['date'][5:16].replace('T', ' ')} {r['commit']}" for r in history], fontsize=7,
-                  rotation=35, ha="right")
+    every = max(1, len(history) // 30)  # at most ~30 labels, or they overlap
+    ax.set_xticks(list(xs)[::every], [f"{r['date'][5:16].replace('T', ' ')} {r['commit']}" for r in history][::every],
+                  fontsize=7, rotation=35, ha="right")
     ax.set_ylabel(f"ms / token (batch {batch})")
     ax.set_ylim(0, None)
     ax.set_title(f"Llama-2-7B decode at batch {batch} through the SPEAR engine on one H200, every committed run")
