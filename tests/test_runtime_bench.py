@@ -47,3 +47,21 @@ def test_host_step_bench_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["host_us"] > 0 for r in rows)
+
+
+def test_decode_history_plot_reads_the_committed_runs(tmp_path):
+    """bench/plot_decode_history.py over the committed decode_h200*.json: the batch-32 runs since the kernels of
+    session 3 come in date order, W4 in at least ten, and the figure is written; a batch no run has is a one-line
+    error (exit 2)."""
+    script = ROOT / "bench" / "plot_decode_history.py"
+    out = tmp_path / "b32.png"
+    proc = subprocess.run([sys.executable, str(script), "--batch", "32", "--since", "2026-11-30T02:00", "--out", str(out)],
+                          check=False, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("2026-")]
+    dates = [line[:16] for line in lines]
+    assert dates == sorted(dates) and sum(" w4 " in line for line in lines) >= 10, proc.stdout
+    assert out.stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, str(script), "--batch", "3", "--out", str(tmp_path / "x.png")],
+                         check=False, capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "batch 3" in bad.stderr.strip().splitlines()[-1]
