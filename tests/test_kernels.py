@@ -147,6 +147,20 @@ def test_wide_dot_loop_takes_a_partial_last_block(group, gen):
         assert_close(y, w4_linear_ref(x, packed), f"wide dot loop m={m} k={k} g={group}")
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_dot_loop_one_dot_a_small_group_matches_reference(group, gen, monkeypatch):
+    """SPEAR_W4_DOT_WIDE=2 (lab): groups of 64 and 32 columns take one dot each (_span_wide: the half block's planes
+    joined back into column order), with and without the EC, partial last block included."""
+    monkeypatch.setattr(w4_module, "DOT_WIDE", 2)
+    n, k = 64, 320
+    packed = pack_w4(random_w4(n, k, group, gen, sym=False)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
+    for m, e in ((16, None), (33, ec)):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        y = w4_decode(x, packed, e, None, DecodeConfig(block_n=32, split_k=2, gemv_rows=0), out=poisoned(m, n))
+        assert_close(y, w4_linear_ref(x, packed, e), f"one dot a group g={group} m={m}")
+
+
 @pytest.mark.parametrize("with_ec", [False, True])
 def test_folded_norm_matches_add_rms_norm_between_two_launches(with_ec, gen):
     """An RMSNorm folded into the W4 launches around it (FoldedNorm): the producer's h, its per-tile Σ h², and

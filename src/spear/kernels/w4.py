@@ -63,8 +63,12 @@ TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x
 READS_SHIFT: tl.constexpr = tl.constexpr(20)
 READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
 # The decode kernel's dot loop as one dot a 128-column block where one group spans it (_w4_block_wide; session 14:
-# 19–36% faster at 16–128 rows on the 7B shapes than a dot a 16-column slice). SPEAR_W4_DOT_WIDE=0 turns it off.
-DOT_WIDE: tl.constexpr = tl.constexpr(os.environ.get("SPEAR_W4_DOT_WIDE", "1") == "1")
+# 19–36% faster at 16–128 rows on the 7B shapes than a dot a 16-column slice). SPEAR_W4_DOT_WIDE=0 turns it off; =2
+# also gives groups of 64 and 32 one dot each (_span_wide: built and tested, not yet timed, so not the default).
+_DOT_WIDE_ENV = os.environ.get("SPEAR_W4_DOT_WIDE", "1")
+if _DOT_WIDE_ENV not in ("0", "1", "2"):
+    raise ValueError(f"SPEAR_W4_DOT_WIDE is 0, 1 or 2; got {_DOT_WIDE_ENV!r}")
+DOT_WIDE = int(_DOT_WIDE_ENV)  # the decode kernel's WIDE
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -142,6 +146,24 @@ def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n
 
 
 @triton.jit
+def _span_wide(words, words8, off_lo, off_hi, FIRST: tl.constexpr, PLANES: tl.constexpr, BN: tl.constexpr):
+    """q − z [BN, 16 PLANES] of the slices FIRST .. FIRST + PLANES − 1 of one half of a block (one quantization group
+    of 64 or 32 columns), from its 8 words and words8 = words >> 8, in column order 16 jj + 2 p + bit (_w4_block_wide's
+    join, for a half)."""
+    if PLANES == 4:  # one return statement: the compiler checks every return's shape, taken or not
+        t4 = tl.join(tl.join(_plane(words, off_lo, off_hi, 0), _plane(words, off_lo, off_hi, 1)),
+                     tl.join(_plane(words8, off_lo, off_hi, 2), _plane(words8, off_lo, off_hi, 3)))  # (p, bit, jj0, jj1)
+        q = tl.reshape(tl.permute(t4, (0, 4, 3, 1, 2)), (BN, 64))
+    else:
+        if FIRST == 0:
+            t2 = tl.join(_plane(words, off_lo, off_hi, 0), _plane(words, off_lo, off_hi, 1))  # [BN, 8, 2, 2]: (p, bit, jj)
+        else:
+            t2 = tl.join(_plane(words8, off_lo, off_hi, 2), _plane(words8, off_lo, off_hi, 3))
+        q = tl.reshape(tl.permute(t2, (0, 3, 1, 2)), (BN, 32))
+    return q
+
+
+@triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
               z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr):
     """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one packed block
@@ -162,6 +184,23 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
         part = _w4_block_wide(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n,
                               mask_n, kb, K, KW, z, BN)
         return acc + tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)[:, None] * part
+    if WIDE == 2 and not PER_CHANNEL:  # groups of 64 / 32: one dot a group (_span_wide; lab, untimed)
+        for h in tl.static_range(2):
+            words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + 8 * h + tl.arange(0, 8))[None, :],
+                            mask=mask_n[:, None], other=0)  # [BN, 8] int32: slices 4 h .. 4 h + 3
+            words8 = words >> 8
+            for span in tl.static_range(4 // SPG):
+                j = 4 * h + span * SPG  # the span's first slice
+                g = (kb + 16 * j) // group_size
+                mask_g = mask_n & (offs_n * 0 + g < G)
+                z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)
+                q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN)
+                offs_k = kb + 16 * j + tl.arange(0, 16 * SPG)
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                             mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16 SPG, BM]
+                s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+                acc += s[:, None] * tl.dot(q, xt)
+        return acc
     part = tl.zeros((BN, BM), dtype=tl.float32)
     if PER_CHANNEL:
         part = acc
@@ -192,9 +231,9 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 @triton.jit
 def _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
                  group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 WIDE: tl.constexpr = False):
-    """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns; WIDE: one dot a
-    block where one group spans it). Per-channel, z is loaded once and s applied once, after the loop."""
+                 WIDE: tl.constexpr = 0):
+    """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns; WIDE (DOT_WIDE): one
+    dot a block where one group spans it, and at 2 one a group of 64 or 32). Per-channel, z is loaded once and s applied once, after the loop."""
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     z = tl.zeros((BN,), dtype=tl.float16)
     if PER_CHANNEL:
@@ -818,7 +857,7 @@ def _w4_decode_kernel(
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
     PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
-    ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1,
+    ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1, WIDE: tl.constexpr = 1,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -940,7 +979,7 @@ def _w4_decode_kernel(
                            GEMV_PRELOAD, EVEN)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, DOT_WIDE)
+                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE)
         pdl_release(PDL and PDL_LATE)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
@@ -1358,7 +1397,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
         PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, ADD_NORM=add_norm is not None,
-        RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), **launch_options(x),
+        RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), WIDE=DOT_WIDE, **launch_options(x),
     )
     return y
 
