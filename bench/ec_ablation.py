@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if "fused" not in s], choices=list(SHAPES))
     p.add_argument("--split-ks", type=int, nargs="+", default=[0],
                    help="split-K of the dot-loop candidates (0: the launch's own choice, ≥ 2 programs an SM)")
+    p.add_argument("--group-size", type=int, default=-1, choices=[-1, 32, 64, 128],
+                   help="quantization groups of the random weights (default -1: per-channel)")
     p.add_argument("--extra-dot", nargs="+", default=[], metavar="BN:WARPS:STAGES",
                    help="dot-loop configs to time beside the candidates (lab), e.g. 64:4:4 128:8:3")
     args = p.parse_args()
@@ -54,7 +56,8 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
-        packed = pack_w4(rtn_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), QuantConfig(4, -1)))
+        quant = QuantConfig(4, args.group_size)
+        packed = pack_w4(rtn_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), quant))
         ec = pack_ec(random_ec(n, k, 32))
         copies = [packed] + [packed.clone() for _ in range(max(1, math.ceil((128 << 20) / packed.nbytes())) - 1)]
         if not args.configs_only:
@@ -92,7 +95,7 @@ def main() -> None:
             print(f"{name:<12} M={m:<3} " + "  ".join(f"{v} {t:6.1f}" for v, t in us.items())
                   + f" | best w4 {best_w4['w4']:.1f} {best_w4['config']} | best ec {best_ec['ec']:.1f} "
                     f"(w4 {best_ec['w4']:.1f}) {best_ec['config']}", flush=True)
-            write_json(args.json, {"rows": rows})
+            write_json(args.json, {"group_size": args.group_size, "rows": rows})
 
 
 if __name__ == "__main__":
