@@ -1243,13 +1243,13 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
-@functools.cache
 def split_count(cfg: DecodeConfig, tiles: int, steps: int, sms: int) -> int:
     """How many ways a decode launch splits K (before whole steps round it): cfg.split_k, or with 0 enough for
     cfg.fill programs an SM, at most one a main-loop step."""
     return cfg.split_k or max(1, min(triton.cdiv(cfg.fill * sms, tiles), steps))
 
 
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 elsewhere, so that CPU tests see split grids)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
