@@ -46,7 +46,8 @@ def provenance() -> dict:
             info["pdl_w4"] = dataclasses.asdict(w4_launch())
     except ImportError:
         pass
-    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPEAR_") and k not in ("SPEAR_COMMIT", "SPEAR_CACHE")}
+    knobs = {k: v for k, v in sorted(os.environ.items())
+             if k.startswith("SPEAR_") and k not in ("SPEAR_COMMIT", "SPEAR_CACHE")}
     if knobs:  # the run's kernel and model switches (SPEAR_FOLD_NORM, SPEAR_W4_EVEN, ...), where any is set
         info["env"] = knobs
     import transformers

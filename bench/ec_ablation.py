@@ -53,10 +53,10 @@ def main() -> None:
         except ValueError:
             p.error(f"--extra-dot takes BN:WARPS:STAGES, got {spec!r}")
         extra.append(w4mod.DecodeConfig(bn, 0, warps, stages, gemv_rows=0))
+    quant = QuantConfig(4, args.group_size)
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
-        quant = QuantConfig(4, args.group_size)
         packed = pack_w4(rtn_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), quant))
         ec = pack_ec(random_ec(n, k, 32))
         copies = [packed] + [packed.clone() for _ in range(max(1, math.ceil((128 << 20) / packed.nbytes())) - 1)]

@@ -48,8 +48,7 @@ from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime import model as model_module
 from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
 from spear.runtime.runner import DecodeGraph
-from spear.runtime import tp as tp_module
-from spear.runtime.tp import CollectiveReduce, apply_tp, launch, set_reduction
+from spear.runtime.tp import CollectiveReduce, RowParallelLinear, apply_tp, launch, set_reduction
 
 MODELS = {
     "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
@@ -166,10 +165,13 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
             for reduction in reductions:
                 base_reduction = reduction.removesuffix("+fold")
                 model_module.FOLD_NORM_TP = reduction.endswith("+fold")
-                tp_module.CollectiveReduce = SkippedReduce if reduction == "none" else CollectiveReduce
                 if reduction != "-" and base_reduction != current:
                     set_reduction(model, "collective" if reduction == "none" else base_reduction, max(opts["batches"]))
                     current = base_reduction
+                    if reduction == "none":  # the layers' own reduce, in place of the all-reduces
+                        for m in model.modules():
+                            if isinstance(m, RowParallelLinear):
+                                m.reduce = SkippedReduce()
                 for batch in opts["batches"]:
                     if not go_on(opts["deadline"]):
                         return
@@ -224,7 +226,8 @@ def main() -> None:
     opts = {"models": a.models or (["tiny"] if a.tiny else ["llama2-13b", "llama2-7b"]),
             "batches": a.batches or ([1, 2] if a.tiny else [1, 16]), "layers": a.layers,
             "context": a.context or (8 if a.tiny else 128), "iters": a.iters or (3 if a.tiny else 50),
-            "eager": a.eager, "settings": a.settings, "reductions": a.reductions, "deadline": time.time() + a.time_limit, "json": a.json}
+            "eager": a.eager, "settings": a.settings, "reductions": a.reductions,
+            "deadline": time.time() + a.time_limit, "json": a.json}
     header = {"quant": QuantConfig(bits=4, group_size=-1).to_dict(),
               "ec": {"fraction": EC_FRACTION, "rank": EC_RANK, "gate_hidden": 8},
               **{k: opts[k] for k in ("context", "iters", "layers")}, "time_limit_s": a.time_limit,

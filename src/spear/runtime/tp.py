@@ -317,7 +317,8 @@ class RowParallelLinear(nn.Module):
             return self.reduce(self, x2).view(*x.shape[:-1], self.out_features)
         y = self.base(x)  # [M, N] partial
         u = None if self.ec is None else self.ec.partial(x)  # [M, r] partial
-        y, u = CollectiveReduce()(y, u)
+        collective = self.reduce if isinstance(self.reduce, CollectiveReduce) else CollectiveReduce()  # or the fallback
+        y, u = collective(y, u)
         if self.ec is not None:
             y = self.ec.epilogue(y, u)
         return y if self.bias is None else y + self.bias.to(y.dtype)
