@@ -197,13 +197,13 @@ def variants() -> dict[str, tuple]:
     from spear.runtime import ops
 
     attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")},
-                      **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr", "cnt_ptr")},
+                      **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},
                       **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr")}, "scale": "fp32"}
-    for tiles, combine in ((False, False), (True, False), (False, True)):
-        out[f"decode attention tiles={tiles} combine={combine}"] = (
+    for tiles in (False, True):
+        out[f"decode attention tiles={tiles}"] = (
             ops._paged_decode_split_kernel, attention_ptrs,
             dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=64, PRECISION="tf32",
-                 COMBINE=combine, PDL=True), 4)
+                 PDL=True), 4)
     return out
 
 

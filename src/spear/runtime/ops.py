@@ -9,8 +9,7 @@ each layer launches ~40 of them. Fused here, one launch each:
   silu_mul                silu(gate) * up                                  (the SwiGLU activation)
   rope_write_kv           RoPE on q and k, k and v stored at their cache slots, rotated q returned
   paged_decode_attention  one-token queries over their sequences' cached blocks (flash-decoding:
-                          splits of the context in parallel, merged by the split that finishes
-                          last, or by a combine launch after them: SPEAR_ATTN_COMBINE); with
+                          splits of the context in parallel, then a small combine kernel); with
                           `tiles`, up to 16 rows of one sequence at consecutive positions (a prefill
                           chunk's tokens as rows) share one pass over the keys
 
@@ -22,9 +21,6 @@ captured in a CUDA graph.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -52,38 +48,6 @@ BLOCK_N = 64  # keys per inner step of the attention kernel
 # took 11 µs a layer at batch 1 on the H200 (Llama-2-7B, ~130 keys: 2-3 dependent steps in one program).
 MAX_SPLITS = 16
 ATTENTION_PROGRAMS_PER_SM = 4
-
-
-@functools.cache
-def fused_combine() -> bool:
-    """Whether decode attention's splits are merged by the split program that finishes last (SPEAR_ATTN_COMBINE=
-    fused, the default) or by a combine launch after the split launch (=launch; the lab's other arm)."""
-    mode = os.environ.get("SPEAR_ATTN_COMBINE", "fused")
-    if mode not in ("fused", "launch"):
-        raise ValueError(f"SPEAR_ATTN_COMBINE must be 'fused' or 'launch', got {mode!r}")
-    return mode == "fused"
-
-
-class _Counters:
-    """Per-device int32 arrival counters of the fused combine, one a (tile, KV head): zero between launches (the
-    last split of each resets its own), grown only; buffers it outgrows stay alive for the CUDA graphs that
-    captured them."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-        self.retired: list[torch.Tensor] = []
-
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        have = self.buffers.get(device)
-        if have is None or have.numel() < n:
-            if have is not None:
-                self.retired.append(have)
-                n = max(n, 2 * have.numel())
-            have = self.buffers[device] = torch.zeros(n, dtype=torch.int32, device=device)
-        return have
-
-
-_COUNTERS = _Counters()
 
 
 def _triton(use_triton: bool | None, x: torch.Tensor) -> bool:
@@ -311,42 +275,15 @@ def _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr
     return m_new, l, acc
 
 
-@_jit
-def _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, lane, ok, d, D: tl.constexpr, SPLITS: tl.constexpr,
-                  BLOCK_Q: tl.constexpr):
-    """The fused combine, for the (row, head) lanes [BLOCK_Q] (row * H + head) of one program, the splits in
-    order (a split that saw no key has m = -inf, weight 0):
-
-        M = max m_p;  out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p
-
-    Loads bypass L1 (.cg): the other splits' programs wrote them on other SMs."""
-    big = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    for p in range(SPLITS):
-        big = tl.maximum(big, tl.load(m_ptr + lane * SPLITS + p, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-    big = tl.where(big == float("-inf"), 0.0, big)  # padding lanes
-    l = tl.zeros([BLOCK_Q], tl.float32)
-    acc = tl.zeros([BLOCK_Q, D], tl.float32)
-    for p in range(SPLITS):
-        m_p = tl.load(m_ptr + lane * SPLITS + p, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        saw_keys = m_p > float("-inf")
-        weight = tl.exp(m_p - big)
-        l += weight * tl.load(l_ptr + lane * SPLITS + p, mask=saw_keys, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * tl.load(acc_ptr + (lane * SPLITS + p)[:, None] * D + d[None, :],
-                                         mask=saw_keys[:, None], other=0.0, cache_modifier=".cg")
-    l = tl.where(ok, l, 1.0)  # padding lanes saw no key: l = 0
-    tl.store(out_ptr + lane[:, None] * D + d[None, :], (acc / l[:, None]).to(out_ptr.dtype.element_ty),
-             mask=ok[:, None])
-
-
 @_jit(do_not_specialize=("stride_table",))
 def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
-                               m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr,
+                               m_ptr, l_ptr, acc_ptr, out_ptr,
                                scale, H, block_size, stride_table,
                                stride_pool_block, stride_pool_offset,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                HAS_TILES: tl.constexpr, D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                               COMBINE: tl.constexpr, PDL: tl.constexpr):
+                               PDL: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over split p of the tile's keys by online
@@ -354,10 +291,8 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     splits of whole BLOCK_N steps, split p = [p * L, (p + 1) * L) with L = BLOCK_N * cdiv(seq_len, SPLITS *
     BLOCK_N): the splits follow the sequence's length, not the table's width, so a short context is one
     step a program. Writes each (row, head)'s running max m, sum l = Σ exp(s - m) and acc = Σ exp(s - m) v
-    (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With COMBINE, the split of
-    (tile, kv) that arrives last (an int32 counter a pair, reset by it) merges them into the output, in split
-    order, so the bits do not depend on which one that is (no combine launch, whose latency sat on the step's
-    critical path). With one split, the output acc / l itself. Without tiles every row is a tile of its own.
+    (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
+    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step).
     The step's tiles, lengths and block tables (written by the host, never by a kernel) are read before the PDL
     wait, the first step's table entries included; q and the keys after it."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -406,13 +341,6 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
             tl.store(l_ptr + out, l, mask=ok)
             # the combine never reads the acc of a split that starts past a row's end (its m is -inf)
             tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
-            if COMBINE:  # every thread's stores before the arrival (release), the others' after it (acquire)
-                tl.debug_barrier()
-                cell = cnt_ptr + tile * tl.num_programs(1) + kv
-                arrived = tl.atomic_add(cell, 1, sem="acq_rel")
-                if arrived == SPLITS - 1:
-                    _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, row * H + head, ok, d, D, SPLITS, BLOCK_Q)
-                    tl.atomic_xchg(cell, 0)
 
 
 @_jit
@@ -438,15 +366,14 @@ def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, *, use_triton: bool | None = None,
                            splits: int | None = None, block_n: int = BLOCK_N, tiles: torch.Tensor | None = None,
-                           tile_rows: int = 1, combine_fused: bool | None = None) -> torch.Tensor:
+                           tile_rows: int = 1) -> torch.Tensor:
     """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1), pools
     [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
     dtype. `tiles` [NT, 2] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
     a mixed step's prefill tokens as rows); None: every row alone.
 
-    Triton: grid (NT or B, KV, splits); with more than one split, the last split of each (tile, KV head) merges
-    them (`combine_fused`, None: fused_combine()) or a combine launch, grid (B, H), does after it. `splits`
+    Triton: grid (NT or B, KV, splits), then with more than one split a combine launch, grid (B, H); `splits`
     None: decode_splits's pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace,
     so the launch can be captured in a CUDA graph.
     """
@@ -471,16 +398,14 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     group = H // KV
     block_g = _next_pow2(group)
     rows = tile_rows if tiles is not None else 1
-    fused = splits > 1 and (fused_combine() if combine_fused is None else combine_fused)
-    counters = _COUNTERS.get(q.device, num_tiles * KV) if fused else seq_lens
     _paged_decode_split_kernel[(num_tiles, KV, splits)](
-        q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out, counters,
+        q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out,
         D**-0.5 if scale is None else scale, H,
         block_size, block_tables.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        COMBINE=fused, **launch_options(q))
-    if splits > 1 and not fused:
+        **launch_options(q))
+    if splits > 1:
         _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
                                              num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
     return out
