@@ -15,6 +15,7 @@
 #   or, with FINAL13=1 (one GPU), session 13's last call: GPU tests of the changed ops, the engine on 7B and 8B;
 #   or, with WIDE=1 (nvidia-h200-x2), session 14's dot-loop A/B (one dot a block, more K splits) and the engine;
 #   or, with FINAL14=1 (nvidia-h200-x2), session 14's last call: the TP grid at TP 2, the engine on 7B and 8B;
+#   or, with S15=1 (nvidia-h200-x2), session 15: the 13B TP grid, the grouped wide loop at g = 32, the GPU tests;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -175,6 +176,27 @@ elif [ "${FINAL:-0}" = 1 ]; then  # session 12's last call, nvidia-h200-x2: GPU 
      --json "$out/decode_h200_llama3.json" > $log/5_decode_llama3.log 2>&1) &
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"  # at most 8 files come back
+elif [ "${S15:-0}" = 1 ]; then  # session 15, nvidia-h200-x2: the TP grid's 13B rows at TP 2 with the wide loop; then
+  # GPU 0 the grouped wide loop at g = 32 (SPEAR_W4_DOT_WIDE 1 vs 2, both orders) and fp16 / W4 through the engine
+  # at batch 1 (the ratio in one call), GPU 1 the GPU tests of the kernels and the fused launches
+  timeout 230 python bench/tp_decode.py --tp 2 --models llama2-13b --settings fp16 w4 w4+ec \
+    --reductions collective p2p --time-limit 200 --json "$out/tp_decode_h200x2.json" > $log/6_tp.log 2>&1
+  mkdir -p $out/ab
+  (export CUDA_VISIBLE_DEVICES=0
+   for w in 1 2 2 1; do
+     SPEAR_W4_DOT_WIDE=$w timeout 70 python bench/ec_ablation.py --configs-only --group-size 32 --ms 16 32 \
+       --shapes 7b/qkv_fused 7b/gate_up_fused 7b/down 7b/qkvo --json "$out/ab/ec_ablation_h200_g32_wide${w}_$SECONDS.json" \
+       > $log/3_ab_g32_wide${w}_$SECONDS.log 2>&1
+   done
+   timeout $((580 - SECONDS)) python bench/decode.py --models llama2-7b --settings fp16 w4 --batches 1 16 \
+     --json "$out/decode_h200.json" > $log/2_decode.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout $((580 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py \
+     tests/test_runtime_fuse.py tests/test_runtime_ops.py > $log/1_tests.log 2>&1
+   { grep -cE " PASSED" $log/1_tests.log; grep -E " (FAILED|ERROR)|passed|failed" $log/1_tests.log; } \
+     > $log/1_tests_summary.log) &
+  wait
+  tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

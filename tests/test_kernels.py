@@ -149,7 +149,7 @@ def test_wide_dot_loop_takes_a_partial_last_block(group, gen):
 
 @pytest.mark.parametrize("group", [32, 64])
 def test_dot_loop_one_dot_a_small_group_matches_reference(group, gen, monkeypatch):
-    """SPEAR_W4_DOT_WIDE=2 (lab): groups of 64 and 32 columns take one dot each (_span_wide: the half block's planes
+    """SPEAR_W4_DOT_WIDE=2 (the default): groups of 64 and 32 columns take one dot each (_span_wide: the half block's planes
     joined back into column order), with and without the EC, partial last block included."""
     monkeypatch.setattr(w4_module, "DOT_WIDE", 2)
     n, k = 64, 320

@@ -87,7 +87,7 @@ def test_wide_dot_loop_issues_its_wgmma_without_a_fence_per_slice(report):
     assert ops.get("HGMMA.64x16x16.F32") == 16, main["mix"]  # 2 × 64 rows × 8 k-steps
     assert sum(n for op, n in ops.items() if op.startswith("MEMBAR")) <= 2, main["mix"]
     assert not any(op.startswith("STS") for op in ops), main["mix"]
-    for spg in (4, 2):  # SPEAR_W4_DOT_WIDE=2 (lab): one dot a group of 16 · spg columns, so 8 / spg fences a block
+    for spg in (4, 2):  # SPEAR_W4_DOT_WIDE=2: one dot a group of 16 · spg columns, so 8 / spg fences a block
         grouped = max(report[f"decode rows=dot ec=True bn=128 spg={spg} wide=2"]["loops"],
                       key=lambda loop: dict(loop["mix"]).get("HGMMA.64x16x16.F32", 0))
         assert sum(n for op, n in dict(grouped["mix"]).items() if op.startswith("MEMBAR")) <= 8 // spg, grouped["mix"]

@@ -111,7 +111,7 @@ def variants() -> dict[str, tuple]:
         const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=32, H=16, BM=16, BN=bn, BK=128, SPG=8, GEMV_ROWS=0,
                      BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=w4.u_chunk(16, 32), **lab_off)
         out[f"decode rows=dot ec=False bn={bn} wide"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
-    # groups of 64 and 32 with one dot a group (SPEAR_W4_DOT_WIDE=2, the kernel's WIDE; lab, untimed)
+    # groups of 64 and 32 with one dot a group (SPEAR_W4_DOT_WIDE=2, the kernel's WIDE)
     for spg in (4, 2):
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=128, BK=128, SPG=spg, GEMV_ROWS=0,
                      BKW=64, PER_CHANNEL=False, PEERS=0, U_CHUNK=w4.u_chunk(16, 32), WIDE=2, **lab_off)

@@ -63,9 +63,10 @@ TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x
 READS_SHIFT: tl.constexpr = tl.constexpr(20)
 READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
 # The decode kernel's dot loop as one dot a 128-column block where one group spans it (_w4_block_wide; session 14:
-# 19–36% faster at 16–128 rows on the 7B shapes than a dot a 16-column slice). SPEAR_W4_DOT_WIDE=0 turns it off; =2
-# also gives groups of 64 and 32 one dot each (_span_wide: built and tested, not yet timed, so not the default).
-_DOT_WIDE_ENV = os.environ.get("SPEAR_W4_DOT_WIDE", "1")
+# 19–36% faster at 16–128 rows on the 7B shapes than a dot a 16-column slice), and groups of 64 and 32 one dot each
+# (_span_wide; session 15, g = 64: 15–26% faster at 16–32 rows on the 7B shapes than a dot a slice).
+# SPEAR_W4_DOT_WIDE=1 keeps the slices for groups under 128, =0 everywhere.
+_DOT_WIDE_ENV = os.environ.get("SPEAR_W4_DOT_WIDE", "2")
 if _DOT_WIDE_ENV not in ("0", "1", "2"):
     raise ValueError(f"SPEAR_W4_DOT_WIDE is 0, 1 or 2; got {_DOT_WIDE_ENV!r}")
 DOT_WIDE = int(_DOT_WIDE_ENV)  # the decode kernel's WIDE
@@ -184,7 +185,7 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
         part = _w4_block_wide(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n,
                               mask_n, kb, K, KW, z, BN)
         return acc + tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)[:, None] * part
-    if WIDE == 2 and not PER_CHANNEL:  # groups of 64 / 32: one dot a group (_span_wide; lab, untimed)
+    if WIDE == 2 and not PER_CHANNEL:  # groups of 64 / 32: one dot a group (_span_wide)
         for h in tl.static_range(2):
             words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + 8 * h + tl.arange(0, 8))[None, :],
                             mask=mask_n[:, None], other=0)  # [BN, 8] int32: slices 4 h .. 4 h + 3
