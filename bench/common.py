@@ -47,8 +47,8 @@ def provenance() -> dict:
     except ImportError:
         pass
     knobs = {k: v for k, v in sorted(os.environ.items())
-             if k.startswith("SPEAR_") and k not in ("SPEAR_COMMIT", "SPEAR_CACHE")}
-    if knobs:  # the run's kernel and model switches (SPEAR_FOLD_NORM, SPEAR_W4_EVEN, ...), where any is set
+             if k.startswith(("SPEAR_", "NCCL_")) and k not in ("SPEAR_COMMIT", "SPEAR_CACHE")}
+    if knobs:  # the run's kernel, model and NCCL switches (SPEAR_FOLD_NORM, NCCL_PROTO, ...), where any is set
         info["env"] = knobs
     import transformers
 

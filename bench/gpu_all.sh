@@ -16,6 +16,7 @@
 #   or, with WIDE=1 (nvidia-h200-x2), session 14's dot-loop A/B (one dot a block, more K splits) and the engine;
 #   or, with FINAL14=1 (nvidia-h200-x2), session 14's last call: the TP grid at TP 2, the engine on 7B and 8B;
 #   or, with S15=1 (nvidia-h200-x2), session 15: the 13B TP grid, the grouped wide loop at g = 32, the GPU tests;
+#   or, with NCCLAB=1 (nvidia-h200-x2), session 15: NCCL_PROTO for the TP all-reduces (13B fp16 and W4);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -197,6 +198,14 @@ elif [ "${S15:-0}" = 1 ]; then  # session 15, nvidia-h200-x2: the TP grid's 13B 
      > $log/1_tests_summary.log) &
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
+elif [ "${NCCLAB:-0}" = 1 ]; then  # session 15, nvidia-h200-x2: NCCL's protocol for TP's all-reduces (13B, TP 2,
+  # fp16 and W4 over the collective path): the default, then NCCL_PROTO=LL and LL128, then the default again
+  for proto in default LL LL128 default; do
+    left=$((575 - SECONDS)); [ $left -lt 60 ] && break
+    (if [ $proto != default ]; then export NCCL_PROTO=$proto; fi
+     timeout $left python bench/tp_decode.py --tp 2 --models llama2-13b --settings fp16 w4 --reductions collective \
+       --time-limit $((left - 30)) --json "$out/tp_nccl_${proto}_$SECONDS.json") > $log/6_tp_${proto}_$SECONDS.log 2>&1
+  done
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \
