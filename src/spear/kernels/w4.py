@@ -64,7 +64,7 @@ READS_SHIFT: tl.constexpr = tl.constexpr(20)
 READS_PER_LAUNCH: tl.constexpr = tl.constexpr(1 << 20)
 # The decode kernel's dot loop as one dot a 128-column block where one group spans it (_w4_block_wide; session 14:
 # 19–36% faster at 16–128 rows on the 7B shapes than a dot a 16-column slice), and groups of 64 and 32 one dot each
-# (_span_wide; session 15, g = 64: 15–26% faster at 16–32 rows on the 7B shapes than a dot a slice).
+# (_span_wide; session 15: at 16–32 rows on the 7B shapes 15–26% faster than a dot a slice at g = 64, 8–19% at 32).
 # SPEAR_W4_DOT_WIDE=1 keeps the slices for groups under 128, =0 everywhere.
 _DOT_WIDE_ENV = os.environ.get("SPEAR_W4_DOT_WIDE", "2")
 if _DOT_WIDE_ENV not in ("0", "1", "2"):
@@ -93,28 +93,11 @@ def _pair_bits(src, HI: tl.constexpr):
 
 
 @triton.jit
-def _slice_f16(words, words8, jj: tl.constexpr, off_lo, off_hi, BN: tl.constexpr):
-    """q − z [BN, 16] fp16 of slice 4 h + jj of a block, from the 8 words [BN, 8] of its half h and words8 =
-    words >> 8 (pack.py's pair layout: columns 2 p, 2 p + 1 at bits 4 jj, 16 + 4 jj of word p), with
-    off_lo = 1024 + z, off_hi = 64 + z. The pair's halves (_pair_bits of the word for jj < 2, else of words8) are
-    1024 + q for even jj, so q − z = that − off_lo (HADD2), and 1024 + 16 q for odd jj, so q − z = that / 16 −
-    off_hi (HFMA2): exact, two weights an instruction."""
-    if jj < 2:
-        src = words
-    else:
-        src = words8
-    lo, hi = _h2_unpack(_pair_bits(src, jj % 2 == 1))
-    v = tl.reshape(tl.join(lo, hi), (BN, 16))  # columns 2 p, 2 p + 1 side by side
-    if jj % 2 == 1:
-        v = v * 0.0625 - off_hi
-    else:
-        v = v - off_lo
-    return v
-
-
-@triton.jit
 def _plane(src, off_lo, off_hi, jj: tl.constexpr):
-    """q − z of plane jj of code words src [BN, W] (_slice_f16's arithmetic): [BN, W, 2], the pair (bit 0, 1)."""
+    """q − z [BN, W, 2] of plane jj of code words src [BN, W] (pack.py's pair layout: columns 2 p, 2 p + 1 at bits
+    4 jj, 16 + 4 jj of word p; src is words >> 8 for jj ≥ 2), with off_lo = 1024 + z, off_hi = 64 + z. The pair's
+    halves (_pair_bits) are 1024 + q for even jj, so q − z = that − off_lo (HADD2), and 1024 + 16 q for odd jj, so
+    q − z = that / 16 − off_hi (HFMA2): exact, two weights an instruction."""
     lo, hi = _h2_unpack(_pair_bits(src, jj % 2 == 1))
     if jj % 2 == 1:
         lo = lo * 0.0625 - off_hi
@@ -126,10 +109,21 @@ def _plane(src, off_lo, off_hi, jj: tl.constexpr):
 
 
 @triton.jit
+def _slice_f16(words, words8, jj: tl.constexpr, off_lo, off_hi, BN: tl.constexpr):
+    """q − z [BN, 16] fp16 of slice 4 h + jj of a block, from the 8 words [BN, 8] of its half h and words8 =
+    words >> 8: _plane's pairs side by side (columns 2 p, 2 p + 1)."""
+    if jj < 2:
+        src = words
+    else:
+        src = words8
+    return tl.reshape(_plane(src, off_lo, off_hi, jj), (BN, 16))
+
+
+@triton.jit
 def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN: tl.constexpr):
     """acc + Σ (q − z) x over one block as one tensor-core dot over its 128 columns (one z a row: per-channel, or the
     block's group where one spans it; the caller applies the scale): the four planes of the 16 words
-    (_slice_f16's pair layout) joined and put back in column order (64 h + 16 jj + 2 p + bit), so that the dot's
+    (_plane) joined and put back in column order (64 h + 16 jj + 2 p + bit), so that the dot's
     k-steps follow each other without a fence and a wait between slices."""
     words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
                     mask=mask_n[:, None], other=0)  # [BN, 16] int32: word 8 h + p
@@ -1460,19 +1454,35 @@ class _Scratch:
 _SCRATCH = _Scratch()
 
 
-def dequantize_w4_into(w: PackedW4, out: torch.Tensor, block_n: int = 64) -> torch.Tensor:
-    """Write W_hat [N, K] (fp16, bit-exact with the record's dequantize) into `out` (any row stride)."""
-    n, kw = w.qweight.shape
+def dequantize_w4_into(w: PackedW4, out: torch.Tensor, block_n: int = 64, rows: slice = slice(None)) -> torch.Tensor:
+    """Write W_hat[rows] [n, K] (fp16, bit-exact with the record's dequantize) into `out` (any row stride)."""
+    qweight, scales, zeros = w.qweight[rows], w.scales[rows], w.zeros[rows]  # whole rows: views, no copy
+    n, kw = qweight.shape
     _dequant_kernel[(triton.cdiv(n, block_n), kw // 16)](
-        w.qweight, w.scales, w.zeros, out, n, w.in_features, kw, w.scales.shape[1], w.group_size, out.stride(0),
+        qweight, scales, zeros, out, n, w.in_features, kw, scales.shape[1], w.group_size, out.stride(0),
         BN=block_n, num_warps=4,
     )
     return out
 
 
+# The prefill path's dequantized weight in chunks of rows that stay in the L2 cache (lab: SPEAR_W4_PREFILL_CHUNK_MB,
+# MB of fp16 a chunk; 0, the default until timed: the whole weight at once). Each chunk is dequantized into the same
+# scratch and multiplied at once, so the GEMM reads it from L2 and the next chunk overwrites it there: the fp16
+# weight need not go to HBM and back (at 1024 rows that round trip was most of W4's 0.71–0.74× of fp16 cuBLAS).
+PREFILL_CHUNK_BYTES = int(os.environ.get("SPEAR_W4_PREFILL_CHUNK_MB", "0")) << 20
+
+
+def prefill_chunk_rows(n: int, k: int, chunk_bytes: int) -> int:
+    """Rows of W_hat [n, k] a prefill chunk takes: chunk_bytes of fp16 in whole multiples of 128 rows (all n at 0)."""
+    if chunk_bytes <= 0:
+        return n
+    return min(n, max(128, chunk_bytes // (2 * k) // 128 * 128))
+
+
 def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] for many rows: dequantize W once into scratch, then one cuBLAS GEMM.
+               out: torch.Tensor | None = None, chunk_bytes: int | None = None) -> torch.Tensor:
+    """y [M, N] for many rows: dequantize W once into scratch, then one cuBLAS GEMM; or chunk by chunk of W's rows
+    (`chunk_bytes` of fp16 each, None: PREFILL_CHUNK_BYTES), each GEMM writing its columns of y.
 
     With an EC (semi-fused): on CUDA the rank-space kernel computes g = gamma(A x) ⊙ A x on a side
     stream while the main stream dequantizes and multiplies; then y += g (alpha·B)ᵀ. Measured on the
@@ -1488,8 +1498,20 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
         with torch.cuda.stream(side):
             g = ec_rank(x, ec)
         g.record_stream(main)
-    w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
-    y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+    rows = prefill_chunk_rows(n, k, PREFILL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+    scratch = _SCRATCH.get(x.device, rows, k)
+    if rows == n:
+        w_hat = dequantize_w4_into(w, scratch)
+        y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+    else:
+        y = out if out is not None else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        for n0 in range(0, n, rows):
+            cut = slice(n0, min(n, n0 + rows))
+            w_hat = dequantize_w4_into(w, scratch[: cut.stop - n0], rows=cut)
+            if bias is None:  # y[:, cut] is a strided view: cuBLAS writes it in place (its leading dimension is N)
+                torch.mm(x, w_hat.t(), out=y[:, cut])
+            else:
+                torch.addmm(bias[cut], x, w_hat.t(), out=y[:, cut])
     if ec is not None:
         if main is not None:
             main.wait_stream(side)
