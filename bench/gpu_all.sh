@@ -17,7 +17,6 @@
 #   or, with FINAL14=1 (nvidia-h200-x2), session 14's last call: the TP grid at TP 2, the engine on 7B and 8B;
 #   or, with S15=1 (nvidia-h200-x2), session 15: the 13B TP grid, the grouped wide loop at g = 32, the GPU tests;
 #   or, with NCCLAB=1 (nvidia-h200-x2), session 15: NCCL_PROTO for the TP all-reduces (13B fp16 and W4);
-#   or, with PREFILL=1 (one GPU), session 15: the prefill path's dequantized weight in L2-sized chunks;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -207,12 +206,6 @@ elif [ "${NCCLAB:-0}" = 1 ]; then  # session 15, nvidia-h200-x2: NCCL's protocol
      timeout $left python bench/tp_decode.py --tp 2 --models llama2-13b --settings fp16 w4 --reductions collective \
        --time-limit $((left - 30)) --json "$out/tp_nccl_${proto}_$SECONDS.json") > $log/6_tp_${proto}_$SECONDS.log 2>&1
   done
-elif [ "${PREFILL:-0}" = 1 ]; then  # session 15, one GPU: the prefill path's fp16 weight in L2-sized chunks
-  # (SPEAR_W4_PREFILL_CHUNK_MB) against the whole weight and cuBLAS fp16, after the GPU tests of the prefill path
-  timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py -k "prefill or dequant" \
-    > $log/1_tests.log 2>&1
-  timeout $((570 - SECONDS)) python bench/prefill_chunks.py --json "$out/prefill_chunks_h200.json" \
-    > $log/3_prefill_chunks.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

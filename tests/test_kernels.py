@@ -369,12 +369,7 @@ def test_prefill_kernel_matches_reference(group, with_ec, gen):
     bias = torch.randn(n, generator=gen).half().to(DEVICE) if with_ec else None
     x = torch.randn(m, k, generator=gen).half().to(DEVICE)
     ref = w4_linear_ref(x, packed, ec, bias)
-    whole = w4_prefill(x, packed, ec, bias, out=poisoned(m, n), chunk_bytes=0)
-    assert_close(whole, ref, f"prefill g={group} ec={with_ec}")
-    # W_hat in chunks of 128 rows (two: 128 + 64), each GEMM writing its columns of y in place
-    chunked = w4_prefill(x, packed, ec, bias, out=poisoned(m, n), chunk_bytes=1)
-    assert_close(chunked, ref, f"chunked prefill g={group} ec={with_ec}")
-    assert torch.equal(chunked, whole), "the chunks' GEMMs change the result"
+    assert_close(w4_prefill(x, packed, ec, bias, out=poisoned(m, n)), ref, f"prefill g={group} ec={with_ec}")
     y = w4_prefill_fused(x, packed, ec, bias, SMALL_PREFILL, out=poisoned(m, n))
     assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
 
@@ -387,9 +382,6 @@ def test_dequantize_kernel_is_bit_exact(gen):
         dequantize_w4_into(packed, out[:, :576])
         assert torch.equal(out[:, :576].cpu(), record.dequantize(torch.float16)), f"g={group}; seed {SEED}"
         assert out[:, 576:].isnan().all()
-        rows = torch.full((64, 576), float("nan"), dtype=torch.float16, device=DEVICE)  # rows 32 .. 95 alone
-        dequantize_w4_into(packed, rows, rows=slice(32, 96))
-        assert torch.equal(rows.cpu(), record.dequantize(torch.float16)[32:96]), f"rows, g={group}; seed {SEED}"
 
 
 def test_rank_kernel_matches_reference(gen):

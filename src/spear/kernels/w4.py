@@ -1454,35 +1454,19 @@ class _Scratch:
 _SCRATCH = _Scratch()
 
 
-def dequantize_w4_into(w: PackedW4, out: torch.Tensor, block_n: int = 64, rows: slice = slice(None)) -> torch.Tensor:
-    """Write W_hat[rows] [n, K] (fp16, bit-exact with the record's dequantize) into `out` (any row stride)."""
-    qweight, scales, zeros = w.qweight[rows], w.scales[rows], w.zeros[rows]  # whole rows: views, no copy
-    n, kw = qweight.shape
+def dequantize_w4_into(w: PackedW4, out: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """Write W_hat [N, K] (fp16, bit-exact with the record's dequantize) into `out` (any row stride)."""
+    n, kw = w.qweight.shape
     _dequant_kernel[(triton.cdiv(n, block_n), kw // 16)](
-        qweight, scales, zeros, out, n, w.in_features, kw, scales.shape[1], w.group_size, out.stride(0),
+        w.qweight, w.scales, w.zeros, out, n, w.in_features, kw, w.scales.shape[1], w.group_size, out.stride(0),
         BN=block_n, num_warps=4,
     )
     return out
 
 
-# The prefill path's dequantized weight in chunks of rows that stay in the L2 cache (lab: SPEAR_W4_PREFILL_CHUNK_MB,
-# MB of fp16 a chunk; 0, the default until timed: the whole weight at once). Each chunk is dequantized into the same
-# scratch and multiplied at once, so the GEMM reads it from L2 and the next chunk overwrites it there: the fp16
-# weight need not go to HBM and back (at 1024 rows that round trip was most of W4's 0.71–0.74× of fp16 cuBLAS).
-PREFILL_CHUNK_BYTES = int(os.environ.get("SPEAR_W4_PREFILL_CHUNK_MB", "0")) << 20
-
-
-def prefill_chunk_rows(n: int, k: int, chunk_bytes: int) -> int:
-    """Rows of W_hat [n, k] a prefill chunk takes: chunk_bytes of fp16 in whole multiples of 128 rows (all n at 0)."""
-    if chunk_bytes <= 0:
-        return n
-    return min(n, max(128, chunk_bytes // (2 * k) // 128 * 128))
-
-
 def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, chunk_bytes: int | None = None) -> torch.Tensor:
-    """y [M, N] for many rows: dequantize W once into scratch, then one cuBLAS GEMM; or chunk by chunk of W's rows
-    (`chunk_bytes` of fp16 each, None: PREFILL_CHUNK_BYTES), each GEMM writing its columns of y.
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] for many rows: dequantize W once into scratch, then one cuBLAS GEMM.
 
     With an EC (semi-fused): on CUDA the rank-space kernel computes g = gamma(A x) ⊙ A x on a side
     stream while the main stream dequantizes and multiplies; then y += g (alpha·B)ᵀ. Measured on the
@@ -1498,20 +1482,8 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
         with torch.cuda.stream(side):
             g = ec_rank(x, ec)
         g.record_stream(main)
-    rows = prefill_chunk_rows(n, k, PREFILL_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
-    scratch = _SCRATCH.get(x.device, rows, k)
-    if rows == n:
-        w_hat = dequantize_w4_into(w, scratch)
-        y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
-    else:
-        y = out if out is not None else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        for n0 in range(0, n, rows):
-            cut = slice(n0, min(n, n0 + rows))
-            w_hat = dequantize_w4_into(w, scratch[: cut.stop - n0], rows=cut)
-            if bias is None:  # y[:, cut] is a strided view: cuBLAS writes it in place (its leading dimension is N)
-                torch.mm(x, w_hat.t(), out=y[:, cut])
-            else:
-                torch.addmm(bias[cut], x, w_hat.t(), out=y[:, cut])
+    w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
+    y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
     if ec is not None:
         if main is not None:
             main.wait_stream(side)
