@@ -17,6 +17,7 @@
 #   or, with FINAL14=1 (nvidia-h200-x2), session 14's last call: the TP grid at TP 2, the engine on 7B and 8B;
 #   or, with S15=1 (nvidia-h200-x2), session 15: the 13B TP grid, the grouped wide loop at g = 32, the GPU tests;
 #   or, with NCCLAB=1 (nvidia-h200-x2), session 15: NCCL_PROTO for the TP all-reduces (13B fp16 and W4);
+#   or, with LAB15=1 (nvidia-h200-x2), session 15: attention's keys a step (SPEAR_ATTN_BLOCK_N), the fused prefill;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -206,6 +207,19 @@ elif [ "${NCCLAB:-0}" = 1 ]; then  # session 15, nvidia-h200-x2: NCCL's protocol
      timeout $left python bench/tp_decode.py --tp 2 --models llama2-13b --settings fp16 w4 --reductions collective \
        --time-limit $((left - 30)) --json "$out/tp_nccl_${proto}_$SECONDS.json") > $log/6_tp_${proto}_$SECONDS.log 2>&1
   done
+elif [ "${LAB15:-0}" = 1 ]; then  # session 15's last call, nvidia-h200-x2: decode attention's keys a step
+  # (SPEAR_ATTN_BLOCK_N 64, the default, vs 32) through the engine, and the fused prefill GEMM with the wide loop
+  attn() {  # BLOCK_N
+    SPEAR_ATTN_BLOCK_N=$1 timeout $2 python bench/decode.py --models llama2-7b --settings w4 --batches 1 8 16 \
+      --json "$out/decode_h200_attn$1_gpu$CUDA_VISIBLE_DEVICES.json" > $log/2_decode_attn$1_gpu$CUDA_VISIBLE_DEVICES.log 2>&1
+  }
+  (export CUDA_VISIBLE_DEVICES=0 SPEAR_TUNE_CACHE=/tmp/tune_gpu0.json
+   attn 64 230; attn 32 $((490 - SECONDS))) &
+  (export CUDA_VISIBLE_DEVICES=1 SPEAR_TUNE_CACHE=/tmp/tune_gpu1.json
+   for w in 2 0; do SPEAR_W4_DOT_WIDE=$w timeout 110 python bench/prefill_lab.py \
+     --json "$out/prefill_lab_h200_wide$w.json" > $log/3_prefill_lab_wide$w.log 2>&1; done
+   attn 32 $((490 - SECONDS))) &
+  wait
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

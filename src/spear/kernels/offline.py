@@ -179,6 +179,10 @@ def variants() -> dict[str, tuple]:
     out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
     out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                             dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True), 4)
+    for spg in (8, 4):  # the wide dot loop (one dot a block, or a group of 64) in the prefill tile GEMM
+        out[f"prefill_fused wide=2 spg={spg}"] = (
+            w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8, WIDE=2), 8)
     for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
         out[f"ec_epilogue ec={has_ec}"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32,
                                                                              "out_ptr": F16, "bias_ptr": F16},

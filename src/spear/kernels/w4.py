@@ -1067,6 +1067,7 @@ def _w4_prefill_kernel(
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    WIDE: tl.constexpr = 0,
 ):
     # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
@@ -1083,7 +1084,7 @@ def _w4_prefill_kernel(
     mask_n = offs_n < N
     # yᵀ tile: the dequantized weight is the dot's first operand
     acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
-                       group_size, SPG, BN, BM, PER_CHANNEL)
+                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE)
     g = tl.zeros((BM, R), dtype=tl.float32)
     if HAS_EC:
         offs_r = tl.arange(0, R)
@@ -1431,7 +1432,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
         BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
-        PER_CHANNEL=w.scales.shape[1] == 1,
+        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
