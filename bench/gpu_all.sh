@@ -18,6 +18,7 @@
 #   or, with S15=1 (nvidia-h200-x2), session 15: the 13B TP grid, the grouped wide loop at g = 32, the GPU tests;
 #   or, with NCCLAB=1 (nvidia-h200-x2), session 15: NCCL_PROTO for the TP all-reduces (13B fp16 and W4);
 #   or, with LAB15=1 (nvidia-h200-x2), session 15: attention's keys a step (SPEAR_ATTN_BLOCK_N), the fused prefill;
+#   or, with FINAL15=1 (nvidia-h200-x2), session 15's last call: attention 16 vs 32 keys a step, the prefill GEMM;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -219,6 +220,22 @@ elif [ "${LAB15:-0}" = 1 ]; then  # session 15's last call, nvidia-h200-x2: deco
    for w in 2 0; do SPEAR_W4_DOT_WIDE=$w timeout 110 python bench/prefill_lab.py \
      --json "$out/prefill_lab_h200_wide$w.json" > $log/3_prefill_lab_wide$w.log 2>&1; done
    attn 32 $((490 - SECONDS))) &
+  wait
+elif [ "${FINAL15:-0}" = 1 ]; then  # session 15's last call, nvidia-h200-x2 (about 5 minutes): GPU 0 attention's
+  # keys a step 16 vs 32 (the new default) through the engine, then the GPU tests of the changed paths; GPU 1 the
+  # prefill tile GEMM on 70B shapes and at 4096 rows, and at g = 128, then the engine's GPU tests
+  (export CUDA_VISIBLE_DEVICES=0 SPEAR_TUNE_CACHE=/tmp/tune_gpu0.json
+   for b in 16 32; do SPEAR_ATTN_BLOCK_N=$b timeout 120 python bench/decode.py --models llama2-7b --settings w4 \
+     --batches 1 8 16 32 --json "$out/decode_h200_attn$b.json" > $log/2_decode_attn$b.log 2>&1; done
+   timeout $((310 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
+     tests/test_runtime_ops.py -k "prefill or dispatch or dequant or attention or rope" > $log/1_tests_kernels.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   timeout 110 python bench/prefill_lab.py --shapes 70b/gate_up 70b/down 7b/qkv_fused --ms 1024 4096 \
+     --json "$out/prefill_lab_h200_70b.json" > $log/3_prefill_lab_70b.log 2>&1
+   timeout 60 python bench/prefill_lab.py --group-size 128 --shapes 7b/gate_up_fused 7b/down --ms 256 1024 \
+     --json "$out/prefill_lab_h200_g128.json" > $log/3_prefill_lab_g128.log 2>&1
+   timeout $((310 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -q tests/test_runtime_engine.py \
+     > $log/1_tests_engine.log 2>&1) &
   wait
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B

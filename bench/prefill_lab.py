@@ -4,7 +4,7 @@ anywhere, the fused GEMM is worth taking. Run it once per dot loop (SPEAR_W4_DOT
 
     SPEAR_W4_DOT_WIDE=2 python bench/prefill_lab.py --json bench/results/prefill_lab_h200_wide2.json
 
-Random per-channel weights in the 7B engine's shapes; each fused config is checked against the prefill path, then
+Random weights (per-channel unless --group-size) in the 7B engine's shapes; each fused config is checked against the prefill path, then
 timed as kernels.py times (median over CUDA-graph replays over enough weight copies to overflow L2). A table is printed
 last; --json writes every config's µs.
 """
@@ -26,25 +26,26 @@ from triton.runtime.errors import OutOfResources
 from common import LAB_SHAPES, provenance, write_json
 from spear.kernels.pack import pack_w4
 from spear.kernels.timing import time_in_graph
-from spear.kernels.w4 import PREFILL_CANDIDATES, w4_prefill, w4_prefill_fused
+from spear.kernels.w4 import PREFILL_CANDIDATES, w4_linear, w4_prefill, w4_prefill_fused
 from spear.quant.record import QuantConfig, rtn_quantize
 
 L2_FLUSH_BYTES = 256 << 20  # as bench/kernels.py
 
 
-def bench_shape(name: str, ms: list[int], log) -> list[dict]:
+def bench_shape(name: str, ms: list[int], group_size: int, log) -> list[dict]:
     n, k = LAB_SHAPES[name]
     w_fp = torch.randn(n, k, device="cuda", dtype=torch.float16)
-    packed = pack_w4(rtn_quantize(w_fp, QuantConfig(4, -1)))
+    packed = pack_w4(rtn_quantize(w_fp, QuantConfig(4, group_size)))
     fps = [w_fp] + [w_fp.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k))) - 1)]
     w4s = [packed] + [packed.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes())) - 1)]
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         ref = w4_prefill(x, packed).float()
-        row = {"shape": name, "N": n, "K": k, "M": m,
+        row = {"shape": name, "N": n, "K": k, "M": m, "group_size": group_size,
                "fp16_cublas": time_in_graph([lambda w=w, x=x: x @ w.t() for w in fps]),
-               "w4_dequant_cublas": time_in_graph([lambda w=w, x=x: w4_prefill(x, w) for w in w4s]), "fused": []}
+               "w4_dequant_cublas": time_in_graph([lambda w=w, x=x: w4_prefill(x, w) for w in w4s]),
+               "w4_linear": time_in_graph([lambda w=w, x=x: w4_linear(x, w) for w in w4s]), "fused": []}
         for cfg in PREFILL_CANDIDATES:
             try:
                 y = w4_prefill_fused(x, packed, cfg=cfg).float()
@@ -57,6 +58,7 @@ def bench_shape(name: str, ms: list[int], log) -> list[dict]:
         best = min(row["fused"], key=lambda f: f["us"])
         row["fused_best_us"] = best["us"]
         log(f"{name:18} M={m:<5} fp16 {row['fp16_cublas']:8.1f}  dequant+cuBLAS {row['w4_dequant_cublas']:8.1f}  "
+            f"w4_linear {row['w4_linear']:8.1f}  "
             f"fused best {best['us']:8.1f} {best['config']} (rel err {best['rel_err']:.1e})")
         rows.append(row)
     return rows
@@ -67,18 +69,19 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["7b/qkv_fused", "7b/gate_up_fused", "7b/down"],
                    choices=list(LAB_SHAPES))
     p.add_argument("--ms", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--group-size", type=int, default=-1, help="-1: per-channel (default)")
     p.add_argument("--json", default="bench/results/prefill_lab.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("prefill_lab.py: needs a CUDA GPU")
     rows = []
     for name in args.shapes:
-        rows += bench_shape(name, args.ms, lambda line: print(line, flush=True))
+        rows += bench_shape(name, args.ms, args.group_size, lambda line: print(line, flush=True))
         write_json(args.json, {"provenance": provenance(), "rows": rows})
-    print("\nthroughput / cuBLAS fp16: dequant + cuBLAS, the best fused config")
+    print("\nthroughput / cuBLAS fp16: dequant + cuBLAS, the best fused config, w4_linear (the dispatch)")
     for row in rows:
         print(f"{row['shape']:18} {row['M']:>5} {row['fp16_cublas'] / row['w4_dequant_cublas']:6.2f} "
-              f"{row['fp16_cublas'] / row['fused_best_us']:6.2f}")
+              f"{row['fp16_cublas'] / row['fused_best_us']:6.2f} {row['fp16_cublas'] / row['w4_linear']:6.2f}")
 
 
 if __name__ == "__main__":

@@ -393,7 +393,7 @@ def test_rank_kernel_matches_reference(gen):
         assert_close(g, ec_gated_rank_ref(x, ec), f"rank kernel gated={gated}", rtol=5e-3)
 
 
-def test_dispatch_by_rows_and_the_shared_layer(gen):
+def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
     """w4_linear picks the decode kernel or the prefill path by M; SpearLinear.use_kernels routes through it on
     CUDA."""
     n, k = 128, 192
@@ -408,6 +408,8 @@ def test_dispatch_by_rows_and_the_shared_layer(gen):
         ref = w4_linear_ref(x.reshape(-1, k), w, ec, bias).view(2, m, n)
         assert_close(w4_linear(x, w, ec, bias), ref, f"dispatch m={m}")
         assert_close(layer(x), ref, f"SpearLinear m={m}", rtol=5e-3)  # CPU: the PyTorch backend; CUDA: the kernels
+    monkeypatch.setattr(w4_module, "FUSED_PREFILL_MAX_M", 139)  # 140 rows: dequantize + cuBLAS, not the tile GEMM
+    assert_close(w4_linear(x, w, ec, bias), ref, "dispatch past FUSED_PREFILL_MAX_M")
     assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()
 
 

@@ -25,10 +25,13 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   slower at every shape and row count on the H200: BENCHMARKS.md §4, session 5.) The epilogue may
   also do the layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of stacked [gate; up]): a tile
   then gathers rows of the two halves (BN / 2 rows of gate and the same rows of up).
-* prefill (M > DECODE_PATH_MAX_M): the weight is dequantized once into scratch and multiplied by cuBLAS;
-  the EC's rank-space kernel (A x and the gate MLP) runs on a side stream beside it, then
-  y += g (alpha·B)ᵀ. A fully fused Triton tile GEMM (dequantize in the main loop, EC in the
-  epilogue) is kept as `w4_prefill_fused`; it measured 3–9× slower than cuBLAS.
+* prefill (M > DECODE_PATH_MAX_M): up to FUSED_PREFILL_MAX_M rows, one Triton tile GEMM that dequantizes in
+  its main loop (the decode kernel's dot loop: one tensor-core dot a 128-column block or a group) with
+  (alpha·B) g added in its epilogue, g from the EC's rank-space kernel (`w4_prefill_fused`); beyond that the
+  weight is dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a side stream
+  beside it, then y += g (alpha·B)ᵀ (`w4_prefill`). With the wide dot loop the tile GEMM took 0.57–0.88× of
+  cuBLAS fp16's time where dequantize + cuBLAS took 0.42–0.81× (7B shapes, 256–2048 rows, session 15;
+  before the wide loop it was 3–9× slower than cuBLAS).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
 # dequantize + cuBLAS (the fp16 weight written and read again, twice the fp16 GEMM's traffic).
 DECODE_PATH_MAX_M = 128
+# Prefill rows up to which w4_linear takes the tile GEMM (w4_prefill_fused): the most it was timed at against
+# dequantize + cuBLAS, and faster on every 7B shape (bench/prefill_lab.py, BENCHMARKS §4 session 15).
+FUSED_PREFILL_MAX_M = 2048
 TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
 # Each decode launch with an EC advances the workspace's reads count by 2^READS_SHIFT (its tiles' shares), so that
 # the count's high bits are the launch's epoch, the tag of g's cells (the kernel's comment); a launch has fewer tiles.
@@ -1416,14 +1422,13 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
     """y [M, N] for any M from one Triton tensor-core GEMM that dequantizes in its main loop, with
     (alpha·B) g added in its epilogue; g (from `ec_rank`) may be passed in, else it is computed here.
 
-    Measured on the H200 it runs at 0.1–0.4× cuBLAS fp16 (BENCHMARKS.md §4), so `w4_prefill`
-    (dequantize once, then cuBLAS) is the prefill path; this one is kept as the benchmark's variant.
+    Untuned, the config is prefill_config(m)'s.
     """
     m, k = x.shape
     n = w.out_features
     if ec is not None and g is None:
         g = ec_rank(x, ec)
-    cfg = cfg or _TUNED.get(_tune_key(w, m), PrefillConfig())
+    cfg = cfg or _TUNED.get(_tune_key(w, m)) or prefill_config(m)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _w4_prefill_kernel[grid](
@@ -1436,6 +1441,13 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def prefill_config(m: int) -> PrefillConfig:
+    """The tile GEMM's untuned config for m rows: 128 × 128 tiles, 128 × 256 from 1024 rows (session 15's fastest
+    of PREFILL_CANDIDATES on the 7B shapes at 256–2048 rows, within 17% of each row's best and faster than dequantize +
+    cuBLAS at every one, bench/prefill_lab.py)."""
+    return PrefillConfig(block_n=256) if m >= 1024 else PrefillConfig()
 
 
 class _Scratch:
@@ -1504,12 +1516,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Phase-adaptive dispatch by rows: the decode kernel up to DECODE_PATH_MAX_M rows, else the prefill path."""
+    """Phase-adaptive dispatch by rows: the decode kernel up to DECODE_PATH_MAX_M rows, the prefill tile GEMM up to
+    FUSED_PREFILL_MAX_M, else dequantize + cuBLAS."""
     x2 = _flatten(x)
     if x2.dtype != torch.float16:
         raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
-    if x2.shape[0] > DECODE_PATH_MAX_M:
+    if x2.shape[0] > FUSED_PREFILL_MAX_M:
         y = w4_prefill(x2, w, ec, bias)
+    elif x2.shape[0] > DECODE_PATH_MAX_M:
+        y = w4_prefill_fused(x2, w, ec, bias)
     else:
         y = w4_decode(x2, w, ec, bias)
     return y.view(*x.shape[:-1], w.out_features)
