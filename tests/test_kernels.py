@@ -374,6 +374,15 @@ def test_prefill_kernel_matches_reference(group, with_ec, gen):
     assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
 
 
+def test_prefill_tile_gemm_config_follows_rows_and_scales():
+    """Untuned, the prefill tile GEMM widens its tile to 128 × 256 from 1024 rows, per-channel only (with groups the
+    wide tile's per-group scale FMAs made it 1.8–2.4× slower on the H200, BENCHMARKS §4 session 15)."""
+    from spear.kernels.w4 import prefill_config
+
+    assert (prefill_config(512, True).block_n, prefill_config(1024, True).block_n) == (128, 256)
+    assert prefill_config(2048, False).block_n == 128
+
+
 def test_dequantize_kernel_is_bit_exact(gen):
     for group in (-1, 32, 64):
         record = random_w4(128, 576, group, gen, sym=group != 32)

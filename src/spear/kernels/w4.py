@@ -29,9 +29,9 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   its main loop (the decode kernel's dot loop: one tensor-core dot a 128-column block or a group) with
   (alpha·B) g added in its epilogue, g from the EC's rank-space kernel (`w4_prefill_fused`); beyond that the
   weight is dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a side stream
-  beside it, then y += g (alpha·B)ᵀ (`w4_prefill`). With the wide dot loop the tile GEMM took 0.57–0.88× of
-  cuBLAS fp16's time where dequantize + cuBLAS took 0.42–0.81× (7B shapes, 256–2048 rows, session 15;
-  before the wide loop it was 3–9× slower than cuBLAS).
+  beside it, then y += g (alpha·B)ᵀ (`w4_prefill`). With the wide dot loop the tile GEMM ran at 0.57–0.92× of
+  cuBLAS fp16's throughput where dequantize + cuBLAS ran at 0.42–0.81× (per-channel, 7B and 70B shapes, 256–2048
+  rows, session 15; before the wide loop it was 3–9× slower than cuBLAS). At 4096 rows dequantize + cuBLAS is ahead.
 """
 
 from __future__ import annotations
@@ -1422,13 +1422,13 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
     """y [M, N] for any M from one Triton tensor-core GEMM that dequantizes in its main loop, with
     (alpha·B) g added in its epilogue; g (from `ec_rank`) may be passed in, else it is computed here.
 
-    Untuned, the config is prefill_config(m)'s.
+    Untuned, the config is prefill_config's.
     """
     m, k = x.shape
     n = w.out_features
     if ec is not None and g is None:
         g = ec_rank(x, ec)
-    cfg = cfg or _TUNED.get(_tune_key(w, m)) or prefill_config(m)
+    cfg = cfg or _TUNED.get(_tune_key(w, m)) or prefill_config(m, w.scales.shape[1] == 1)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _w4_prefill_kernel[grid](
@@ -1443,11 +1443,12 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
     return y
 
 
-def prefill_config(m: int) -> PrefillConfig:
-    """The tile GEMM's untuned config for m rows: 128 × 128 tiles, 128 × 256 from 1024 rows (session 15's fastest
-    of PREFILL_CANDIDATES on the 7B shapes at 256–2048 rows, within 17% of each row's best and faster than dequantize +
-    cuBLAS at every one, bench/prefill_lab.py)."""
-    return PrefillConfig(block_n=256) if m >= 1024 else PrefillConfig()
+def prefill_config(m: int, per_channel: bool) -> PrefillConfig:
+    """The tile GEMM's untuned config for m rows: 128 × 128 tiles; 128 × 256 from 1024 rows with per-channel scales.
+    Session 15 (bench/prefill_lab.py): per-channel, this was within 17% of each row's best of PREFILL_CANDIDATES on the
+    7B shapes at 256–2048 rows, and faster than dequantize + cuBLAS at every one; with groups of 128 the wide tile's
+    per-group scale FMAs on a 128 × 256 float32 tile made it 1.8–2.4× slower than 128 × 128 at 1024 rows."""
+    return PrefillConfig(block_n=256) if m >= 1024 and per_channel else PrefillConfig()
 
 
 class _Scratch:
