@@ -667,16 +667,12 @@ def _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, k_l
         for jj in tl.static_range(4):
             pairs = _x_pairs(x_ptr, 0, M, stride_xm, kb, jj, K, BKW, EVEN)[None, :]  # row 0: M ≥ 1
             p0, p1, p2, p3 = _split_words(pairs, 1, BKW, WC)
-            if jj == 0:
-                h = _h2_word_plane(h, w0, w1, w2, w3, off_lo, p0, p1, p2, p3, False, True, ASM, WC)
-            elif jj == 1:
+            if jj == 2:  # planes 2, 3: the pairs at bits 8–15 and 24–31
+                w0, w1, w2, w3 = w0 >> 8, w1 >> 8, w2 >> 8, w3 >> 8
+            if jj % 2 == 1:
                 h = _h2_word_plane(h, w0, w1, w2, w3, off_hi, p0, p1, p2, p3, True, False, ASM, WC)
-            elif jj == 2:  # planes 2, 3: the pairs at bits 8–15 and 24–31
-                h = _h2_word_plane(h, w0 >> 8, w1 >> 8, w2 >> 8, w3 >> 8, off_lo, p0, p1, p2, p3, False, False, ASM,
-                                   WC)
             else:
-                h = _h2_word_plane(h, w0 >> 8, w1 >> 8, w2 >> 8, w3 >> 8, off_hi, p0, p1, p2, p3, True, False, ASM,
-                                   WC)
+                h = _h2_word_plane(h, w0, w1, w2, w3, off_lo, p0, p1, p2, p3, False, jj == 0, ASM, WC)
         lo, hi = _h2_f32(h, ASM)
         acc += lo + hi
     return acc
