@@ -205,7 +205,7 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
     ok = i < HALF
     theta = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=ok, other=0.0)  # [BLOCK_HALF]
     cos, sin = tl.cos(theta), tl.sin(theta)
-    slot = tl.load(slots_ptr + t)
+    slot = tl.load(slots_ptr + t, mask=j >= H, other=0)  # key programs only (host-written: before the wait)
     pdl_enter(PDL)
     D: tl.constexpr = 2 * HALF
     if j < H:
