@@ -138,9 +138,11 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
             us["w4_dequant_cublas"] = time_graph([lambda w=w, x=x: w4_prefill(x, w) for w in w4s])
             us["w4_ec_r32_decode_kernel"] = time_graph([lambda w=w, x=x: w4_decode(x, w, ecs[32]) for w in w4s])
             us["w4_ec_r32_dequant_cublas"] = time_graph([lambda w=w, x=x: w4_prefill(x, w, ecs[32]) for w in w4s])
-        if m > DECODE_KERNEL_MAX_M:
+        if m > DECODE_KERNEL_MAX_M:  # both prefill paths (w4_linear's switch at FUSED_PREFILL_MAX_M)
             us["w4_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w) for w in w4s])
             us["w4_ec_r32_fused_tiles"] = time_graph([lambda w=w, x=x: w4_prefill_fused(x, w, ecs[32]) for w in w4s])
+            us["w4_dequant_cublas"] = time_graph([lambda w=w, x=x: w4_prefill(x, w) for w in w4s])
+            us["w4_ec_r32_dequant_cublas"] = time_graph([lambda w=w, x=x: w4_prefill(x, w, ecs[32]) for w in w4s])
         row["w4_gbps"] = (packed.nbytes() + 2 * m * (n + k)) / us["w4"] / 1e3
         if m in timings:  # the tuner's five fastest decode configs (do_bench µs, cold L2, launch included)
             row["tuning"] = [(t, dataclasses.asdict(cfg)) for t, cfg in timings[m][:5]]

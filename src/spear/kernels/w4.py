@@ -57,8 +57,7 @@ from spear.kernels.pdl import (
 )
 
 DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
-# w4_linear's switch from the decode kernel (each weight word read once, converted once per 16 columns) to
-# dequantize + cuBLAS (the fp16 weight written and read again, twice the fp16 GEMM's traffic).
+# w4_linear's switch from the decode kernel (split-K, the EC fused) to the prefill tile GEMM.
 DECODE_PATH_MAX_M = 128
 # Prefill rows up to which w4_linear takes the tile GEMM (w4_prefill_fused): the most it was timed at against
 # dequantize + cuBLAS, and faster on every 7B shape (bench/prefill_lab.py, BENCHMARKS §4 session 15).
