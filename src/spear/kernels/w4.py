@@ -1053,11 +1053,13 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
                         mask=mask_n[:, None], other=0)  # [BN, 8]: slices 4 h .. 4 h + 3
         words8 = words >> 8
         for jj in tl.static_range(4):
-            offs_k = kb + 16 * (4 * h + jj) + tl.arange(0, 16)
+            first = kb + 16 * (4 * h + jj)  # a slice's 16 columns lie in one group (group sizes 32, 64, 128 n, K)
+            offs_k = first + tl.arange(0, 16)
             mask = mask_n[:, None] & (offs_k[None, :] < K)
-            g = offs_k // group_size
-            s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
-            z = tl.load(z_ptr + offs_n[:, None] * G + g[None, :], mask=mask, other=0.0)
+            g = first // group_size
+            mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (a slice past K is padding)
+            s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0)[:, None]  # one scale and zero a row
+            z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)[:, None]
             q = _slice_f16(words, words8, jj, 1024.0, 64.0, BN)  # q, exactly
             tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
