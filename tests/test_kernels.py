@@ -383,6 +383,14 @@ def test_prefill_tile_gemm_config_follows_rows_and_scales():
     assert prefill_config(2048, False).block_n == 128
 
 
+def test_prefill_tile_gemm_compiles_once_for_any_row_count():
+    """Triton specializes integer arguments that are multiples of 16; the tile GEMM's row count changes with every
+    prefill chunk, so it must not be specialized (else a compile mid-serving the first time M % 16 == 0)."""
+    from spear.kernels.w4 import _w4_prefill_kernel
+
+    assert [p.name for p in _w4_prefill_kernel.params if p.do_not_specialize] == ["M"]
+
+
 def test_dequantize_kernel_is_bit_exact(gen):
     for group in (-1, 32, 64):
         record = random_w4(128, 576, group, gen, sym=group != 32)

@@ -1064,7 +1064,9 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
             tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
 
-@triton.jit
+# M is not specialized: a prefill chunk's row count changes from step to step, and Triton would otherwise compile
+# a variant of this kernel the first time M is a multiple of 16 (seconds in the middle of serving).
+@triton.jit(do_not_specialize=["M"])
 def _w4_prefill_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
