@@ -91,3 +91,20 @@ def test_wide_dot_loop_issues_its_wgmma_without_a_fence_per_slice(report):
         grouped = max(report[f"decode rows=dot ec=True bn=128 spg={spg} wide=2"]["loops"],
                       key=lambda loop: dict(loop["mix"]).get("HGMMA.64x16x16.F32", 0))
         assert sum(n for op, n in dict(grouped["mix"]).items() if op.startswith("MEMBAR")) <= 8 // spg, grouped["mix"]
+
+
+def test_prefill_tile_gemm_takes_the_wide_dot_loop(report):
+    """The prefill tile GEMM (w4_prefill_fused, session 15) runs the decode kernel's wide loop: a 128-column block is
+    one dot (per-channel) or one a group of 64, so at most 2 fences a block where the slice loop had 8, and the
+    joined code planes stay in registers."""
+    def dot_loop(name: str) -> dict[str, int]:
+        return dict(max(report[name]["loops"], key=lambda loop: sum(n for op, n in loop["mix"] if op.startswith("HGMMA")))
+                    ["mix"])
+
+    def fences(ops: dict[str, int]) -> int:
+        return sum(n for op, n in ops.items() if op.startswith("MEMBAR"))
+
+    for spg in (8, 4):
+        ops = dot_loop(f"prefill_fused wide=2 spg={spg}")
+        assert fences(ops) <= 2 and not any(op.startswith("STS") for op in ops), ops
+    assert fences(dot_loop("prefill_fused")) == 8  # the slice loop, for contrast
