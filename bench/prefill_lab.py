@@ -3,6 +3,7 @@ prefill path (dequantize into scratch, then cuBLAS) and cuBLAS fp16, per config,
 anywhere, the fused GEMM is worth taking. Run it once per dot loop (SPEAR_W4_DOT_WIDE=2, the default, and =0):
 
     SPEAR_W4_DOT_WIDE=2 python bench/prefill_lab.py --json bench/results/prefill_lab_h200_wide2.json
+    python bench/prefill_lab.py --ec-rank 32 --json FILE        # W4+EC: g from the rank kernel, B in the epilogue
 
 Random weights (per-channel unless --group-size) in the 7B engine's shapes; each fused config is checked against the prefill path, then
 timed as kernels.py times (median over CUDA-graph replays over enough weight copies to overflow L2). A table is printed
@@ -24,7 +25,8 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from common import LAB_SHAPES, provenance, write_json
-from spear.kernels.pack import pack_w4
+from kernels import random_ec
+from spear.kernels.pack import pack_ec, pack_w4
 from spear.kernels.timing import time_in_graph
 from spear.kernels.w4 import PREFILL_CANDIDATES, w4_linear, w4_prefill, w4_prefill_fused
 from spear.quant.record import QuantConfig, rtn_quantize
@@ -32,25 +34,26 @@ from spear.quant.record import QuantConfig, rtn_quantize
 L2_FLUSH_BYTES = 256 << 20  # as bench/kernels.py
 
 
-def bench_shape(name: str, ms: list[int], group_size: int, log) -> list[dict]:
+def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> list[dict]:
     n, k = LAB_SHAPES[name]
     w_fp = torch.randn(n, k, device="cuda", dtype=torch.float16)
     packed = pack_w4(rtn_quantize(w_fp, QuantConfig(4, group_size)))
+    ec = pack_ec(random_ec(n, k, rank)) if rank else None  # W4+EC: g from the rank kernel, B in the epilogue
     fps = [w_fp] + [w_fp.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k))) - 1)]
     w4s = [packed] + [packed.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes())) - 1)]
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-        ref = w4_prefill(x, packed).float()
-        row = {"shape": name, "N": n, "K": k, "M": m, "group_size": group_size,
+        ref = w4_prefill(x, packed, ec).float()
+        row = {"shape": name, "N": n, "K": k, "M": m, "group_size": group_size, "ec_rank": rank,
                "fp16_cublas": time_in_graph([lambda w=w, x=x: x @ w.t() for w in fps]),
-               "w4_dequant_cublas": time_in_graph([lambda w=w, x=x: w4_prefill(x, w) for w in w4s]),
-               "w4_linear": time_in_graph([lambda w=w, x=x: w4_linear(x, w) for w in w4s]), "fused": []}
+               "w4_dequant_cublas": time_in_graph([lambda w=w, x=x: w4_prefill(x, w, ec) for w in w4s]),
+               "w4_linear": time_in_graph([lambda w=w, x=x: w4_linear(x, w, ec) for w in w4s]), "fused": []}
         for cfg in PREFILL_CANDIDATES:
             try:
-                y = w4_prefill_fused(x, packed, cfg=cfg).float()
+                y = w4_prefill_fused(x, packed, ec, cfg=cfg).float()
                 err = ((y - ref).norm() / ref.norm()).item()
-                us = time_in_graph([lambda w=w, x=x, cfg=cfg: w4_prefill_fused(x, w, cfg=cfg) for w in w4s])
+                us = time_in_graph([lambda w=w, x=x, cfg=cfg: w4_prefill_fused(x, w, ec, cfg=cfg) for w in w4s])
             except (OutOfResources, CompilationError) as e:  # not a config for this GPU
                 log(f"  {cfg}: {type(e).__name__}")
                 continue
@@ -70,13 +73,14 @@ def main() -> None:
                    choices=list(LAB_SHAPES))
     p.add_argument("--ms", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--group-size", type=int, default=-1, help="-1: per-channel (default)")
+    p.add_argument("--ec-rank", type=int, default=0, help="W4+EC with a gated EC of this rank (0: W4 alone)")
     p.add_argument("--json", default="bench/results/prefill_lab.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("prefill_lab.py: needs a CUDA GPU")
     rows = []
     for name in args.shapes:
-        rows += bench_shape(name, args.ms, args.group_size, lambda line: print(line, flush=True))
+        rows += bench_shape(name, args.ms, args.group_size, args.ec_rank, lambda line: print(line, flush=True))
         write_json(args.json, {"provenance": provenance(), "rows": rows})
     print("\nthroughput / cuBLAS fp16: dequant + cuBLAS, the best fused config, w4_linear (the dispatch)")
     for row in rows:

@@ -65,3 +65,10 @@ def test_decode_history_plot_reads_the_committed_runs(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--batch", "3", "--out", str(tmp_path / "x.png")],
                          check=False, capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "batch 3" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_prefill_lab_says_it_needs_a_gpu():
+    """bench/prefill_lab.py times CUDA kernels: on a CPU machine it stops with one line, not a traceback."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_lab.py"), "--ec-rank", "32"], check=False,
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and proc.stderr.strip() == "prefill_lab.py: needs a CUDA GPU", proc.stderr
