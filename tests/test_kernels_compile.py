@@ -97,14 +97,27 @@ def test_prefill_tile_gemm_takes_the_wide_dot_loop(report):
     """The prefill tile GEMM (w4_prefill_fused, session 15) runs the decode kernel's wide loop: a 128-column block is
     one dot (per-channel) or one a group of 64, so at most 2 fences a block where the slice loop had 8, and the
     joined code planes stay in registers."""
-    def dot_loop(name: str) -> dict[str, int]:
-        return dict(max(report[name]["loops"], key=lambda loop: sum(n for op, n in loop["mix"] if op.startswith("HGMMA")))
-                    ["mix"])
-
-    def fences(ops: dict[str, int]) -> int:
-        return sum(n for op, n in ops.items() if op.startswith("MEMBAR"))
-
     for spg in (8, 4):
-        ops = dot_loop(f"prefill_fused wide=2 spg={spg}")
-        assert fences(ops) <= 2 and not any(op.startswith("STS") for op in ops), ops
-    assert fences(dot_loop("prefill_fused")) == 8  # the slice loop, for contrast
+        ops = _dot_loop(report, f"prefill_fused wide=2 spg={spg}")
+        assert _count(ops, "MEMBAR") <= 2 and _count(ops, "STS") == 0, ops
+    assert _count(_dot_loop(report, "prefill_fused"), "MEMBAR") == 8  # the slice loop, for contrast
+
+
+def test_dot_loop_codes_through_inline_ptx_drop_the_mask_rematerialisation(report):
+    """SPEAR_W4_DOT_ASM=1 (lab, untimed): the wide loop's codes through one inline LOP3 + HFMA2 a pair (_plane's ASM)
+    instead of LOP3 on a mask that ptxas rematerialises with an IMAD.MOV before every use (session 15: 378 → 297
+    SASS a block at BN 128, 16 rows). The dots, fences and the registers-only join must stay as they are."""
+    for name in ("decode rows=dot ec=False bn=128 wide", "prefill_fused wide=2 spg=8"):
+        plain, asm = _dot_loop(report, name), _dot_loop(report, name + " asm")
+        assert sum(asm.values()) < 0.9 * sum(plain.values()), (name, sum(plain.values()), sum(asm.values()))
+        assert asm.get("IMAD.MOV.U32", 0) <= 4 < plain.get("IMAD.MOV.U32", 0), (name, asm, plain)
+        assert all(_count(asm, op) == _count(plain, op) for op in ("HGMMA", "MEMBAR", "STS")), (name, asm, plain)
+
+
+def _dot_loop(report, name: str) -> dict[str, int]:
+    """The instruction mix of a variant's tensor-core main loop (the loop with the most HGMMA)."""
+    return dict(max(report[name]["loops"], key=lambda loop: _count(dict(loop["mix"]), "HGMMA"))["mix"])
+
+
+def _count(ops: dict[str, int], prefix: str) -> int:
+    return sum(n for op, n in ops.items() if op.startswith(prefix))

@@ -75,6 +75,10 @@ _DOT_WIDE_ENV = os.environ.get("SPEAR_W4_DOT_WIDE", "2")
 if _DOT_WIDE_ENV not in ("0", "1", "2"):
     raise ValueError(f"SPEAR_W4_DOT_WIDE is 0, 1 or 2; got {_DOT_WIDE_ENV!r}")
 DOT_WIDE = int(_DOT_WIDE_ENV)  # the decode kernel's WIDE
+# Lab (session 15, untimed, so off): the wide dot loops turn codes into q − z through inline PTX (_plane's ASM), which
+# drops the 78 IMAD.MOV that rematerialise the LOP3 masks (offline SASS at BN 128, 16 rows: 372 → 300 a block).
+# SPEAR_W4_DOT_ASM=1 turns it on in the decode kernel and the prefill tile GEMM (compiled code only).
+DOT_ASM = os.environ.get("SPEAR_W4_DOT_ASM", "0") == "1"
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -98,18 +102,27 @@ def _pair_bits(src, HI: tl.constexpr):
 
 
 @triton.jit
-def _plane(src, off_lo, off_hi, jj: tl.constexpr):
+def _plane(src, off_lo, off_hi, jj: tl.constexpr, ASM: tl.constexpr = False):
     """q − z [BN, W, 2] of plane jj of code words src [BN, W] (pack.py's pair layout: columns 2 p, 2 p + 1 at bits
     4 jj, 16 + 4 jj of word p; src is words >> 8 for jj ≥ 2), with off_lo = 1024 + z, off_hi = 64 + z. The pair's
     halves (_pair_bits) are 1024 + q for even jj, so q − z = that − off_lo (HADD2), and 1024 + 16 q for odd jj, so
-    q − z = that / 16 − off_hi (HFMA2): exact, two weights an instruction."""
-    lo, hi = _h2_unpack(_pair_bits(src, jj % 2 == 1))
-    if jj % 2 == 1:
-        lo = lo * 0.0625 - off_hi
-        hi = hi * 0.0625 - off_hi
+    q − z = that / 16 − off_hi (HFMA2): exact, two weights an instruction. ASM (lab, DOT_ASM): the same as one
+    inline LOP3 + HFMA2 on the packed pair (_h2_codes at SCALE 1), so that ptxas keeps the mask in the instruction
+    instead of rematerialising it before every LOP3 (offline SASS at BN 128: 372 → 300 a block)."""
+    if ASM:
+        if jj % 2 == 1:
+            v = _h2_codes(src, _h2_pack(-off_hi, -off_hi), True, True, 1)
+        else:
+            v = _h2_codes(src, _h2_pack(-off_lo, -off_lo), False, True, 1)
+        lo, hi = _h2_unpack(v)
     else:
-        lo = lo - off_lo
-        hi = hi - off_lo
+        lo, hi = _h2_unpack(_pair_bits(src, jj % 2 == 1))
+        if jj % 2 == 1:
+            lo = lo * 0.0625 - off_hi
+            hi = hi * 0.0625 - off_hi
+        else:
+            lo = lo - off_lo
+            hi = hi - off_lo
     return tl.join(lo, hi)
 
 
@@ -125,7 +138,8 @@ def _slice_f16(words, words8, jj: tl.constexpr, off_lo, off_hi, BN: tl.constexpr
 
 
 @triton.jit
-def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN: tl.constexpr):
+def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN: tl.constexpr,
+                   ASM: tl.constexpr = False):
     """acc + Σ (q − z) x over one block as one tensor-core dot over its 128 columns (one z a row: per-channel, or the
     block's group where one spans it; the caller applies the scale): the four planes of the 16 words
     (_plane) joined and put back in column order (64 h + 16 jj + 2 p + bit), so that the dot's
@@ -135,8 +149,9 @@ def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n
     words8 = words >> 8  # planes 2 and 3
     off_lo = (z + 1024.0)[:, None]
     off_hi = (z + 64.0)[:, None]
-    t = tl.join(tl.join(_plane(words, off_lo, off_hi, 0), _plane(words, off_lo, off_hi, 1)),
-                tl.join(_plane(words8, off_lo, off_hi, 2), _plane(words8, off_lo, off_hi, 3)))  # [BN, 16, 2, 2, 2]
+    t = tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM)),
+                tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM)))
+    # t: [BN, 16, 2, 2, 2]
     t = tl.reshape(t, (BN, 2, 8, 2, 2, 2))  # (h, p, bit, jj0, jj1)
     q = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BN, 128))  # column 64 h + 16 (2 jj1 + jj0) + 2 p + bit
     offs_k = kb + tl.arange(0, 128)
@@ -146,26 +161,28 @@ def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n
 
 
 @triton.jit
-def _span_wide(words, words8, off_lo, off_hi, FIRST: tl.constexpr, PLANES: tl.constexpr, BN: tl.constexpr):
+def _span_wide(words, words8, off_lo, off_hi, FIRST: tl.constexpr, PLANES: tl.constexpr, BN: tl.constexpr,
+               ASM: tl.constexpr = False):
     """q − z [BN, 16 PLANES] of the slices FIRST .. FIRST + PLANES − 1 of one half of a block (one quantization group
     of 64 or 32 columns), from its 8 words and words8 = words >> 8, in column order 16 jj + 2 p + bit (_w4_block_wide's
     join, for a half)."""
     if PLANES == 4:  # one return statement: the compiler checks every return's shape, taken or not
-        t4 = tl.join(tl.join(_plane(words, off_lo, off_hi, 0), _plane(words, off_lo, off_hi, 1)),
-                     tl.join(_plane(words8, off_lo, off_hi, 2), _plane(words8, off_lo, off_hi, 3)))  # (p, bit, jj0, jj1)
+        t4 = tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM)),
+                     tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM)))
         q = tl.reshape(tl.permute(t4, (0, 4, 3, 1, 2)), (BN, 64))
     else:
         if FIRST == 0:
-            t2 = tl.join(_plane(words, off_lo, off_hi, 0), _plane(words, off_lo, off_hi, 1))  # [BN, 8, 2, 2]: (p, bit, jj)
+            t2 = tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM))  # (p, bit, jj)
         else:
-            t2 = tl.join(_plane(words8, off_lo, off_hi, 2), _plane(words8, off_lo, off_hi, 3))
+            t2 = tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM))
         q = tl.reshape(tl.permute(t2, (0, 3, 1, 2)), (BN, 32))
     return q
 
 
 @triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
-              z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr):
+              z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr,
+              ASM: tl.constexpr = False):
     """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one packed block
     (per-channel: without the scale, which _w4_dot_loop applies once at the end).
 
@@ -177,12 +194,12 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
     """
     if WIDE and (PER_CHANNEL or SPG == 8):  # one group spans the block: one dot (_w4_block_wide)
         if PER_CHANNEL:
-            return _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN)
+            return _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN, ASM)
         g = kb // group_size
         mask_g = mask_n & (offs_n * 0 + g < G)
         z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)
         part = _w4_block_wide(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n,
-                              mask_n, kb, K, KW, z, BN)
+                              mask_n, kb, K, KW, z, BN, ASM)
         return acc + tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)[:, None] * part
     if WIDE == 2 and not PER_CHANNEL:  # groups of 64 / 32: one dot a group (_span_wide)
         for h in tl.static_range(2):
@@ -194,7 +211,7 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
                 g = (kb + 16 * j) // group_size
                 mask_g = mask_n & (offs_n * 0 + g < G)
                 z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)
-                q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN)
+                q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM)
                 offs_k = kb + 16 * j + tl.arange(0, 16 * SPG)
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                              mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16 SPG, BM]
@@ -231,16 +248,17 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 @triton.jit
 def _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
                  group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 WIDE: tl.constexpr = 0):
+                 WIDE: tl.constexpr = 0, ASM: tl.constexpr = False):
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns; WIDE (DOT_WIDE): one
-    dot a block where one group spans it, and at 2 one a group of 64 or 32). Per-channel, z is loaded once and s applied once, after the loop."""
+    dot a block where one group spans it, and at 2 one a group of 64 or 32; ASM (DOT_ASM): the wide loops' codes
+    through inline PTX, _plane). Per-channel, z is loaded once and s applied once, after the loop."""
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     z = tl.zeros((BN,), dtype=tl.float16)
     if PER_CHANNEL:
         z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
     for kb in range(k_lo, k_hi, 128):
         acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
-                        group_size, z, SPG, BN, BM, PER_CHANNEL, WIDE)
+                        group_size, z, SPG, BN, BM, PER_CHANNEL, WIDE, ASM)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return acc
@@ -473,10 +491,10 @@ def _h2_codes(src, offset, HI: tl.constexpr, ASM: tl.constexpr, SCALE: tl.conste
     gives 1024 / SCALE + q / SCALE (both terms on the fp16 grid there), and `offset` holds −(1024 + z) / SCALE (HI:
     −(64 + z) / SCALE) in both halves. One LOP3 and one HFMA2 for two weights; the 1 / SCALE that keeps the fp16
     partial sums finite rides on the codes, so x needs no scaling (SCALE 16: 1/16 = 0x2C00, 1/256 = 0x1C00;
-    SCALE 256: 0x1C00, 1/4096 = 0x0C00)."""
+    SCALE 256: 0x1C00, 1/4096 = 0x0C00). SCALE 1 gives q − z itself (the dot loop's _plane with ASM)."""
     if ASM:
-        # 1 / 16 is 0x2C00 in both halves; each further factor 1/16 takes 4 from the exponent (0x1000 a half)
-        mul = tl.full(src.shape, (0x2C002C00 - 0x10001000 * HI) - 0x10001000 * (SCALE == 256), tl.int32)
+        # 1 is 0x3C00 in both halves; each factor 1/16 takes 4 from the exponent (0x1000 a half)
+        mul = tl.full(src.shape, 0x3C003C00 - 0x10001000 * (HI + (SCALE >= 16) + (SCALE == 256)), tl.int32)
         if HI:
             q = tl.inline_asm_elementwise("{ .reg .b32 t; lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xea; "
                                           "fma.rn.f16x2 $0, t, $3, $2; }", "=r,r,r,r", [src, offset, mul],
@@ -854,6 +872,7 @@ def _w4_decode_kernel(
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
     PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
     ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1, WIDE: tl.constexpr = 1,
+    DOT_ASM: tl.constexpr = False,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -975,7 +994,7 @@ def _w4_decode_kernel(
                            GEMV_PRELOAD, EVEN)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE)
+                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM)
         pdl_release(PDL and PDL_LATE)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
@@ -1072,7 +1091,7 @@ def _w4_prefill_kernel(
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    WIDE: tl.constexpr = 0,
+    WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False,
 ):
     # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
@@ -1089,7 +1108,7 @@ def _w4_prefill_kernel(
     mask_n = offs_n < N
     # yᵀ tile: the dequantized weight is the dot's first operand
     acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
-                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE)
+                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM)
     g = tl.zeros((BM, R), dtype=tl.float32)
     if HAS_EC:
         offs_r = tl.arange(0, R)
@@ -1398,7 +1417,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
         PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, ADD_NORM=add_norm is not None,
-        RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), WIDE=DOT_WIDE, **launch_options(x),
+        RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), WIDE=DOT_WIDE,
+        DOT_ASM=DOT_ASM and runs_compiled(x), **launch_options(x),
     )
     return y
 
@@ -1436,7 +1456,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
         BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
-        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE,
+        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE, DOT_ASM=DOT_ASM and runs_compiled(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
