@@ -19,6 +19,7 @@
 #   or, with NCCLAB=1 (nvidia-h200-x2), session 15: NCCL_PROTO for the TP all-reduces (13B fp16 and W4);
 #   or, with LAB15=1 (nvidia-h200-x2), session 15: attention's keys a step (SPEAR_ATTN_BLOCK_N), the fused prefill;
 #   or, with FINAL15=1 (nvidia-h200-x2), session 15's last call: attention 16 vs 32 keys a step, the prefill GEMM;
+#   or, with DOTASM=1 (nvidia-h200-x2), for session 16: the dot loops' codes through inline PTX (SPEAR_W4_DOT_ASM);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -237,6 +238,29 @@ elif [ "${FINAL15:-0}" = 1 ]; then  # session 15's last call, nvidia-h200-x2 (ab
    timeout $((310 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -q tests/test_runtime_engine.py \
      > $log/1_tests_engine.log 2>&1) &
   wait
+elif [ "${DOTASM:-0}" = 1 ]; then  # built in session 15 for the next call, nvidia-h200-x2: the wide dot loops' codes
+  # through inline PTX (SPEAR_W4_DOT_ASM=1, untimed, off): the GPU tests with it on, then per config on both GPUs in
+  # both orders (per-channel and g = 64), then the engine (GPU 0 on, GPU 1 off) and the prefill lab with it on
+  mkdir -p $out/ab
+  arm() {  # asm 0/1, tag
+    SPEAR_W4_DOT_ASM=$1 timeout 100 python bench/ec_ablation.py --configs-only --ms 16 32 \
+      --shapes 7b/qkv_fused 7b/gate_up_fused 7b/down 7b/qkvo --json "$out/ab/ec_ablation_h200_asm$1_$2.json" \
+      > $log/3_ab_asm$1_$2.log 2>&1
+  }
+  (export CUDA_VISIBLE_DEVICES=0
+   SPEAR_W4_DOT_ASM=1 timeout 150 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
+     -k "wide or group or prefill or dispatch or dot" > $log/1_tests_asm.log 2>&1
+   arm 1 a; arm 0 b
+   SPEAR_W4_DOT_ASM=1 SPEAR_TUNE_CACHE=/tmp/tune_asm1.json timeout $((570 - SECONDS)) python bench/decode.py \
+     --models llama2-7b --settings w4 --batches 1 8 16 32 --json "$out/decode_h200_asm1.json" > $log/4_decode_asm1.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   arm 0 c; arm 1 d
+   SPEAR_W4_DOT_ASM=1 timeout 90 python bench/prefill_lab.py --shapes 7b/qkv_fused 7b/gate_up_fused 7b/down \
+     --ms 512 1024 2048 --json "$out/prefill_lab_h200_asm1.json" > $log/3_prefill_asm1.log 2>&1
+   SPEAR_TUNE_CACHE=/tmp/tune_asm0.json timeout $((570 - SECONDS)) python bench/decode.py --models llama2-7b \
+     --settings w4 --batches 1 8 16 32 --json "$out/decode_h200_asm0.json" > $log/4_decode_asm0.log 2>&1) &
+  wait
+  tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \
