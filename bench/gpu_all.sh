@@ -240,7 +240,7 @@ elif [ "${FINAL15:-0}" = 1 ]; then  # session 15's last call, nvidia-h200-x2 (ab
   wait
 elif [ "${DOTASM:-0}" = 1 ]; then  # built in session 15 for the next call, nvidia-h200-x2: the wide dot loops' codes
   # through inline PTX (SPEAR_W4_DOT_ASM=1, untimed, off): the GPU tests with it on, then per config on both GPUs in
-  # both orders (per-channel and g = 64), then the engine (GPU 0 on, GPU 1 off) and the prefill lab with it on
+  # both orders (per-channel), then the engine (GPU 0 on, GPU 1 off) and the prefill lab with it on
   mkdir -p $out/ab
   arm() {  # asm 0/1, tag
     SPEAR_W4_DOT_ASM=$1 timeout 100 python bench/ec_ablation.py --configs-only --ms 16 32 \
