@@ -72,3 +72,14 @@ def test_prefill_lab_says_it_needs_a_gpu():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_lab.py"), "--ec-rank", "32"], check=False,
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and proc.stderr.strip() == "prefill_lab.py: needs a CUDA GPU", proc.stderr
+
+
+def test_lab_switches_reject_bad_values():
+    """The kernels' lab switches are read at import: a bad value stops there with one line naming the switch."""
+    for module, env in (("spear.kernels.w4", {"SPEAR_W4_DOT_ASM": "yes"}),
+                        ("spear.kernels.w4", {"SPEAR_W4_DOT_WIDE": "3"}),
+                        ("spear.runtime.ops", {"SPEAR_ATTN_BLOCK_N": "48"})):
+        proc = subprocess.run([sys.executable, "-c", f"import {module}"], check=False, capture_output=True, text=True,
+                              env={**os.environ, **env})
+        name = next(iter(env))
+        assert proc.returncode != 0 and f"ValueError: {name}" in proc.stderr.splitlines()[-1], proc.stderr[-300:]

@@ -78,7 +78,10 @@ DOT_WIDE = int(_DOT_WIDE_ENV)  # the decode kernel's WIDE
 # Lab (session 15, untimed, so off): the wide dot loops turn codes into q − z through inline PTX (_plane's ASM), which
 # drops the 78 IMAD.MOV that rematerialise the LOP3 masks (offline SASS at BN 128, 16 rows: 372 → 300 a block).
 # SPEAR_W4_DOT_ASM=1 turns it on in the decode kernel and the prefill tile GEMM (compiled code only).
-DOT_ASM = os.environ.get("SPEAR_W4_DOT_ASM", "0") == "1"
+_DOT_ASM_ENV = os.environ.get("SPEAR_W4_DOT_ASM", "0")
+if _DOT_ASM_ENV not in ("0", "1"):
+    raise ValueError(f"SPEAR_W4_DOT_ASM is 0 or 1; got {_DOT_ASM_ENV!r}")
+DOT_ASM = _DOT_ASM_ENV == "1"
 
 
 # --- building blocks ------------------------------------------------------------------
