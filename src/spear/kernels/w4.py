@@ -130,6 +130,21 @@ def _plane(src, off_lo, off_hi, jj: tl.constexpr, ASM: tl.constexpr = False):
 
 
 @triton.jit
+def _group_column(ptr, offs_n, mask_n, g, G):
+    """Column g of a [N, G] scales or zeros table for the rows offs_n [BN]; 0 where g ≥ G (a span or slice of the
+    K padding) or a row is masked."""
+    return tl.load(ptr + offs_n * G + g, mask=mask_n & (offs_n * 0 + g < G), other=0.0)  # g < G as a tensor
+
+
+@triton.jit
+def _planes(words, words8, off_lo, off_hi, ASM: tl.constexpr):
+    """q − z [BN, W, 2, 2, 2] of all four planes of code words [BN, W] (words8 = words >> 8): (word, bit, jj % 2,
+    jj // 2), _plane's pairs joined."""
+    return tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM)),
+                   tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM)))
+
+
+@triton.jit
 def _slice_f16(words, words8, jj: tl.constexpr, off_lo, off_hi, BN: tl.constexpr):
     """q − z [BN, 16] fp16 of slice 4 h + jj of a block, from the 8 words [BN, 8] of its half h and words8 =
     words >> 8: _plane's pairs side by side (columns 2 p, 2 p + 1)."""
@@ -150,11 +165,7 @@ def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n
     words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
                     mask=mask_n[:, None], other=0)  # [BN, 16] int32: word 8 h + p
     words8 = words >> 8  # planes 2 and 3
-    off_lo = (z + 1024.0)[:, None]
-    off_hi = (z + 64.0)[:, None]
-    t = tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM)),
-                tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM)))
-    # t: [BN, 16, 2, 2, 2]
+    t = _planes(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], ASM)  # [BN, 16, 2, 2, 2]
     t = tl.reshape(t, (BN, 2, 8, 2, 2, 2))  # (h, p, bit, jj0, jj1)
     q = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BN, 128))  # column 64 h + 16 (2 jj1 + jj0) + 2 p + bit
     offs_k = kb + tl.arange(0, 128)
@@ -170,8 +181,7 @@ def _span_wide(words, words8, off_lo, off_hi, FIRST: tl.constexpr, PLANES: tl.co
     of 64 or 32 columns), from its 8 words and words8 = words >> 8, in column order 16 jj + 2 p + bit (_w4_block_wide's
     join, for a half)."""
     if PLANES == 4:  # one return statement: the compiler checks every return's shape, taken or not
-        t4 = tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM)),
-                     tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM)))
+        t4 = _planes(words, words8, off_lo, off_hi, ASM)  # (p, bit, jj0, jj1)
         q = tl.reshape(tl.permute(t4, (0, 4, 3, 1, 2)), (BN, 64))
     else:
         if FIRST == 0:
@@ -199,11 +209,10 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
         if PER_CHANNEL:
             return _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN, ASM)
         g = kb // group_size
-        mask_g = mask_n & (offs_n * 0 + g < G)
-        z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)
+        z = _group_column(z_ptr, offs_n, mask_n, g, G)
         part = _w4_block_wide(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n,
                               mask_n, kb, K, KW, z, BN, ASM)
-        return acc + tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)[:, None] * part
+        return acc + _group_column(s_ptr, offs_n, mask_n, g, G).to(tl.float32)[:, None] * part
     if WIDE == 2 and not PER_CHANNEL:  # groups of 64 / 32: one dot a group (_span_wide)
         for h in tl.static_range(2):
             words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + 8 * h + tl.arange(0, 8))[None, :],
@@ -212,13 +221,12 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
             for span in tl.static_range(4 // SPG):
                 j = 4 * h + span * SPG  # the span's first slice
                 g = (kb + 16 * j) // group_size
-                mask_g = mask_n & (offs_n * 0 + g < G)
-                z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)
+                z = _group_column(z_ptr, offs_n, mask_n, g, G)
                 q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM)
                 offs_k = kb + 16 * j + tl.arange(0, 16 * SPG)
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                              mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16 SPG, BM]
-                s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+                s = _group_column(s_ptr, offs_n, mask_n, g, G).to(tl.float32)
                 acc += s[:, None] * tl.dot(q, xt)
         return acc
     part = tl.zeros((BN, BM), dtype=tl.float32)
@@ -231,16 +239,15 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
         for jj in tl.static_range(4):
             j = 4 * h + jj
             g = (kb + 16 * (j - j % SPG)) // group_size  # the span's group (from its first column: K pads to 128)
-            mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (the span may be all padding)
             if not PER_CHANNEL and j % SPG == 0:
-                z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)  # [BN] fp16
+                z = _group_column(z_ptr, offs_n, mask_n, g, G)  # [BN] fp16
             offs_k = kb + 16 * j + tl.arange(0, 16)
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                          mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16, BM]: the slice of xᵀ
             q = _slice_f16(words, words8, jj, (z + 1024.0)[:, None], (z + 64.0)[:, None], BN)  # [BN, 16]: q − z
             part += tl.dot(q, xt)
             if not PER_CHANNEL and (j + 1) % SPG == 0:
-                s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0).to(tl.float32)
+                s = _group_column(s_ptr, offs_n, mask_n, g, G).to(tl.float32)
                 acc += s[:, None] * part
                 part = tl.zeros((BN, BM), dtype=tl.float32)
     if PER_CHANNEL:
@@ -1079,9 +1086,8 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
             offs_k = first + tl.arange(0, 16)
             mask = mask_n[:, None] & (offs_k[None, :] < K)
             g = first // group_size
-            mask_g = mask_n & (offs_n * 0 + g < G)  # g < G as a tensor (a slice past K is padding)
-            s = tl.load(s_ptr + offs_n * G + g, mask=mask_g, other=0.0)[:, None]  # one scale and zero a row
-            z = tl.load(z_ptr + offs_n * G + g, mask=mask_g, other=0.0)[:, None]
+            s = _group_column(s_ptr, offs_n, mask_n, g, G)[:, None]  # one scale and zero a row
+            z = _group_column(z_ptr, offs_n, mask_n, g, G)[:, None]
             q = _slice_f16(words, words8, jj, 1024.0, 64.0, BN)  # q, exactly
             tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
