@@ -25,13 +25,11 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from common import LAB_SHAPES, provenance, write_json
-from kernels import random_ec
+from kernels import L2_FLUSH_BYTES, random_ec
 from spear.kernels.pack import pack_ec, pack_w4
 from spear.kernels.timing import time_in_graph
 from spear.kernels.w4 import PREFILL_CANDIDATES, w4_linear, w4_prefill, w4_prefill_fused
 from spear.quant.record import QuantConfig, rtn_quantize
-
-L2_FLUSH_BYTES = 256 << 20  # as bench/kernels.py
 
 
 def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> list[dict]:
