@@ -417,8 +417,8 @@ def test_rank_kernel_matches_reference(gen):
 
 
 def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
-    """w4_linear picks the decode kernel or the prefill path by M; SpearLinear.use_kernels routes through it on
-    CUDA."""
+    """w4_linear picks the decode kernel, the prefill tile GEMM or dequantize + cuBLAS by M; SpearLinear.use_kernels
+    routes through it on CUDA."""
     n, k = 128, 192
     record = random_w4(n, k, 64, gen)
     layer = SpearLinear(record, bias=torch.randn(n, generator=gen), dtype=torch.float16)
