@@ -20,6 +20,7 @@
 #   or, with LAB15=1 (nvidia-h200-x2), session 15: attention's keys a step (SPEAR_ATTN_BLOCK_N), the fused prefill;
 #   or, with FINAL15=1 (nvidia-h200-x2), session 15's last call: attention 16 vs 32 keys a step, the prefill GEMM;
 #   or, with DOTASM=1 (nvidia-h200-x2), for session 16: the dot loops' codes through inline PTX (SPEAR_W4_DOT_ASM);
+#   or, with S16=1 (nvidia-h200-x2): the group scale on the codes (SPEAR_W4_SCALE_CODES), the 7B kernel grid, the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -259,6 +260,28 @@ elif [ "${DOTASM:-0}" = 1 ]; then  # built in session 15 for the next call, nvid
      --ms 512 1024 2048 --json "$out/prefill_lab_h200_asm1.json" > $log/3_prefill_asm1.log 2>&1
    SPEAR_TUNE_CACHE=/tmp/tune_asm0.json timeout $((570 - SECONDS)) python bench/decode.py --models llama2-7b \
      --settings w4 --batches 1 8 16 32 --json "$out/decode_h200_asm0.json" > $log/4_decode_asm0.log 2>&1) &
+  wait
+  tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
+elif [ "${S16:-0}" = 1 ]; then  # session 16, nvidia-h200-x2, with the codes through inline PTX now the default:
+  # GPU 0 the GPU tests with the group scale on the codes (SPEAR_W4_SCALE_CODES=1, lab), then Llama-2-7B fp16 / W4 /
+  # W4+EC38 through the engine; GPU 1 the kernel grid on the 7B shapes (M = 1 vs 16, W4+EC at 1024 and 4096 rows), then
+  # the group scale on the codes off / on at g = 128 (decode configs at 16–32 rows, the prefill lab at 1024–2048)
+  mkdir -p $out/ab
+  (export CUDA_VISIBLE_DEVICES=0
+   SPEAR_W4_SCALE_CODES=1 timeout 120 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
+     -k "wide or group or prefill or dispatch or dot" > $log/1_tests_scale_codes.log 2>&1
+   timeout $((570 - SECONDS)) python bench/decode.py --models llama2-7b --settings fp16 w4 w4+ec38 --batches 1 8 16 32 \
+     --json "$out/decode_h200.json" > $log/2_decode.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1 SPEAR_TUNE_CACHE=/tmp/tune_gpu1.json
+   timeout 240 python bench/kernels.py --json "$out/kernels_h200_7b.json" --models 7b --ms 1 16 1024 4096 \
+     --time-limit 200 > $log/3_kernels.log 2>&1
+   for sc in 0 1; do
+     SPEAR_W4_SCALE_CODES=$sc timeout 70 python bench/ec_ablation.py --configs-only --ms 16 32 --group-size 128 \
+       --shapes 7b/qkv_fused 7b/gate_up_fused 7b/down --json "$out/ab/ec_ablation_h200_g128_sc$sc.json" \
+       > $log/4_ab_g128_sc$sc.log 2>&1
+     SPEAR_W4_SCALE_CODES=$sc timeout 60 python bench/prefill_lab.py --group-size 128 --ms 1024 2048 \
+       --shapes 7b/gate_up_fused 7b/down --json "$out/ab/prefill_lab_h200_g128_sc$sc.json" > $log/5_prefill_g128_sc$sc.log 2>&1
+   done) &
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then

@@ -147,18 +147,26 @@ def test_wide_dot_loop_takes_a_partial_last_block(group, gen):
         assert_close(y, w4_linear_ref(x, packed), f"wide dot loop m={m} k={k} g={group}")
 
 
-@pytest.mark.parametrize("group", [32, 64])
-def test_dot_loop_one_dot_a_small_group_matches_reference(group, gen, monkeypatch):
-    """SPEAR_W4_DOT_WIDE=2 (the default): groups of 64 and 32 columns take one dot each (_span_wide: the half block's planes
-    joined back into column order), with and without the EC, partial last block included."""
+@pytest.mark.parametrize("scale_codes", [False, True])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_wide_dot_loop_with_groups_matches_reference(group, scale_codes, gen, monkeypatch):
+    """SPEAR_W4_DOT_WIDE=2 (the default): groups of 64 and 32 columns take one dot each (_span_wide: the half block's
+    planes joined back into column order), a group of 128 one a block; SPEAR_W4_SCALE_CODES=1 (lab) multiplies the
+    codes by their group's scale in fp16 (W_hat as the reference rounds it) and accumulates every dot into the tile.
+    Decode kernel and prefill tile GEMM, with and without the EC, partial last block included."""
     monkeypatch.setattr(w4_module, "DOT_WIDE", 2)
-    n, k = 64, 320
+    monkeypatch.setattr(w4_module, "SCALE_CODES", scale_codes)
+    n, k = 64, 320 if group < 128 else 384
     packed = pack_w4(random_w4(n, k, group, gen, sym=False)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
+    what = f"g={group} scale_codes={scale_codes}"
     for m, e in ((16, None), (33, ec)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         y = w4_decode(x, packed, e, None, DecodeConfig(block_n=32, split_k=2, gemv_rows=0), out=poisoned(m, n))
-        assert_close(y, w4_linear_ref(x, packed, e), f"one dot a group g={group} m={m}")
+        assert_close(y, w4_linear_ref(x, packed, e), f"decode {what} m={m}")
+    x = torch.randn(45, k, generator=gen).half().to(DEVICE)
+    y = w4_prefill_fused(x, packed, ec, None, SMALL_PREFILL, out=poisoned(45, n))
+    assert_close(y, w4_linear_ref(x, packed, ec), f"prefill tile GEMM {what}")
 
 
 @pytest.mark.parametrize("with_ec", [False, True])

@@ -104,7 +104,7 @@ def test_prefill_tile_gemm_takes_the_wide_dot_loop(report):
 
 
 def test_dot_loop_codes_through_inline_ptx_drop_the_mask_rematerialisation(report):
-    """SPEAR_W4_DOT_ASM=1 (lab, untimed): the wide loop's codes through one inline LOP3 + HFMA2 a pair (_plane's ASM)
+    """SPEAR_W4_DOT_ASM=1 (the default since session 16): the wide loop's codes through one inline LOP3 + HFMA2 a pair (_plane's ASM)
     instead of LOP3 on a mask that ptxas rematerialises with an IMAD.MOV before every use (session 15: 378 → 297
     SASS a block at BN 128, 16 rows). The dots, fences and the registers-only join must stay as they are."""
     for name in ("decode rows=dot ec=False bn=128 wide", "prefill_fused wide=2 spg=8"):
@@ -112,6 +112,20 @@ def test_dot_loop_codes_through_inline_ptx_drop_the_mask_rematerialisation(repor
         assert sum(asm.values()) < 0.9 * sum(plain.values()), (name, sum(plain.values()), sum(asm.values()))
         assert asm.get("IMAD.MOV.U32", 0) <= 4 < plain.get("IMAD.MOV.U32", 0), (name, asm, plain)
         assert all(_count(asm, op) == _count(plain, op) for op in ("HGMMA", "MEMBAR", "STS")), (name, asm, plain)
+
+
+def test_group_scale_on_the_codes_drops_the_float32_scale_pass(report):
+    """SPEAR_W4_SCALE_CODES=1 (lab): with groups, the codes are scaled in fp16 (one HMUL2 a pair, packed in the inline
+    PTX with DOT_ASM) and every dot accumulates into the tile, so the float32 FMAs that scaled each group's partial
+    tile go, and with DOT_ASM no PRMT repacks the scale (session 16: the prefill tile GEMM at g = 128, 372 → 331 SASS
+    a block)."""
+    for plain, scaled in (("decode rows=dot ec=True bn=128 spg=4 wide=2 grouped", "decode rows=dot ec=True bn=128 spg=4 wide=2 scale_codes asm"),
+                          ("prefill_fused wide=2 spg=8 grouped", "prefill_fused wide=2 spg=8 scale_codes asm")):
+        before, after = _dot_loop(report, plain), _dot_loop(report, scaled)
+        assert _count(before, "FFMA") > 0 == _count(after, "FFMA"), (scaled, before, after)
+        assert _count(after, "HMUL2") > 0 and _count(after, "PRMT") < _count(before, "PRMT"), (scaled, before, after)
+        assert _count(after, "HGMMA") == _count(before, "HGMMA") and _count(after, "STS") <= _count(before, "STS"), \
+            (scaled, before, after)
 
 
 def _dot_loop(report, name: str) -> dict[str, int]:

@@ -116,11 +116,18 @@ def variants() -> dict[str, tuple]:
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=128, BK=128, SPG=spg, GEMV_ROWS=0,
                      BKW=64, PER_CHANNEL=False, PEERS=0, U_CHUNK=w4.u_chunk(16, 32), WIDE=2, **lab_off)
         out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
-    # the wide loops with their codes through inline PTX (SPEAR_W4_DOT_ASM=1, the kernels' DOT_ASM; lab, untimed)
+    # the wide loops with their codes through inline PTX (SPEAR_W4_DOT_ASM=1, the kernels' DOT_ASM; the default)
     out["decode rows=dot ec=False bn=128 wide asm"] = (
         w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=False bn=128 wide"][2], "DOT_ASM": True}, 4)
     out["decode rows=dot ec=True bn=128 spg=4 wide=2 asm"] = (
         w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "DOT_ASM": True}, 4)
+    # groups' codes scaled before the dot (SPEAR_W4_SCALE_CODES=1, the kernels' SCALE_CODES; lab, untimed): g = 128, 64
+    for spg in (8, 4):
+        const = {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "SPG": spg}
+        out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2 grouped"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
+        for asm in (False, True):
+            out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2 scale_codes" + " asm" * asm] = (
+                w4._w4_decode_kernel, decode_ptrs, {**const, "SCALE_CODES": True, "DOT_ASM": asm}, 4)
     for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=w4.ax_block(1, 128), SPG=8,
                      GEMV_ROWS=1, BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
@@ -190,6 +197,13 @@ def variants() -> dict[str, tuple]:
             dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8, WIDE=2), 8)
     out["prefill_fused wide=2 spg=8 asm"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                                              {**out["prefill_fused wide=2 spg=8"][2], "DOT_ASM": True}, 8)
+    grouped = {**out["prefill_fused wide=2 spg=8"][2], "PER_CHANNEL": False}  # g = 128
+    out["prefill_fused wide=2 spg=8 grouped"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, grouped, 8)
+    for spg in (8, 4):
+        for asm in (False, True):
+            out[f"prefill_fused wide=2 spg={spg} scale_codes" + " asm" * asm] = (
+                w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, {**grouped, "SPG": spg, "SCALE_CODES": True,
+                                                                 "DOT_ASM": asm}, 8)
     for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
         out[f"ec_epilogue ec={has_ec}"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32,
                                                                              "out_ptr": F16, "bias_ptr": F16},

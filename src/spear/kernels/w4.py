@@ -75,13 +75,22 @@ _DOT_WIDE_ENV = os.environ.get("SPEAR_W4_DOT_WIDE", "2")
 if _DOT_WIDE_ENV not in ("0", "1", "2"):
     raise ValueError(f"SPEAR_W4_DOT_WIDE is 0, 1 or 2; got {_DOT_WIDE_ENV!r}")
 DOT_WIDE = int(_DOT_WIDE_ENV)  # the decode kernel's WIDE
-# Lab (session 15, untimed, so off): the wide dot loops turn codes into q − z through inline PTX (_plane's ASM), which
-# drops the 78 IMAD.MOV that rematerialise the LOP3 masks (offline SASS at BN 128, 16 rows: 372 → 300 a block).
-# SPEAR_W4_DOT_ASM=1 turns it on in the decode kernel and the prefill tile GEMM (compiled code only).
-_DOT_ASM_ENV = os.environ.get("SPEAR_W4_DOT_ASM", "0")
+# The wide dot loops turn codes into q − z through inline PTX (_plane's ASM), which drops the 78 IMAD.MOV that
+# rematerialise the LOP3 masks (offline SASS at BN 128, 16 rows: 372 → 300 a block). Session 16 on the H200: the 7B
+# shapes at 16–32 rows 9–17% faster, W4 decode through the engine 8–13% faster at batch 8–32 (BENCHMARKS §4/§5).
+# Compiled code only (the interpreter runs no PTX); SPEAR_W4_DOT_ASM=0 turns it off.
+_DOT_ASM_ENV = os.environ.get("SPEAR_W4_DOT_ASM", "1")
 if _DOT_ASM_ENV not in ("0", "1"):
     raise ValueError(f"SPEAR_W4_DOT_ASM is 0 or 1; got {_DOT_ASM_ENV!r}")
 DOT_ASM = _DOT_ASM_ENV == "1"
+# Lab (session 16, untimed, so off): with groups, the wide loops scale the codes, W_hat = (q − z) · s in fp16 (exactly
+# the reference's W_hat: q − z is an exact small integer), so that every dot accumulates into the tile, instead of a
+# dot a group into a zeroed tile that must be waited for and FMA-scaled into the float32 tile (one wgmma wait a group).
+# SPEAR_W4_SCALE_CODES=1 turns it on in the decode kernel and the prefill tile GEMM.
+_SCALE_CODES_ENV = os.environ.get("SPEAR_W4_SCALE_CODES", "0")
+if _SCALE_CODES_ENV not in ("0", "1"):
+    raise ValueError(f"SPEAR_W4_SCALE_CODES is 0 or 1; got {_SCALE_CODES_ENV!r}")
+SCALE_CODES = _SCALE_CODES_ENV == "1"
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -105,18 +114,21 @@ def _pair_bits(src, HI: tl.constexpr):
 
 
 @triton.jit
-def _plane(src, off_lo, off_hi, jj: tl.constexpr, ASM: tl.constexpr = False):
+def _plane(src, off_lo, off_hi, jj: tl.constexpr, ASM: tl.constexpr = False, scale=None):
     """q − z [BN, W, 2] of plane jj of code words src [BN, W] (pack.py's pair layout: columns 2 p, 2 p + 1 at bits
     4 jj, 16 + 4 jj of word p; src is words >> 8 for jj ≥ 2), with off_lo = 1024 + z, off_hi = 64 + z. The pair's
     halves (_pair_bits) are 1024 + q for even jj, so q − z = that − off_lo (HADD2), and 1024 + 16 q for odd jj, so
-    q − z = that / 16 − off_hi (HFMA2): exact, two weights an instruction. ASM (lab, DOT_ASM): the same as one
+    q − z = that / 16 − off_hi (HFMA2): exact, two weights an instruction. ASM (DOT_ASM): the same as one
     inline LOP3 + HFMA2 on the packed pair (_h2_codes at SCALE 1), so that ptxas keeps the mask in the instruction
-    instead of rematerialising it before every LOP3 (offline SASS at BN 128: 372 → 300 a block)."""
+    instead of rematerialising it before every LOP3 (offline SASS at BN 128: 372 → 300 a block). With `scale`
+    ([BN, 1] fp16, SCALE_CODES): (q − z) · s, W_hat rounded to fp16 as the reference rounds it."""
     if ASM:
         if jj % 2 == 1:
             v = _h2_codes(src, _h2_pack(-off_hi, -off_hi), True, True, 1)
         else:
             v = _h2_codes(src, _h2_pack(-off_lo, -off_lo), False, True, 1)
+        if scale is not None:
+            v = _h2_fma(v, _h2_pack(scale, scale), v, True, True)  # one HMUL2 on the packed pair
         lo, hi = _h2_unpack(v)
     else:
         lo, hi = _h2_unpack(_pair_bits(src, jj % 2 == 1))
@@ -126,6 +138,9 @@ def _plane(src, off_lo, off_hi, jj: tl.constexpr, ASM: tl.constexpr = False):
         else:
             lo = lo - off_lo
             hi = hi - off_lo
+        if scale is not None:
+            lo = lo * scale
+            hi = hi * scale
     return tl.join(lo, hi)
 
 
@@ -137,11 +152,11 @@ def _group_column(ptr, offs_n, mask_n, g, G):
 
 
 @triton.jit
-def _planes(words, words8, off_lo, off_hi, ASM: tl.constexpr):
+def _planes(words, words8, off_lo, off_hi, ASM: tl.constexpr, scale=None):
     """q − z [BN, W, 2, 2, 2] of all four planes of code words [BN, W] (words8 = words >> 8): (word, bit, jj % 2,
-    jj // 2), _plane's pairs joined."""
-    return tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM)),
-                   tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM)))
+    jj // 2), _plane's pairs joined (times `scale` where given)."""
+    return tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM, scale), _plane(words, off_lo, off_hi, 1, ASM, scale)),
+                   tl.join(_plane(words8, off_lo, off_hi, 2, ASM, scale), _plane(words8, off_lo, off_hi, 3, ASM, scale)))
 
 
 @triton.jit
@@ -157,15 +172,17 @@ def _slice_f16(words, words8, jj: tl.constexpr, off_lo, off_hi, BN: tl.constexpr
 
 @triton.jit
 def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN: tl.constexpr,
-                   ASM: tl.constexpr = False):
+                   ASM: tl.constexpr = False, s=None):
     """acc + Σ (q − z) x over one block as one tensor-core dot over its 128 columns (one z a row: per-channel, or the
-    block's group where one spans it; the caller applies the scale): the four planes of the 16 words
-    (_plane) joined and put back in column order (64 h + 16 jj + 2 p + bit), so that the dot's
-    k-steps follow each other without a fence and a wait between slices."""
+    block's group where one spans it; the caller applies the scale, unless s [BN] fp16 is given: then the codes
+    are scaled first, acc + Σ W_hat x): the four planes of the 16 words (_plane) joined and put back in column order
+    (64 h + 16 jj + 2 p + bit), so that the dot's k-steps follow each other without a fence and a wait between
+    slices."""
     words = tl.load(qw_ptr + offs_n[:, None] * KW + (kb // 8 + tl.arange(0, 16))[None, :],
                     mask=mask_n[:, None], other=0)  # [BN, 16] int32: word 8 h + p
     words8 = words >> 8  # planes 2 and 3
-    t = _planes(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], ASM)  # [BN, 16, 2, 2, 2]
+    t = _planes(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], ASM,
+                None if s is None else s[:, None])  # [BN, 16, 2, 2, 2]
     t = tl.reshape(t, (BN, 2, 8, 2, 2, 2))  # (h, p, bit, jj0, jj1)
     q = tl.reshape(tl.permute(t, (0, 1, 5, 4, 2, 3)), (BN, 128))  # column 64 h + 16 (2 jj1 + jj0) + 2 p + bit
     offs_k = kb + tl.arange(0, 128)
@@ -176,18 +193,18 @@ def _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n
 
 @triton.jit
 def _span_wide(words, words8, off_lo, off_hi, FIRST: tl.constexpr, PLANES: tl.constexpr, BN: tl.constexpr,
-               ASM: tl.constexpr = False):
+               ASM: tl.constexpr = False, scale=None):
     """q − z [BN, 16 PLANES] of the slices FIRST .. FIRST + PLANES − 1 of one half of a block (one quantization group
     of 64 or 32 columns), from its 8 words and words8 = words >> 8, in column order 16 jj + 2 p + bit (_w4_block_wide's
     join, for a half)."""
     if PLANES == 4:  # one return statement: the compiler checks every return's shape, taken or not
-        t4 = _planes(words, words8, off_lo, off_hi, ASM)  # (p, bit, jj0, jj1)
+        t4 = _planes(words, words8, off_lo, off_hi, ASM, scale)  # (p, bit, jj0, jj1)
         q = tl.reshape(tl.permute(t4, (0, 4, 3, 1, 2)), (BN, 64))
     else:
         if FIRST == 0:
-            t2 = tl.join(_plane(words, off_lo, off_hi, 0, ASM), _plane(words, off_lo, off_hi, 1, ASM))  # (p, bit, jj)
+            t2 = tl.join(_plane(words, off_lo, off_hi, 0, ASM, scale), _plane(words, off_lo, off_hi, 1, ASM, scale))
         else:
-            t2 = tl.join(_plane(words8, off_lo, off_hi, 2, ASM), _plane(words8, off_lo, off_hi, 3, ASM))
+            t2 = tl.join(_plane(words8, off_lo, off_hi, 2, ASM, scale), _plane(words8, off_lo, off_hi, 3, ASM, scale))
         q = tl.reshape(tl.permute(t2, (0, 3, 1, 2)), (BN, 32))
     return q
 
@@ -195,7 +212,7 @@ def _span_wide(words, words8, off_lo, off_hi, FIRST: tl.constexpr, PLANES: tl.co
 @triton.jit
 def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G, group_size,
               z, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr,
-              ASM: tl.constexpr = False):
+              ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = False):
     """acc [BN, BM] += W_hat[offs_n, kb : kb + 128] · x[offs_m, kb : kb + 128]ᵀ, one packed block
     (per-channel: without the scale, which _w4_dot_loop applies once at the end).
 
@@ -203,13 +220,17 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
     turning the codes into fp16 costs anyway (_slice_f16). Per group span (SPG slices of 16 columns: whole
     slices, whole halves of the block at SPG = 4) the tensor-core dots sum Σ (q − z) x and the scale acts once:
     acc += s · Σ (q − z) x. No Σ x correction term. Per-channel, `z` [BN] comes from the caller and the dots
-    accumulate straight into acc.
+    accumulate straight into acc. SCALE_CODES (lab, with WIDE): the wide loops' groups scale the codes instead, one
+    HMUL2 a pair, W_hat = (q − z) · s, and their dots accumulate straight into acc too.
     """
     if WIDE and (PER_CHANNEL or SPG == 8):  # one group spans the block: one dot (_w4_block_wide)
         if PER_CHANNEL:
             return _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN, ASM)
         g = kb // group_size
         z = _group_column(z_ptr, offs_n, mask_n, g, G)
+        if SCALE_CODES:
+            return _w4_block_wide(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n, mask_n, kb, K, KW, z, BN, ASM,
+                                  _group_column(s_ptr, offs_n, mask_n, g, G))
         part = _w4_block_wide(tl.zeros((BN, BM), dtype=tl.float32), x_ptr, stride_xm, offs_m, mask_m, qw_ptr, offs_n,
                               mask_n, kb, K, KW, z, BN, ASM)
         return acc + _group_column(s_ptr, offs_n, mask_n, g, G).to(tl.float32)[:, None] * part
@@ -222,12 +243,17 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
                 j = 4 * h + span * SPG  # the span's first slice
                 g = (kb + 16 * j) // group_size
                 z = _group_column(z_ptr, offs_n, mask_n, g, G)
-                q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM)
+                s16 = _group_column(s_ptr, offs_n, mask_n, g, G)  # not `s`: the slice loop below binds s to float32
                 offs_k = kb + 16 * j + tl.arange(0, 16 * SPG)
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                              mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16 SPG, BM]
-                s = _group_column(s_ptr, offs_n, mask_n, g, G).to(tl.float32)
-                acc += s[:, None] * tl.dot(q, xt)
+                if SCALE_CODES:
+                    q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM,
+                                   s16[:, None])
+                    acc = tl.dot(q, xt, acc)
+                else:
+                    q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM)
+                    acc += s16.to(tl.float32)[:, None] * tl.dot(q, xt)
         return acc
     part = tl.zeros((BN, BM), dtype=tl.float32)
     if PER_CHANNEL:
@@ -258,17 +284,18 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
 @triton.jit
 def _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, k_lo, k_hi, K, KW, G,
                  group_size, SPG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 WIDE: tl.constexpr = 0, ASM: tl.constexpr = False):
+                 WIDE: tl.constexpr = 0, ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = False):
     """The [BN, BM] yᵀ tile over columns k_lo:k_hi by tensor-core dots (_w4_block per 128 columns; WIDE (DOT_WIDE): one
     dot a block where one group spans it, and at 2 one a group of 64 or 32; ASM (DOT_ASM): the wide loops' codes
-    through inline PTX, _plane). Per-channel, z is loaded once and s applied once, after the loop."""
+    through inline PTX, _plane; SCALE_CODES: their groups' codes scaled before the dot). Per-channel, z is loaded once
+    and s applied once, after the loop."""
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     z = tl.zeros((BN,), dtype=tl.float16)
     if PER_CHANNEL:
         z = tl.load(z_ptr + offs_n * G, mask=mask_n, other=0.0)
     for kb in range(k_lo, k_hi, 128):
         acc = _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, kb, K, KW, G,
-                        group_size, z, SPG, BN, BM, PER_CHANNEL, WIDE, ASM)
+                        group_size, z, SPG, BN, BM, PER_CHANNEL, WIDE, ASM, SCALE_CODES)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + offs_n * G, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return acc
@@ -882,7 +909,7 @@ def _w4_decode_kernel(
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
     PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
     ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1, WIDE: tl.constexpr = 1,
-    DOT_ASM: tl.constexpr = False,
+    DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = False,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -1004,7 +1031,8 @@ def _w4_decode_kernel(
                            GEMV_PRELOAD, EVEN)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM)
+                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM,
+                               SCALE_CODES)
         pdl_release(PDL and PDL_LATE)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
@@ -1100,7 +1128,7 @@ def _w4_prefill_kernel(
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False,
+    WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = False,
 ):
     # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
@@ -1117,7 +1145,7 @@ def _w4_prefill_kernel(
     mask_n = offs_n < N
     # yᵀ tile: the dequantized weight is the dot's first operand
     acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
-                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM)
+                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM, SCALE_CODES)
     g = tl.zeros((BM, R), dtype=tl.float32)
     if HAS_EC:
         offs_r = tl.arange(0, R)
@@ -1427,7 +1455,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
         PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, ADD_NORM=add_norm is not None,
         RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), WIDE=DOT_WIDE,
-        DOT_ASM=DOT_ASM and runs_compiled(x), **launch_options(x),
+        DOT_ASM=DOT_ASM and runs_compiled(x), SCALE_CODES=SCALE_CODES, **launch_options(x),
     )
     return y
 
@@ -1465,7 +1493,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
         BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
-        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE, DOT_ASM=DOT_ASM and runs_compiled(x),
+        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE, DOT_ASM=DOT_ASM and runs_compiled(x), SCALE_CODES=SCALE_CODES,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
