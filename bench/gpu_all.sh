@@ -20,7 +20,8 @@
 #   or, with LAB15=1 (nvidia-h200-x2), session 15: attention's keys a step (SPEAR_ATTN_BLOCK_N), the fused prefill;
 #   or, with FINAL15=1 (nvidia-h200-x2), session 15's last call: attention 16 vs 32 keys a step, the prefill GEMM;
 #   or, with DOTASM=1 (nvidia-h200-x2), for session 16: the dot loops' codes through inline PTX (SPEAR_W4_DOT_ASM);
-#   or, with S16=1 (nvidia-h200-x2): the group scale on the codes (SPEAR_W4_SCALE_CODES), the 7B kernel grid, the engine;
+#   or, with S16=1 (nvidia-h200-x2): the group scale on the codes (SPEAR_W4_SCALE_CODES at f77b692), the 7B kernel grid,
+#          the engine; with S16B=1 the EC's rank kernel with K split, the prefill lab per case, the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -282,6 +283,29 @@ elif [ "${S16:-0}" = 1 ]; then  # session 16, nvidia-h200-x2, with the codes thr
      SPEAR_W4_SCALE_CODES=$sc timeout 60 python bench/prefill_lab.py --group-size 128 --ms 1024 2048 \
        --shapes 7b/gate_up_fused 7b/down --json "$out/ab/prefill_lab_h200_g128_sc$sc.json" > $log/5_prefill_g128_sc$sc.log 2>&1
    done) &
+  wait
+  tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
+elif [ "${S16B:-0}" = 1 ]; then  # session 16's second call, nvidia-h200-x2: the EC's rank kernel with K split (W4+EC
+  # at 1024 / 4096 rows, 7B and 70B shapes) and W4 / W4+EC38 through the engine on GPU 0; on GPU 1 the prefill lab:
+  # per-channel (the dispatch timed before and after the configs), the inline PTX off, groups of 128 and 64, W4+EC
+  mkdir -p $out/ab
+  (export CUDA_VISIBLE_DEVICES=0
+   timeout 100 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
+     -k "rank or wide or group or prefill or dispatch or dot" > $log/1_tests.log 2>&1
+   timeout 300 python bench/kernels.py --json "$out/kernels_h200_prefill.json" --models 7b 70b --ms 1024 4096 \
+     --time-limit 260 > $log/3_kernels.log 2>&1
+   timeout $((570 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 16 \
+     --json "$out/decode_h200.json" > $log/2_decode.log 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=1
+   lab() {  # tag, then prefill_lab's arguments
+     tag=$1; shift
+     timeout 90 python bench/prefill_lab.py "$@" --json "$out/ab/prefill_lab_h200_$tag.json" > $log/5_prefill_$tag.log 2>&1
+   }
+   lab pc --ms 1024 2048
+   SPEAR_W4_DOT_ASM=0 lab pc_asm0 --ms 1024 2048
+   lab g128 --group-size 128 --ms 256 512 1024
+   lab g64 --group-size 64 --ms 256 1024
+   lab ec32 --ec-rank 32 --ms 1024 2048) &
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then

@@ -147,26 +147,23 @@ def test_wide_dot_loop_takes_a_partial_last_block(group, gen):
         assert_close(y, w4_linear_ref(x, packed), f"wide dot loop m={m} k={k} g={group}")
 
 
-@pytest.mark.parametrize("scale_codes", [False, True])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_wide_dot_loop_with_groups_matches_reference(group, scale_codes, gen, monkeypatch):
+def test_wide_dot_loop_with_groups_matches_reference(group, gen, monkeypatch):
     """SPEAR_W4_DOT_WIDE=2 (the default): groups of 64 and 32 columns take one dot each (_span_wide: the half block's
-    planes joined back into column order), a group of 128 one a block; SPEAR_W4_SCALE_CODES=1 (lab) multiplies the
-    codes by their group's scale in fp16 (W_hat as the reference rounds it) and accumulates every dot into the tile.
-    Decode kernel and prefill tile GEMM, with and without the EC, partial last block included."""
+    planes joined back into column order), a group of 128 one a block. The decode kernel scales each group's float32
+    partial tile; the prefill tile GEMM multiplies the codes by their scale in fp16 (SCALE_CODES: W_hat as the
+    reference rounds it). With and without the EC, partial last block included."""
     monkeypatch.setattr(w4_module, "DOT_WIDE", 2)
-    monkeypatch.setattr(w4_module, "SCALE_CODES", scale_codes)
     n, k = 64, 320 if group < 128 else 384
     packed = pack_w4(random_w4(n, k, group, gen, sym=False)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
-    what = f"g={group} scale_codes={scale_codes}"
     for m, e in ((16, None), (33, ec)):
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         y = w4_decode(x, packed, e, None, DecodeConfig(block_n=32, split_k=2, gemv_rows=0), out=poisoned(m, n))
-        assert_close(y, w4_linear_ref(x, packed, e), f"decode {what} m={m}")
+        assert_close(y, w4_linear_ref(x, packed, e), f"decode g={group} m={m}")
     x = torch.randn(45, k, generator=gen).half().to(DEVICE)
     y = w4_prefill_fused(x, packed, ec, None, SMALL_PREFILL, out=poisoned(45, n))
-    assert_close(y, w4_linear_ref(x, packed, ec), f"prefill tile GEMM {what}")
+    assert_close(y, w4_linear_ref(x, packed, ec), f"prefill tile GEMM g={group}")
 
 
 @pytest.mark.parametrize("with_ec", [False, True])
@@ -420,8 +417,9 @@ def test_rank_kernel_matches_reference(gen):
     for gated in (True, False):
         ec = pack_ec(random_ec(n, k, 8, gen, gate_hidden=8 if gated else 0)).to(DEVICE)
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-        g = ec_rank(x, ec, block_m=16)
-        assert_close(g, ec_gated_rank_ref(x, ec), f"rank kernel gated={gated}", rtol=5e-3)
+        for splits in (1, 3):  # one launch; K in three (the partial u summed and gated by a second launch)
+            g = ec_rank(x, ec, block_m=16, splits=splits)
+            assert_close(g, ec_gated_rank_ref(x, ec), f"rank kernel gated={gated} splits={splits}", rtol=5e-3)
 
 
 def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):

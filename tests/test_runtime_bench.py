@@ -78,7 +78,6 @@ def test_lab_switches_reject_bad_values():
     """The kernels' lab switches are read at import: a bad value stops there with one line naming the switch."""
     for module, env in (("spear.kernels.w4", {"SPEAR_W4_DOT_ASM": "yes"}),
                         ("spear.kernels.w4", {"SPEAR_W4_DOT_WIDE": "3"}),
-                        ("spear.kernels.w4", {"SPEAR_W4_SCALE_CODES": "on"}),
                         ("spear.runtime.ops", {"SPEAR_ATTN_BLOCK_N": "48"})):
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], check=False, capture_output=True, text=True,
                               env={**os.environ, **env})

@@ -121,13 +121,9 @@ def variants() -> dict[str, tuple]:
         w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=False bn=128 wide"][2], "DOT_ASM": True}, 4)
     out["decode rows=dot ec=True bn=128 spg=4 wide=2 asm"] = (
         w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "DOT_ASM": True}, 4)
-    # groups' codes scaled before the dot (SPEAR_W4_SCALE_CODES=1, the kernels' SCALE_CODES; lab, untimed): g = 128, 64
-    for spg in (8, 4):
-        const = {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "SPG": spg}
-        out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2 grouped"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
-        for asm in (False, True):
-            out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2 scale_codes" + " asm" * asm] = (
-                w4._w4_decode_kernel, decode_ptrs, {**const, "SCALE_CODES": True, "DOT_ASM": asm}, 4)
+    # g = 128 with one dot a block (the decode kernel's float32 scale a group; the compile test's contrast)
+    out["decode rows=dot ec=True bn=128 spg=8 wide=2 grouped"] = (
+        w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "SPG": 8}, 4)
     for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=w4.ax_block(1, 128), SPG=8,
                      GEMV_ROWS=1, BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
@@ -187,23 +183,26 @@ def variants() -> dict[str, tuple]:
                      BKW=64, PER_CHANNEL=True, PEERS=2, U_CHUNK=8, **lab_off)
         out[f"decode rows={rows or 'dot'} to peers"] = (w4._w4_decode_kernel, {**decode_ptrs, "peer_rows_ptr": I64,
                                                                                "peer_signals_ptr": I64}, const, 4)
-    out["ec_rank"] = (w4._ec_rank_kernel, f16, dict(GATED=True, R=32, H=16, BM=32, BK=64), 4)
+    for split in (False, True):  # the EC's rank-space kernel for the prefill paths: whole K, or K split
+        out["ec_rank" + " split" * split] = (w4._ec_rank_kernel, {**f16, "u_part_ptr": F32 if split else F16},
+                                             dict(GATED=True, R=32, H=16, BM=32, BK=64, SPLIT=split), 4)
+    out["ec_gate"] = (w4._ec_gate_kernel, {**f16, "u_part_ptr": F32}, dict(GATED=True, R=32, H=16, BM=32), 4)
     out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
     out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                             dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True), 4)
-    for spg in (8, 4):  # the wide dot loop (one dot a block, or a group of 64) in the prefill tile GEMM
+    for spg in (8, 4):  # the wide dot loop (one dot a block, or a group of 64 with its codes scaled) in the prefill
+        # tile GEMM
         out[f"prefill_fused wide=2 spg={spg}"] = (
             w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8, WIDE=2), 8)
+            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8, WIDE=2,
+                 SCALE_CODES=spg != 8), 8)
     out["prefill_fused wide=2 spg=8 asm"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                                              {**out["prefill_fused wide=2 spg=8"][2], "DOT_ASM": True}, 8)
-    grouped = {**out["prefill_fused wide=2 spg=8"][2], "PER_CHANNEL": False}  # g = 128
+    # g = 128: the float32 scale a group (session 15's, the compile test's contrast), and the codes scaled (launched)
+    grouped = {**out["prefill_fused wide=2 spg=8"][2], "PER_CHANNEL": False, "SCALE_CODES": False}
     out["prefill_fused wide=2 spg=8 grouped"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, grouped, 8)
-    for spg in (8, 4):
-        for asm in (False, True):
-            out[f"prefill_fused wide=2 spg={spg} scale_codes" + " asm" * asm] = (
-                w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, {**grouped, "SPG": spg, "SCALE_CODES": True,
-                                                                 "DOT_ASM": asm}, 8)
+    out["prefill_fused wide=2 spg=8 scale_codes asm"] = (
+        w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
     for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
         out[f"ec_epilogue ec={has_ec}"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32,
                                                                              "out_ptr": F16, "bias_ptr": F16},

@@ -83,14 +83,6 @@ _DOT_ASM_ENV = os.environ.get("SPEAR_W4_DOT_ASM", "1")
 if _DOT_ASM_ENV not in ("0", "1"):
     raise ValueError(f"SPEAR_W4_DOT_ASM is 0 or 1; got {_DOT_ASM_ENV!r}")
 DOT_ASM = _DOT_ASM_ENV == "1"
-# Lab (session 16, untimed, so off): with groups, the wide loops scale the codes, W_hat = (q − z) · s in fp16 (exactly
-# the reference's W_hat: q − z is an exact small integer), so that every dot accumulates into the tile, instead of a
-# dot a group into a zeroed tile that must be waited for and FMA-scaled into the float32 tile (one wgmma wait a group).
-# SPEAR_W4_SCALE_CODES=1 turns it on in the decode kernel and the prefill tile GEMM.
-_SCALE_CODES_ENV = os.environ.get("SPEAR_W4_SCALE_CODES", "0")
-if _SCALE_CODES_ENV not in ("0", "1"):
-    raise ValueError(f"SPEAR_W4_SCALE_CODES is 0 or 1; got {_SCALE_CODES_ENV!r}")
-SCALE_CODES = _SCALE_CODES_ENV == "1"
 
 
 # --- building blocks ------------------------------------------------------------------
@@ -220,8 +212,11 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
     turning the codes into fp16 costs anyway (_slice_f16). Per group span (SPG slices of 16 columns: whole
     slices, whole halves of the block at SPG = 4) the tensor-core dots sum Σ (q − z) x and the scale acts once:
     acc += s · Σ (q − z) x. No Σ x correction term. Per-channel, `z` [BN] comes from the caller and the dots
-    accumulate straight into acc. SCALE_CODES (lab, with WIDE): the wide loops' groups scale the codes instead, one
-    HMUL2 a pair, W_hat = (q − z) · s, and their dots accumulate straight into acc too.
+    accumulate straight into acc. SCALE_CODES (the prefill tile GEMM, with WIDE): the wide loops' groups scale the
+    codes instead, one HMUL2 a pair, W_hat = (q − z) · s, and their dots accumulate straight into acc too: no wgmma
+    wait and float32 FMA pass a group. On the H200 (session 16, g = 128) that made the tile GEMM 6–11% faster at
+    1024–2048 rows, and the decode kernel 8–18% slower at 16–32 rows (its dot loop is bound by instructions a code,
+    and a 16-row tile's FMA pass is small), so the decode kernel keeps the float32 scale.
     """
     if WIDE and (PER_CHANNEL or SPG == 8):  # one group spans the block: one dot (_w4_block_wide)
         if PER_CHANNEL:
@@ -909,7 +904,7 @@ def _w4_decode_kernel(
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
     PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
     ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1, WIDE: tl.constexpr = 1,
-    DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = False,
+    DOT_ASM: tl.constexpr = False,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -1031,8 +1026,7 @@ def _w4_decode_kernel(
                            GEMV_PRELOAD, EVEN)
         else:
             acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM,
-                               SCALE_CODES)
+                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM)
         pdl_release(PDL and PDL_LATE)
         last = pid_k >= 0  # True, as a tensor: the branch below may replace it
         if split_k > 1:
@@ -1082,19 +1076,41 @@ def _w4_decode_kernel(
 
 
 @triton.jit
-def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm, stride_gm,
-                    GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """g [M, R] = gamma(A x) ⊙ A x, in fp16."""
+def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_ptr, M, K, stride_xm, stride_gm,
+                    k_per_split, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, SPLIT: tl.constexpr):
+    """g [M, R] = gamma(A x) ⊙ A x in fp16, for BM rows over columns [k_per_split · s, k_per_split · (s + 1)) of K,
+    s = program_id(1); SPLIT: store the float32 partial u in u_part [splits, M, R] instead (_ec_gate_kernel sums
+    them and applies the gate)."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    offs_r = tl.arange(0, R)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    u = tl.zeros((BM, R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                     mask=mask_m[:, None] & (offs_k[None, :] < k_hi), other=0.0)
+        ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
+        u += tl.dot(xk, tl.trans(ak))
+    if SPLIT:
+        tl.store(u_part_ptr + (tl.program_id(1) * M + offs_m[:, None]) * R + offs_r[None, :], u, mask=mask_m[:, None])
+    else:
+        g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+        tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+
+
+@triton.jit
+def _ec_gate_kernel(u_part_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, splits, stride_gm, GATED: tl.constexpr,
+                    R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr):
+    """g = gamma(u) ⊙ u in fp16, u the sum of the splits' partials in split order (bit-reproducible)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
     u = tl.zeros((BM, R), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-        u += tl.dot(xk, tl.trans(ak))
+    for s in range(splits):
+        u += tl.load(u_part_ptr + (s * M + offs_m[:, None]) * R + offs_r[None, :], mask=mask_m[:, None], other=0.0)
     g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
     tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
 
@@ -1128,7 +1144,7 @@ def _w4_prefill_kernel(
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
-    WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = False,
+    WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = True,
 ):
     # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
@@ -1455,21 +1471,37 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
         PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, ADD_NORM=add_norm is not None,
         RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), WIDE=DOT_WIDE,
-        DOT_ASM=DOT_ASM and runs_compiled(x), SCALE_CODES=SCALE_CODES, **launch_options(x),
+        DOT_ASM=DOT_ASM and runs_compiled(x), **launch_options(x),
     )
     return y
 
 
-def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-    """g = gamma(A x) ⊙ A x  [M, R] fp16, one launch; into `out` (any row stride) if given."""
+def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64, out: torch.Tensor | None = None,
+            splits: int | None = None) -> torch.Tensor:
+    """g = gamma(A x) ⊙ A x  [M, R] fp16; into `out` (any row stride) if given.
+
+    K is split (`splits`, default rank_splits) where the row blocks alone would leave most SMs idle: at 1024 rows,
+    32 programs each streamed a whole 32-row slice of x, which cost W4+EC 20–70 µs over W4 on the 7B shapes (session
+    16). Split, the partial u go to a float32 scratch and a second launch sums them in order and applies the gate."""
     m, k = x.shape
     g = out if out is not None else torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
-    _ec_rank_kernel[(triton.cdiv(m, block_m),)](
-        x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0), g.stride(0),
-        GATED=ec.gated, R=ec.padded_rank, H=ec.W1.shape[0], BM=block_m, BK=block_k, num_warps=4,
-    )
+    row_blocks = triton.cdiv(m, block_m)
+    splits = splits or rank_splits(row_blocks, k, block_k, num_sms(x.device))
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    u_part = torch.empty(splits, m, ec.padded_rank, dtype=torch.float32, device=x.device) if splits > 1 else g
+    common = dict(GATED=ec.gated, R=ec.padded_rank, H=ec.W1.shape[0], BM=block_m, num_warps=4)
+    _ec_rank_kernel[(row_blocks, splits)](
+        x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, u_part, m, k, x.stride(0), g.stride(0), k_per_split,
+        BK=block_k, SPLIT=splits > 1, **common)
+    if splits > 1:
+        _ec_gate_kernel[(row_blocks,)](u_part, ec.W1, ec.b1, ec.W2, ec.b2, g, m, splits, g.stride(0), **common)
     return g
+
+
+def rank_splits(row_blocks: int, k: int, block_k: int, sms: int) -> int:
+    """Ways to split K in ec_rank: enough programs for two an SM, each split at least two block_k steps."""
+    return max(1, min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(k, 2 * block_k)))
 
 
 def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
@@ -1493,7 +1525,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
         BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
-        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE, DOT_ASM=DOT_ASM and runs_compiled(x), SCALE_CODES=SCALE_CODES,
+        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE, DOT_ASM=DOT_ASM and runs_compiled(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
