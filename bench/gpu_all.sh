@@ -285,28 +285,27 @@ elif [ "${S16:-0}" = 1 ]; then  # session 16, nvidia-h200-x2, with the codes thr
    done) &
   wait
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
-elif [ "${S16B:-0}" = 1 ]; then  # session 16's second call, nvidia-h200-x2: the EC's rank kernel with K split (W4+EC
-  # at 1024 / 4096 rows, 7B and 70B shapes) and W4 / W4+EC38 through the engine on GPU 0; on GPU 1 the prefill lab:
-  # per-channel (the dispatch timed before and after the configs), the inline PTX off, groups of 128 and 64, W4+EC
+elif [ "${S16B:-0}" = 1 ]; then  # session 16's second call, one H200 (the pair was not lent), one after another: the
+  # GPU tests; the prefill lab: W4+EC (the EC's rank kernel with K split), groups of 128 and 64, per-channel (the
+  # dispatch timed before and after the configs) with the inline PTX on and off; the kernel grid's 7B rows at 1024 /
+  # 4096 rows; W4 / W4+EC38 through the engine with what is left
   mkdir -p $out/ab
-  (export CUDA_VISIBLE_DEVICES=0
-   timeout 100 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
-     -k "rank or wide or group or prefill or dispatch or dot" > $log/1_tests.log 2>&1
-   timeout 300 python bench/kernels.py --json "$out/kernels_h200_prefill.json" --models 7b 70b --ms 1024 4096 \
-     --time-limit 260 > $log/3_kernels.log 2>&1
-   timeout $((570 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 16 \
-     --json "$out/decode_h200.json" > $log/2_decode.log 2>&1) &
-  (export CUDA_VISIBLE_DEVICES=1
-   lab() {  # tag, then prefill_lab's arguments
-     tag=$1; shift
-     timeout 90 python bench/prefill_lab.py "$@" --json "$out/ab/prefill_lab_h200_$tag.json" > $log/5_prefill_$tag.log 2>&1
-   }
-   lab pc --ms 1024 2048
-   SPEAR_W4_DOT_ASM=0 lab pc_asm0 --ms 1024 2048
-   lab g128 --group-size 128 --ms 256 512 1024
-   lab g64 --group-size 64 --ms 256 1024
-   lab ec32 --ec-rank 32 --ms 1024 2048) &
-  wait
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
+    -k "rank or wide or group or prefill or dispatch or dot" > $log/1_tests.log 2>&1
+  lab() {  # tag, then prefill_lab's arguments
+    tag=$1; shift
+    timeout 80 python bench/prefill_lab.py "$@" --json "$out/ab/prefill_lab_h200_$tag.json" > $log/5_prefill_$tag.log 2>&1
+  }
+  lab ec32 --ec-rank 32 --ms 1024 2048
+  lab g128 --group-size 128 --ms 256 512 1024
+  lab pc --ms 1024 2048
+  SPEAR_W4_DOT_ASM=0 lab pc_asm0 --ms 1024 2048
+  lab g64 --group-size 64 --ms 256 1024
+  timeout 150 python bench/kernels.py --json "$out/kernels_h200_prefill.json" --models 7b --ms 1024 4096 \
+    --time-limit 120 > $log/3_kernels.log 2>&1
+  timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 16 \
+    --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
