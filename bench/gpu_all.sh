@@ -21,7 +21,8 @@
 #   or, with FINAL15=1 (nvidia-h200-x2), session 15's last call: attention 16 vs 32 keys a step, the prefill GEMM;
 #   or, with DOTASM=1 (nvidia-h200-x2), for session 16: the dot loops' codes through inline PTX (SPEAR_W4_DOT_ASM);
 #   or, with S16=1 (nvidia-h200-x2): the group scale on the codes (SPEAR_W4_SCALE_CODES at f77b692), the 7B kernel grid,
-#          the engine; with S16B=1 the EC's rank kernel with K split, the prefill lab per case, the engine;
+#          the engine; with S16B=1 the EC's rank kernel with K split, the prefill lab per case, the engine; with
+#          S16C=1 (one H200) the kernel grid's prefill rows, per-channel and g = 128;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -307,6 +308,16 @@ elif [ "${S16B:-0}" = 1 ]; then  # session 16's second call, one H200 (the pair 
   timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 16 \
     --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
   tar czf "$out/ab_jsons.tgz" -C "$out" ab && rm -r "$out/ab"
+elif [ "${S16C:-0}" = 1 ]; then  # session 16's last call, one H200: the GPU tests, then the kernel grid's prefill rows
+  # on the 7B shapes: per-channel at 1024–4096 (W4+EC through the tile GEMM and, at 4096, dequantize + cuBLAS with the EC
+  # term read in cuBLAS's epilogue), then groups of 128 at 512 / 1024 (the dispatch's switch for grouped weights)
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
+    -k "rank or wide or group or prefill or dispatch or dot" > $log/1_tests.log 2>&1
+  timeout 250 python bench/kernels.py --json "$out/kernels_h200_prefill.json" --models 7b --ms 1024 2048 4096 \
+    --time-limit 200 > $log/3_kernels.log 2>&1
+  timeout $((570 - SECONDS)) python bench/kernels.py --json "$out/kernels_h200_prefill_g128.json" --models 7b \
+    --ms 512 1024 --group-size 128 --time-limit $((530 - SECONDS)) > $log/4_kernels_g128.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

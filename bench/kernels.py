@@ -103,11 +103,12 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         tinygemm = None
     t = time.perf_counter()
     timings: dict = {}
-    decode_ms = sorted({1, 4, 16} | {m for m in ms if m <= DECODE_KERNEL_MAX_M})
-    tuned = tune_w4(packed, tuple(decode_ms), timings)
-    log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
-    for r, ec in ecs.items():  # W4+EC's own pick at one row, as the runtime model's use_kernels tunes it
-        log(f"  tuned with the rank-{r} EC at M = 1: {tune_w4(packed, (1,), ec=ec)[1]}")
+    if min(ms) <= DECODE_KERNEL_MAX_M:  # the decode kernel's configs (prefill rows alone need none)
+        decode_ms = sorted({1, 4, 16} | {m for m in ms if m <= DECODE_KERNEL_MAX_M})
+        tuned = tune_w4(packed, tuple(decode_ms), timings)
+        log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
+        for r, ec in ecs.items():  # W4+EC's own pick at one row, as the runtime model's use_kernels tunes it
+            log(f"  tuned with the rank-{r} EC at M = 1: {tune_w4(packed, (1,), ec=ec)[1]}")
     for m, measured in timings.items():  # the best of each main loop (do_bench, cold L2, launch included)
         best = {}
         for us, cfg in measured:

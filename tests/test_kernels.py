@@ -437,9 +437,18 @@ def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
         ref = w4_linear_ref(x.reshape(-1, k), w, ec, bias).view(2, m, n)
         assert_close(w4_linear(x, w, ec, bias), ref, f"dispatch m={m}")
         assert_close(layer(x), ref, f"SpearLinear m={m}", rtol=5e-3)  # CPU: the PyTorch backend; CUDA: the kernels
-    monkeypatch.setattr(w4_module, "FUSED_PREFILL_MAX_M", 139)  # 140 rows: dequantize + cuBLAS, not the tile GEMM
-    assert_close(w4_linear(x, w, ec, bias), ref, "dispatch past FUSED_PREFILL_MAX_M")
+    monkeypatch.setattr(w4_module, "FUSED_PREFILL_MAX_M_GROUPED", 139)  # 140 rows: dequantize + cuBLAS
+    assert_close(w4_linear(x, w, ec, bias), ref, "dispatch past FUSED_PREFILL_MAX_M_GROUPED")
     assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()
+
+
+def test_prefill_path_follows_rows_and_scales():
+    """Per-channel weights take the tile GEMM up to 2048 rows; grouped ones up to 512, where dequantize + cuBLAS draws
+    level (it is 13–35% ahead at 1024 rows on the H200, session 16)."""
+    from spear.kernels.w4 import takes_tile_gemm
+
+    assert takes_tile_gemm(2048, per_channel=True) and not takes_tile_gemm(2049, per_channel=True)
+    assert takes_tile_gemm(512, per_channel=False) and not takes_tile_gemm(513, per_channel=False)
 
 
 def test_decode_config_prefers_the_one_tuned_with_the_ec(gen, monkeypatch):

@@ -59,9 +59,11 @@ from spear.kernels.pdl import (
 DECODE_KERNEL_MAX_M = 128  # the decode kernel's widest row tile
 # w4_linear's switch from the decode kernel (split-K, the EC fused) to the prefill tile GEMM.
 DECODE_PATH_MAX_M = 128
-# Prefill rows up to which w4_linear takes the tile GEMM (w4_prefill_fused): the most it was timed at against
-# dequantize + cuBLAS, and faster on every 7B shape (bench/prefill_lab.py, BENCHMARKS §4 session 15).
+# Prefill rows up to which w4_linear takes the tile GEMM (w4_prefill_fused), else dequantize + cuBLAS
+# (bench/prefill_lab.py, BENCHMARKS §4 sessions 15–16). Per-channel: the most it was timed at, and faster on every 7B
+# shape. With groups (128 or 64) dequantize + cuBLAS is level at 512 rows and 13–35% faster at 1024 (session 16).
 FUSED_PREFILL_MAX_M = 2048
+FUSED_PREFILL_MAX_M_GROUPED = 512
 TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
 # Each decode launch with an EC advances the workspace's reads count by 2^READS_SHIFT (its tiles' shares), so that
 # the count's high bits are the launch's epoch, the tag of g's cells (the kernel's comment); a launch has fewer tiles.
@@ -1570,29 +1572,30 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
                out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] for many rows: dequantize W once into scratch, then one cuBLAS GEMM.
 
-    With an EC (semi-fused): on CUDA the rank-space kernel computes g = gamma(A x) ⊙ A x on a side
-    stream while the main stream dequantizes and multiplies; then y += g (alpha·B)ᵀ. Measured on the
-    H200 this beat running the EC as R extra GEMM columns ([x | g]·[W_hat | alpha·B]ᵀ, which must
-    copy x) in 5 of 6 shapes at M ≥ 1024 (BENCHMARKS.md §4).
+    With an EC (semi-fused): on CUDA the rank-space kernel computes g = gamma(A x) ⊙ A x on a side stream while the
+    main stream dequantizes; then y = g (alpha·B)ᵀ (+ bias), and the GEMM adds x W_hatᵀ to it (beta = 1: cuBLAS reads
+    the EC term in its epilogue, where the GEMM's compute hides it, instead of a pass of its own over y afterwards).
+    Measured on the H200 this order of ops beat running the EC as R extra GEMM columns ([x | g]·[W_hat | alpha·B]ᵀ,
+    which must copy x) in 5 of 6 shapes at M ≥ 1024 (BENCHMARKS.md §4, with y += g (alpha·B)ᵀ after the GEMM then).
     """
     n, k = w.out_features, w.in_features
     main = torch.cuda.current_stream() if x.is_cuda else None
-    g = None
-    if ec is not None and main is not None:
+    if ec is None:
+        w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
+        return torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+    if main is not None:
         side = _side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             g = ec_rank(x, ec)
         g.record_stream(main)
-    w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
-    y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
-    if ec is not None:
-        if main is not None:
-            main.wait_stream(side)
-        else:
-            g = ec_rank(x, ec)
-        y.addmm_(g, ec.B.t())
-    return y
+        w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
+        main.wait_stream(side)
+    else:
+        g = ec_rank(x, ec)
+        w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
+    y = torch.mm(g, ec.B.t(), out=out) if bias is None else torch.addmm(bias, g, ec.B.t(), out=out)
+    return y.addmm_(x, w_hat.t())
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -1604,18 +1607,23 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
+def takes_tile_gemm(m: int, per_channel: bool) -> bool:
+    """Whether w4_linear runs m prefill rows through the tile GEMM rather than dequantize + cuBLAS."""
+    return m <= (FUSED_PREFILL_MAX_M if per_channel else FUSED_PREFILL_MAX_M_GROUPED)
+
+
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Phase-adaptive dispatch by rows: the decode kernel up to DECODE_PATH_MAX_M rows, the prefill tile GEMM up to
-    FUSED_PREFILL_MAX_M, else dequantize + cuBLAS."""
+    """Phase-adaptive dispatch by rows: the decode kernel up to DECODE_PATH_MAX_M rows, then the prefill tile GEMM
+    (takes_tile_gemm), else dequantize + cuBLAS."""
     x2 = _flatten(x)
     if x2.dtype != torch.float16:
         raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
-    if x2.shape[0] > FUSED_PREFILL_MAX_M:
-        y = w4_prefill(x2, w, ec, bias)
-    elif x2.shape[0] > DECODE_PATH_MAX_M:
+    if x2.shape[0] <= DECODE_PATH_MAX_M:
+        y = w4_decode(x2, w, ec, bias)
+    elif takes_tile_gemm(x2.shape[0], w.scales.shape[1] == 1):
         y = w4_prefill_fused(x2, w, ec, bias)
     else:
-        y = w4_decode(x2, w, ec, bias)
+        y = w4_prefill(x2, w, ec, bias)
     return y.view(*x.shape[:-1], w.out_features)
 
 
