@@ -23,7 +23,7 @@
 #   or, with S16=1 (nvidia-h200-x2): the group scale on the codes (SPEAR_W4_SCALE_CODES at f77b692), the 7B kernel grid,
 #          the engine; with S16B=1 the EC's rank kernel with K split, the prefill lab per case, the engine; with
 #          S16C=1 (one H200) the kernel grid's prefill rows, per-channel and g = 128; with S16D=1 the same with
-#          the tile GEMM's own rank programs;
+#          the tile GEMM's own rank programs; with S16E=1 where W4+EC's prefill time goes, and the engine at batch 1;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -319,14 +319,21 @@ elif [ "${S16C:-0}" = 1 ]; then  # session 16's last call, one H200: the GPU tes
     --time-limit 200 > $log/3_kernels.log 2>&1
   timeout $((570 - SECONDS)) python bench/kernels.py --json "$out/kernels_h200_prefill_g128.json" --models 7b \
     --ms 512 1024 --group-size 128 --time-limit $((530 - SECONDS)) > $log/4_kernels_g128.log 2>&1
-elif [ "${S16D:-0}" = 1 ]; then  # session 16, one H200: the prefill tile GEMM computing g in its own rank programs
-  # (the GPU tests first: they run rank programs and tiles concurrently and compare repeats bit for bit), then the
+elif [ "${S16D:-0}" = 1 ]; then  # session 16, one H200, at 5532723 (reverted after: level with ec_rank before the
+  # GEMM): the prefill tile GEMM computing g in its own rank programs (the GPU tests first: they run rank programs and tiles concurrently and compare repeats bit for bit), then the
   # kernel grid's prefill rows on the 7B and 70B shapes, W4 against W4+EC
   export CUDA_VISIBLE_DEVICES=0
   timeout 120 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py \
     -k "rank or wide or group or prefill or dispatch or dot" > $log/1_tests.log 2>&1
   timeout $((560 - SECONDS)) python bench/kernels.py --json "$out/kernels_h200_prefill.json" --models 7b 70b \
     --ms 1024 2048 --time-limit $((520 - SECONDS)) > $log/3_kernels.log 2>&1
+elif [ "${S16E:-0}" = 1 ]; then  # session 16's last call, one H200: where W4+EC's time goes in the prefill tile GEMM
+  # (the rank kernel alone, the GEMM with g given), then W4 / W4+EC38 through the engine at batch 1
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 120 python bench/prefill_lab.py --ec-rank 32 --ms 1024 2048 --json "$out/prefill_lab_h200_ec32.json" \
+    > $log/5_prefill_ec32.log 2>&1
+  timeout $((400 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 \
+    --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

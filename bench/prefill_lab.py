@@ -28,7 +28,7 @@ from common import LAB_SHAPES, provenance, write_json
 from kernels import L2_FLUSH_BYTES, random_ec
 from spear.kernels.pack import pack_ec, pack_w4
 from spear.kernels.timing import time_in_graph
-from spear.kernels.w4 import PREFILL_CANDIDATES, w4_linear, w4_prefill, w4_prefill_fused
+from spear.kernels.w4 import PREFILL_CANDIDATES, ec_rank, prefill_config, w4_linear, w4_prefill, w4_prefill_fused
 from spear.quant.record import QuantConfig, rtn_quantize
 
 
@@ -56,6 +56,14 @@ def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> li
                 log(f"  {cfg}: {type(e).__name__}")
                 continue
             row["fused"].append({"config": dataclasses.asdict(cfg), "us": us, "rel_err": err})
+        if ec is not None:  # where W4+EC's time goes: the rank kernel alone, and the GEMM with g computed outside
+            cfg = prefill_config(m, packed.scales.shape[1] == 1)
+            g = ec_rank(x, ec)
+            row["ec_rank_alone"] = time_in_graph([lambda x=x: ec_rank(x, ec) for _ in w4s])
+            row["fused_g_given"] = time_in_graph([lambda w=w, x=x: w4_prefill_fused(x, w, ec, cfg=cfg, g=g) for w in w4s])
+            row["fused_w4_default"] = time_in_graph([lambda w=w, x=x: w4_prefill_fused(x, w, cfg=cfg) for w in w4s])
+            log(f"  W4 {row['fused_w4_default']:.1f}  rank kernel {row['ec_rank_alone']:.1f}  "
+                f"GEMM with g given {row['fused_g_given']:.1f} µs ({cfg})")
         # the dispatch again, after the configs: w4_linear has timed 10–23% slower than its own config called directly
         # (sessions 15–16); a second figure tells an order effect (clocks, memory pool) from a cost of the dispatch
         row["w4_linear_after"] = time_in_graph([lambda w=w, x=x: w4_linear(x, w, ec) for w in w4s])

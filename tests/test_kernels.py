@@ -379,23 +379,6 @@ def test_prefill_kernel_matches_reference(group, with_ec, gen):
     assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
 
 
-def test_prefill_rank_programs_split_k_and_share_the_workspace(gen):
-    """The prefill tile GEMM's rank programs: K split over two programs a row block, three row blocks (the last one
-    partial), launches back to back and a decode launch between them (the workspace's counters, g's cells and the
-    epoch are shared): each matches the reference and repeats bit for bit."""
-    n, k, m = 64, 1088, 70
-    packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
-    ec = pack_ec(random_ec(n, k, 16, gen)).to(DEVICE)
-    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
-    ref = w4_linear_ref(x, packed, ec)
-    first = w4_prefill_fused(x, packed, ec, None, SMALL_PREFILL, out=poisoned(m, n))
-    assert_close(first, ref, "prefill with rank programs")
-    xd = torch.randn(3, k, generator=gen).half().to(DEVICE)
-    assert_close(w4_decode(xd, packed, ec, None, SMALL_DECODE), w4_linear_ref(xd, packed, ec), "decode between")
-    again = w4_prefill_fused(x, packed, ec, None, SMALL_PREFILL, out=poisoned(m, n))
-    assert torch.equal(first, again)
-
-
 def test_prefill_tile_gemm_config_follows_rows_and_scales():
     """Untuned, the prefill tile GEMM widens its tile to 128 × 256 from 1024 rows, per-channel only (with groups the
     wide tile's per-group scale FMAs made it 1.8–2.4× slower on the H200, BENCHMARKS §4 session 15)."""
@@ -416,7 +399,7 @@ def test_prefill_tile_gemm_compiles_once_for_any_row_count():
             "print([p.name for p in k.params if p.do_not_specialize])")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['M', 'num_u', 'u_splits', 'u_steps', 'num_tiles']"
+    assert out.strip() == "['M']"
 
 
 def test_dequantize_kernel_is_bit_exact(gen):

@@ -1138,88 +1138,38 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
             tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
 
-# M is not specialized, nor what follows from it: a prefill chunk's row count changes from step to step, and Triton
-# would otherwise compile a variant of this kernel the first time one is a multiple of 16 (seconds in mid-serving).
-@triton.jit
-def _prefill_rank_program(pid, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_ptr, cnt_ptr, reads_ptr, M, K,
-                          stride_xm, u_splits, u_steps, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-                          BM: tl.constexpr, BK: tl.constexpr):
-    """One of the prefill launch's rank programs: the float32 partial u = A x of row block pid // u_splits over split
-    pid % u_splits of K (u_steps steps of BK columns: counted in steps, so that the compiler knows a split's start is
-    a multiple of BK and vectorizes the loads), into u_part [splits, M, R]; the block's last split to arrive sums the
-    partials in split order, applies the gate and stores g in cells tagged with the launch's epoch (as the decode
-    kernel's u-programs do)."""
-    block = pid // u_splits
-    split = pid % u_splits
-    offs_m = block * BM + tl.arange(0, BM)
-    mask_m = offs_m < M
-    offs_r = tl.arange(0, R)
-    k_lo = split * u_steps * BK
-    k_hi = tl.minimum(k_lo + u_steps * BK, K)
-    u = tl.zeros((BM, R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                     mask=mask_m[:, None] & (offs_k[None, :] < k_hi), other=0.0)
-        u += tl.dot(xk, tl.trans(_a_tile(a_ptr, offs_r, k0, k_hi, K, BK)))
-    rows = offs_m[:, None] * R + offs_r[None, :]
-    tl.store(u_part_ptr + split * M * R + rows, u, mask=mask_m[:, None])
-    tl.debug_barrier()
-    if tl.atomic_add(cnt_ptr + 2 + block, 1, sem="acq_rel") == u_splits - 1:  # the block's last split: g once
-        tl.atomic_xchg(cnt_ptr + 2 + block, 0)
-        u = tl.zeros((BM, R), dtype=tl.float32)
-        for p in range(u_splits):
-            u += tl.load(u_part_ptr + p * M * R + rows, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
-        g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-        epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
-        tl.store(g_ptr + rows, _g_cells(g, epoch), mask=mask_m[:, None])
-
-
-@triton.jit(do_not_specialize=["M", "num_u", "u_splits", "u_steps", "num_tiles"])
+# M is not specialized: a prefill chunk's row count changes from step to step, and Triton would otherwise compile
+# a variant of this kernel the first time M is a multiple of 16 (seconds in the middle of serving).
+@triton.jit(do_not_specialize=["M"])
 def _w4_prefill_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_ptr, cnt_ptr, reads_ptr,
-    M, N, K, KW, G, group_size, stride_xm, stride_ym, num_u, u_splits, u_steps, num_tiles,
-    HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = True,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr,
+    M, N, K, KW, G, group_size, stride_xm, stride_ym,
+    HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = True,
 ):
-    # With an EC the first num_u programs are rank programs (_prefill_rank_program): they have the lowest ids, so they
-    # are dispatched before any tile and a tile's wait for g in its epilogue cannot deadlock. The tiles read the
-    # launch's epoch before their main loop and g after it, then add their share to the reads count (the decode
-    # kernel's scheme: each launch advances it by READS_PER_LAUNCH, nothing is reset between launches).
+    # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
-    if HAS_EC and pid < num_u:
-        _prefill_rank_program(pid, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_ptr, cnt_ptr, reads_ptr,
-                              M, K, stride_xm, u_splits, u_steps, GATED, R, H, BM, BK)
-    else:
-        # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
-        tid = pid - num_u
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = tid // (GROUP_M * num_n)
-        first_m = group * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tid % (GROUP_M * num_n)) % size_m
-        pid_n = (tid % (GROUP_M * num_n)) // size_m
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        epoch = tl.zeros((), dtype=tl.int64)
-        if HAS_EC:
-            epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
-        # yᵀ tile: the dequantized weight is the dot's first operand
-        acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW,
-                           G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM, SCALE_CODES)
-        g = tl.zeros((BM, R), dtype=tl.float32)
-        if HAS_EC:
-            g = _read_g(g_ptr + offs_m[:, None] * R + tl.arange(0, R)[None, :], mask_m, epoch, True)
-            tl.debug_barrier()  # g is in registers: this tile's share of the reads (relaxed, nothing waits for it)
-            tl.atomic_add(reads_ptr, tl.where(tid == 0, 1 - num_tiles + READS_PER_LAUNCH, 1).to(tl.int64),
-                          sem="relaxed")
-        b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
-        _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, HAS_EC, HAS_BIAS)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # yᵀ tile: the dequantized weight is the dot's first operand
+    acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
+                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM, SCALE_CODES)
+    g = tl.zeros((BM, R), dtype=tl.float32)
+    if HAS_EC:
+        offs_r = tl.arange(0, R)
+        g = tl.load(g_ptr + offs_m[:, None] * R + offs_r[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
+    b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+    _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, HAS_EC, HAS_BIAS)
 
 
 # --- host side ------------------------------------------------------------------------
@@ -1276,8 +1226,6 @@ PREFILL_CANDIDATES = [
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
-PREFILL_RANK_BK = 64  # columns of x and A a step of the prefill launch's rank programs
-PREFILL_RANK_COLUMNS = 512  # the fewest columns of K a rank program takes
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs (ax_block)
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3, 4 and 6): 1 tiles do not wait for
 # g, 3 no u-programs (tiles do not wait), 4 no u-programs and no EC epilogue, 6 no reads count (the epoch never
@@ -1559,39 +1507,28 @@ def rank_splits(row_blocks: int, k: int, block_k: int, sms: int) -> int:
 
 
 def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
-                     cfg: PrefillConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] for any M from one Triton tensor-core GEMM that dequantizes in its main loop, with (alpha·B) g added
-    in its epilogue. With an EC the launch's first programs compute g (_prefill_rank_program) while the tiles run
-    their main loops: no launch of its own and no serial pass over x before the GEMM (ec_rank before it cost W4+EC
-    7–17% over W4 at 1024–2048 rows on the H200, session 16).
+                     cfg: PrefillConfig | None = None, g: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] for any M from one Triton tensor-core GEMM that dequantizes in its main loop, with
+    (alpha·B) g added in its epilogue; g (from `ec_rank`) may be passed in, else it is computed here.
 
     Untuned, the config is prefill_config's.
     """
     m, k = x.shape
     n = w.out_features
+    if ec is not None and g is None:
+        g = ec_rank(x, ec)
     cfg = cfg or _TUNED.get(_tune_key(w, m)) or prefill_config(m, w.scales.shape[1] == 1)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    row_blocks = triton.cdiv(m, cfg.block_m)
-    tiles = row_blocks * triton.cdiv(n, cfg.block_n)
-    R = ec.padded_rank if ec is not None else 16
-    num_u, u_splits, u_steps = 0, 1, 1
-    if ec is not None:  # rank programs: enough splits of K for about one an SM, each at least PREFILL_RANK_COLUMNS
-        u_splits = max(1, min(triton.cdiv(num_sms(x.device), row_blocks), triton.cdiv(k, PREFILL_RANK_COLUMNS)))
-        u_steps = triton.cdiv(triton.cdiv(k, u_splits), PREFILL_RANK_BK)
-        u_splits = triton.cdiv(k, u_steps * PREFILL_RANK_BK)
-        num_u = row_blocks * u_splits
-    assert tiles < READS_PER_LAUNCH.value, "the reads count's per-launch total must exceed the tiles"
-    _, u_part, g_cells, counters, reads = _WORKSPACE.get(x.device, 0, num_u and u_splits * m * R, m * R, row_blocks)
-    _w4_prefill_kernel[(num_u + tiles,)](
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w4_prefill_kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
-        *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),
-        u_part, g_cells, counters, reads,
+        g if g is not None else y, ec.B if ec is not None else y,
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
-        num_u, u_splits, u_steps, tiles,
-        HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R,
-        H=ec.W1.shape[0] if ec is not None else 16, BM=cfg.block_m, BN=cfg.block_n, BK=PREFILL_RANK_BK,
-        SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m, PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE,
-        DOT_ASM=DOT_ASM and runs_compiled(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
+        BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
+        PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE, DOT_ASM=DOT_ASM and runs_compiled(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 
