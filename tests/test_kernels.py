@@ -442,13 +442,17 @@ def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
     assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()
 
 
-def test_prefill_path_follows_rows_and_scales():
+def test_prefill_path_follows_rows_scales_and_tiles():
     """Per-channel weights take the tile GEMM up to 2048 rows; grouped ones up to 512, where dequantize + cuBLAS draws
-    level (it is 13–35% ahead at 1024 rows on the H200, session 16)."""
+    level (it is 13–35% ahead at 1024 rows on the H200, session 16); a weight too narrow to give half the SMs a tile
+    takes dequantize + cuBLAS (70b k/v: 3× faster there)."""
     from spear.kernels.w4 import takes_tile_gemm
 
-    assert takes_tile_gemm(2048, per_channel=True) and not takes_tile_gemm(2049, per_channel=True)
-    assert takes_tile_gemm(512, per_channel=False) and not takes_tile_gemm(513, per_channel=False)
+    h200 = dict(n=4096, sms=132)  # 7b q/k/v/o: 128 tiles of 128 × 256 at 1024 rows
+    assert takes_tile_gemm(2048, per_channel=True, **h200) and not takes_tile_gemm(2049, per_channel=True, **h200)
+    assert takes_tile_gemm(512, per_channel=False, **h200) and not takes_tile_gemm(513, per_channel=False, **h200)
+    assert takes_tile_gemm(1024, per_channel=True, **h200)
+    assert not takes_tile_gemm(1024, n=1024, per_channel=True, sms=132)  # 70b k/v: 32 tiles
 
 
 def test_decode_config_prefers_the_one_tuned_with_the_ec(gen, monkeypatch):

@@ -25,13 +25,14 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   slower at every shape and row count on the H200: BENCHMARKS.md §4, session 5.) The epilogue may
   also do the layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of stacked [gate; up]): a tile
   then gathers rows of the two halves (BN / 2 rows of gate and the same rows of up).
-* prefill (M > DECODE_PATH_MAX_M): up to FUSED_PREFILL_MAX_M rows, one Triton tile GEMM that dequantizes in
-  its main loop (the decode kernel's dot loop: one tensor-core dot a 128-column block or a group) with
-  (alpha·B) g added in its epilogue, g from the EC's rank-space kernel (`w4_prefill_fused`); beyond that the
-  weight is dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a side stream
-  beside it, then y += g (alpha·B)ᵀ (`w4_prefill`). With the wide dot loop the tile GEMM ran at 0.57–0.92× of
-  cuBLAS fp16's throughput where dequantize + cuBLAS ran at 0.42–0.81× (per-channel, 7B and 70B shapes, 256–2048
-  rows, session 15; before the wide loop it was 3–9× slower than cuBLAS). At 4096 rows dequantize + cuBLAS is ahead.
+* prefill (M > DECODE_PATH_MAX_M): up to FUSED_PREFILL_MAX_M rows (per-channel; FUSED_PREFILL_MAX_M_GROUPED with
+  groups) where its tiles fill half the SMs (`takes_tile_gemm`), one Triton tile GEMM that dequantizes in its main loop (the decode kernel's dot loop: one tensor-core dot a
+  128-column block or a group, a group's codes scaled in fp16 before it) with (alpha·B) g added in its epilogue, g
+  from the EC's rank-space kernel (`ec_rank`, K split across the SMs; `w4_prefill_fused`); beyond that the weight is
+  dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a side stream beside the
+  dequantization, the EC term written first and read by cuBLAS's epilogue (`w4_prefill`). Per-channel, the tile GEMM
+  runs at 0.78–0.86× of cuBLAS fp16's throughput at 1024–2048 rows on the 7B shapes (session 16); with groups,
+  dequantize + cuBLAS is ahead from 1024 rows.
 """
 
 from __future__ import annotations
@@ -1607,9 +1608,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def takes_tile_gemm(m: int, per_channel: bool) -> bool:
-    """Whether w4_linear runs m prefill rows through the tile GEMM rather than dequantize + cuBLAS."""
-    return m <= (FUSED_PREFILL_MAX_M if per_channel else FUSED_PREFILL_MAX_M_GROUPED)
+def takes_tile_gemm(m: int, n: int, per_channel: bool, sms: int) -> bool:
+    """Whether w4_linear runs m prefill rows of an n-row weight through the tile GEMM rather than dequantize + cuBLAS:
+    up to FUSED_PREFILL_MAX_M rows (FUSED_PREFILL_MAX_M_GROUPED with groups), and only where its untuned tiles fill
+    at least half the SMs (one tile an SM: on 70b k/v, N = 1024 at 1024 rows, 32 tiles took 103.7 µs where dequantize
+    + cuBLAS took 34.6, session 16)."""
+    cfg = prefill_config(m, per_channel)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return m <= (FUSED_PREFILL_MAX_M if per_channel else FUSED_PREFILL_MAX_M_GROUPED) and 2 * tiles >= sms
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -1620,7 +1626,7 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         raise ValueError(f"the W4A16 kernels take fp16 activations, got {x2.dtype}")
     if x2.shape[0] <= DECODE_PATH_MAX_M:
         y = w4_decode(x2, w, ec, bias)
-    elif takes_tile_gemm(x2.shape[0], w.scales.shape[1] == 1):
+    elif takes_tile_gemm(x2.shape[0], w.out_features, w.scales.shape[1] == 1, num_sms(x2.device)):
         y = w4_prefill_fused(x2, w, ec, bias)
     else:
         y = w4_prefill(x2, w, ec, bias)
