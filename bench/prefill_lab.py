@@ -32,6 +32,13 @@ from spear.kernels.w4 import PREFILL_CANDIDATES, ec_rank, prefill_config, w4_lin
 from spear.quant.record import QuantConfig, rtn_quantize
 
 
+# (block_m, block_k, num_warps, num_stages) of ec_rank timed with --ec-rank: its defaults first (session 16: 8–22 µs
+# at 1024–2048 rows on the 7B shapes, the whole of W4+EC's gap over W4), then wider row blocks (A re-read less often)
+# and longer steps (more bytes in flight)
+RANK_CANDIDATES = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4),
+                   (32, 128, 4, 4)]
+
+
 def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> list[dict]:
     n, k = LAB_SHAPES[name]
     w_fp = torch.randn(n, k, device="cuda", dtype=torch.float16)
@@ -64,6 +71,15 @@ def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> li
             row["fused_w4_default"] = time_in_graph([lambda w=w, x=x: w4_prefill_fused(x, w, cfg=cfg) for w in w4s])
             log(f"  W4 {row['fused_w4_default']:.1f}  rank kernel {row['ec_rank_alone']:.1f}  "
                 f"GEMM with g given {row['fused_g_given']:.1f} µs ({cfg})")
+            row["rank_candidates"] = []  # the rank kernel's tiles (its defaults first), for the next tuning
+            for bm, bk, warps, stages in RANK_CANDIDATES:
+                kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
+                err = ((ec_rank(x, ec, **kw).float() - g.float()).norm() / g.float().norm()).item()
+                us = time_in_graph([lambda x=x, kw=kw: ec_rank(x, ec, **kw) for _ in w4s])
+                row["rank_candidates"].append({**kw, "us": us, "rel_err": err})
+            log("  rank kernel by (block_m, block_k, warps, stages): " + "  ".join(
+                f"{c['block_m']},{c['block_k']},{c['num_warps']},{c['num_stages']}: {c['us']:.1f}"
+                for c in row["rank_candidates"]))
         # the dispatch again, after the configs: w4_linear has timed 10–23% slower than its own config called directly
         # (sessions 15–16); a second figure tells an order effect (clocks, memory pool) from a cost of the dispatch
         row["w4_linear_after"] = time_in_graph([lambda w=w, x=x: w4_linear(x, w, ec) for w in w4s])

@@ -1480,7 +1480,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
 
 
 def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64, out: torch.Tensor | None = None,
-            splits: int | None = None) -> torch.Tensor:
+            splits: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """g = gamma(A x) ⊙ A x  [M, R] fp16; into `out` (any row stride) if given.
 
     K is split (`splits`, default rank_splits) where the row blocks alone would leave most SMs idle: at 1024 rows,
@@ -1493,10 +1493,10 @@ def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64,
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     u_part = torch.empty(splits, m, ec.padded_rank, dtype=torch.float32, device=x.device) if splits > 1 else g
-    common = dict(GATED=ec.gated, R=ec.padded_rank, H=ec.W1.shape[0], BM=block_m, num_warps=4)
+    common = dict(GATED=ec.gated, R=ec.padded_rank, H=ec.W1.shape[0], BM=block_m, num_warps=num_warps)
     _ec_rank_kernel[(row_blocks, splits)](
         x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, u_part, m, k, x.stride(0), g.stride(0), k_per_split,
-        BK=block_k, SPLIT=splits > 1, **common)
+        BK=block_k, SPLIT=splits > 1, num_stages=num_stages, **common)
     if splits > 1:
         _ec_gate_kernel[(row_blocks,)](u_part, ec.W1, ec.b1, ec.W2, ec.b2, g, m, splits, g.stride(0), **common)
     return g
