@@ -26,8 +26,9 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   also do the layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of stacked [gate; up]): a tile
   then gathers rows of the two halves (BN / 2 rows of gate and the same rows of up).
 * prefill (M > DECODE_PATH_MAX_M): up to FUSED_PREFILL_MAX_M rows (per-channel; FUSED_PREFILL_MAX_M_GROUPED with
-  groups) where its tiles fill half the SMs (`takes_tile_gemm`), one Triton tile GEMM that dequantizes in its main loop (the decode kernel's dot loop: one tensor-core dot a
-  128-column block or a group, a group's codes scaled in fp16 before it) with (alpha·B) g added in its epilogue, g
+  groups) where its tiles fill half the SMs (`takes_tile_gemm`), one Triton tile GEMM that dequantizes in its main
+  loop (the decode kernel's dot loop: one tensor-core dot a 128-column block or a group, a group's codes scaled in
+  fp16 before it) with (alpha·B) g added in its epilogue, g
   from the EC's rank-space kernel (`ec_rank`, K split across the SMs; `w4_prefill_fused`); beyond that the weight is
   dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a side stream beside the
   dequantization, the EC term written first and read by cuBLAS's epilogue (`w4_prefill`). Per-channel, the tile GEMM
@@ -150,8 +151,9 @@ def _group_column(ptr, offs_n, mask_n, g, G):
 def _planes(words, words8, off_lo, off_hi, ASM: tl.constexpr, scale=None):
     """q − z [BN, W, 2, 2, 2] of all four planes of code words [BN, W] (words8 = words >> 8): (word, bit, jj % 2,
     jj // 2), _plane's pairs joined (times `scale` where given)."""
-    return tl.join(tl.join(_plane(words, off_lo, off_hi, 0, ASM, scale), _plane(words, off_lo, off_hi, 1, ASM, scale)),
-                   tl.join(_plane(words8, off_lo, off_hi, 2, ASM, scale), _plane(words8, off_lo, off_hi, 3, ASM, scale)))
+    low = tl.join(_plane(words, off_lo, off_hi, 0, ASM, scale), _plane(words, off_lo, off_hi, 1, ASM, scale))
+    high = tl.join(_plane(words8, off_lo, off_hi, 2, ASM, scale), _plane(words8, off_lo, off_hi, 3, ASM, scale))
+    return tl.join(low, high)
 
 
 @triton.jit
@@ -1078,7 +1080,7 @@ def _w4_decode_kernel(
 # --- prefill: rank-space kernel + tensor-core GEMM ---------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M: as _w4_prefill_kernel's (k_per_split is always a multiple of 64)
 def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_ptr, M, K, stride_xm, stride_gm,
                     k_per_split, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
                     BK: tl.constexpr, SPLIT: tl.constexpr):
@@ -1104,7 +1106,7 @@ def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_
         tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "splits"])
 def _ec_gate_kernel(u_part_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, splits, stride_gm, GATED: tl.constexpr,
                     R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr):
     """g = gamma(u) ⊙ u in fp16, u the sum of the splits' partials in split order (bit-reproducible)."""
