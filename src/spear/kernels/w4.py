@@ -28,10 +28,10 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 * prefill (M > DECODE_PATH_MAX_M): up to FUSED_PREFILL_MAX_M rows (per-channel; FUSED_PREFILL_MAX_M_GROUPED with
   groups) where its tiles fill half the SMs (`takes_tile_gemm`), one Triton tile GEMM that dequantizes in its main
   loop (the decode kernel's dot loop: one tensor-core dot a 128-column block or a group, a group's codes scaled in
-  fp16 before it) with (alpha·B) g added in its epilogue, g
-  from the EC's rank-space kernel (`ec_rank`, K split across the SMs; `w4_prefill_fused`); beyond that the weight is
-  dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a side stream beside the
-  dequantization, the EC term written first and read by cuBLAS's epilogue (`w4_prefill`). Per-channel, the tile GEMM
+  fp16 before it) with (alpha·B) g added in its epilogue, g from the EC's rank-space kernel (`ec_rank`, K split
+  across the SMs; `w4_prefill_fused`); beyond that the weight is dequantized once into scratch and multiplied by
+  cuBLAS, the rank-space kernel on a side stream beside the dequantization, the EC term written first and read by
+  cuBLAS's epilogue (`w4_prefill`). Per-channel, the tile GEMM
   runs at 0.78–0.86× of cuBLAS fp16's throughput at 1024–2048 rows on the 7B shapes (session 16); with groups,
   dequantize + cuBLAS is ahead from 1024 rows.
 """
@@ -244,15 +244,14 @@ def _w4_block(acc, x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_
                 g = (kb + 16 * j) // group_size
                 z = _group_column(z_ptr, offs_n, mask_n, g, G)
                 s16 = _group_column(s_ptr, offs_n, mask_n, g, G)  # not `s`: the slice loop below binds s to float32
+                q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM,
+                               s16[:, None] if SCALE_CODES else None)
                 offs_k = kb + 16 * j + tl.arange(0, 16 * SPG)
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                              mask=(offs_k[:, None] < K) & mask_m[None, :], other=0.0)  # [16 SPG, BM]
                 if SCALE_CODES:
-                    q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM,
-                                   s16[:, None])
                     acc = tl.dot(q, xt, acc)
                 else:
-                    q = _span_wide(words, words8, (z + 1024.0)[:, None], (z + 64.0)[:, None], span * SPG, SPG, BN, ASM)
                     acc += s16.to(tl.float32)[:, None] * tl.dot(q, xt)
         return acc
     part = tl.zeros((BN, BM), dtype=tl.float32)
@@ -1582,21 +1581,20 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     which must copy x) in 5 of 6 shapes at M ≥ 1024 (BENCHMARKS.md §4, with y += g (alpha·B)ᵀ after the GEMM then).
     """
     n, k = w.out_features, w.in_features
-    main = torch.cuda.current_stream() if x.is_cuda else None
-    if ec is None:
-        w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
-        return torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
-    if main is not None:
-        side = _side_stream(x.device)
+    side = _side_stream(x.device) if ec is not None and x.is_cuda else None
+    if side is not None:
+        main = torch.cuda.current_stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
             g = ec_rank(x, ec)
         g.record_stream(main)
-        w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
+    w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
+    if ec is None:
+        return torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+    if side is not None:
         main.wait_stream(side)
     else:
         g = ec_rank(x, ec)
-        w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
     y = torch.mm(g, ec.B.t(), out=out) if bias is None else torch.addmm(bias, g, ec.B.t(), out=out)
     return y.addmm_(x, w_hat.t())
 
