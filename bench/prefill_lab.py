@@ -5,9 +5,9 @@ anywhere, the fused GEMM is worth taking. Run it once per dot loop (SPEAR_W4_DOT
     SPEAR_W4_DOT_WIDE=2 python bench/prefill_lab.py --json bench/results/prefill_lab_h200_wide2.json
     python bench/prefill_lab.py --ec-rank 32 --json FILE        # W4+EC: g from the rank kernel, B in the epilogue
 
-Random weights (per-channel unless --group-size) in the 7B engine's shapes; each fused config is checked against the prefill path, then
-timed as kernels.py times (median over CUDA-graph replays over enough weight copies to overflow L2). A table is printed
-last; --json writes every config's µs.
+Random weights (per-channel unless --group-size) in the 7B engine's shapes; each fused config is checked against the
+prefill path, then timed as kernels.py times (median over CUDA-graph replays over enough weight copies to overflow
+L2). A table is printed last; --json writes every config's µs.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> li
             log("  rank kernel by (block_m, block_k, warps, stages): " + "  ".join(
                 f"{c['block_m']},{c['block_k']},{c['num_warps']},{c['num_stages']}: {c['us']:.1f}"
                 for c in row["rank_candidates"]))
-        # the dispatch again, after the configs: w4_linear has timed 10–23% slower than its own config called directly
-        # (sessions 15–16); a second figure tells an order effect (clocks, memory pool) from a cost of the dispatch
+        # the dispatch again, after the configs: timed first, w4_linear ran 5–23% slower than its own config called
+        # directly (sessions 15–16); timed again here it matches it, so the gap is the order of measurement
         row["w4_linear_after"] = time_in_graph([lambda w=w, x=x: w4_linear(x, w, ec) for w in w4s])
         best = min(row["fused"], key=lambda f: f["us"])
         row["fused_best_us"] = best["us"]

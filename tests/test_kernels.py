@@ -390,16 +390,18 @@ def test_prefill_tile_gemm_config_follows_rows_and_scales():
 
 def test_prefill_tile_gemm_compiles_once_for_any_row_count():
     """Triton specializes integer arguments that are multiples of 16; the tile GEMM's row count changes with every
-    prefill chunk, so it must not be specialized (else a compile mid-serving the first time M % 16 == 0)."""
+    prefill chunk (and with it the rank kernel's and the gate kernel's, and the gate's count of K splits), so they
+    must not be specialized (else a compile mid-serving the first time M % 16 == 0)."""
     import subprocess
     import sys
 
     # outside the interpreter (CI runs the tests under it), where the kernel is a JITFunction; no GPU needed
-    code = ("from spear.kernels.w4 import _w4_prefill_kernel as k; "
-            "print([p.name for p in k.params if p.do_not_specialize])")
+    code = ("from spear.kernels import w4; "
+            "print([[p.name for p in k.params if p.do_not_specialize] "
+            "for k in (w4._w4_prefill_kernel, w4._ec_rank_kernel, w4._ec_gate_kernel)])")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['M']"
+    assert out.strip() == "[['M'], ['M'], ['M', 'splits']]"  # the tile GEMM, the EC's rank and gate kernels
 
 
 def test_dequantize_kernel_is_bit_exact(gen):
