@@ -24,6 +24,7 @@
 #          the engine; with S16B=1 the EC's rank kernel with K split, the prefill lab per case, the engine; with
 #          S16C=1 (one H200) the kernel grid's prefill rows, per-channel and g = 128; with S16D=1 the same with
 #          the tile GEMM's own rank programs; with S16E=1 where W4+EC's prefill time goes, and the engine at batch 1;
+#   or, with S17A=1 (one H200), session 17: the EC rank kernel's tiles (7B, 70B), the decode candidates at 1 and 16 rows;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -334,6 +335,15 @@ elif [ "${S16E:-0}" = 1 ]; then  # session 16's last call, one H200: where W4+EC
     > $log/5_prefill_ec32.log 2>&1
   timeout $((400 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 \
     --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
+elif [ "${S17A:-0}" = 1 ]; then  # session 17, one H200: the EC's rank-kernel tiles at 1024–2048 rows (7B, then 70B at
+  # 1024), then every decode candidate at 1 and 16 rows with three more dot configs (M = 16 against M = 1)
+  export CUDA_VISIBLE_DEVICES=0 TAIL=200
+  timeout 280 python bench/prefill_lab.py --ec-rank 32 --ms 1024 2048 --json "$out/prefill_lab_h200_ec32.json" \
+    > $log/5_prefill_ec32.log 2>&1
+  timeout 130 python bench/prefill_lab.py --ec-rank 32 --ms 1024 --shapes 70b/gate_up 70b/down \
+    --json "$out/prefill_lab_h200_ec32_70b.json" > $log/6_prefill_ec32_70b.log 2>&1
+  timeout $((570 - SECONDS)) python bench/ec_ablation.py --configs-only --ms 1 16 --shapes 7b/qkvo 7b/gate_up 7b/down \
+    --extra-dot 128:4:4 64:4:5 32:4:4 --json "$out/ec_ablation_h200_m16.json" > $log/3_m16.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

@@ -32,11 +32,13 @@ from spear.kernels.w4 import PREFILL_CANDIDATES, ec_rank, prefill_config, w4_lin
 from spear.quant.record import QuantConfig, rtn_quantize
 
 
-# (block_m, block_k, num_warps, num_stages) of ec_rank timed with --ec-rank: its defaults first (session 16: 8–22 µs
-# at 1024–2048 rows on the 7B shapes, the whole of W4+EC's gap over W4), then wider row blocks (A re-read less often)
-# and longer steps (more bytes in flight)
-RANK_CANDIDATES = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4),
-                   (32, 128, 4, 4)]
+# (block_m, block_k, num_warps, num_stages, fill) of ec_rank timed with --ec-rank: its defaults first (session 16:
+# 8–22 µs at 1024–2048 rows on the 7B shapes, the whole of W4+EC's gap over W4), then wider row blocks (A re-read less
+# often), longer steps (more bytes in flight), and fewer or more programs an SM (`fill`: K split less or more; the
+# float32 partials of u grow with the splits)
+RANK_CANDIDATES = [(32, 64, 4, 3, 2), (64, 64, 4, 3, 2), (64, 128, 4, 3, 2), (128, 64, 8, 3, 2), (128, 128, 8, 3, 2),
+                   (64, 128, 4, 4, 2), (32, 128, 4, 4, 2), (128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 128, 8, 3, 1),
+                   (64, 64, 4, 4, 1), (256, 64, 8, 3, 1), (64, 128, 4, 3, 4), (128, 64, 8, 3, 4)]
 
 
 def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> list[dict]:
@@ -72,13 +74,17 @@ def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> li
             log(f"  W4 {row['fused_w4_default']:.1f}  rank kernel {row['ec_rank_alone']:.1f}  "
                 f"GEMM with g given {row['fused_g_given']:.1f} µs ({cfg})")
             row["rank_candidates"] = []  # the rank kernel's tiles (its defaults first), for the next tuning
-            for bm, bk, warps, stages in RANK_CANDIDATES:
-                kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
-                err = ((ec_rank(x, ec, **kw).float() - g.float()).norm() / g.float().norm()).item()
-                us = time_in_graph([lambda x=x, kw=kw: ec_rank(x, ec, **kw) for _ in w4s])
+            for bm, bk, warps, stages, fill in RANK_CANDIDATES:
+                kw = dict(block_m=bm, block_k=bk, num_warps=warps, num_stages=stages, fill=fill)
+                try:
+                    err = ((ec_rank(x, ec, **kw).float() - g.float()).norm() / g.float().norm()).item()
+                    us = time_in_graph([lambda x=x, kw=kw: ec_rank(x, ec, **kw) for _ in w4s])
+                except (OutOfResources, CompilationError) as e:  # not a config for this GPU
+                    log(f"  rank {kw}: {type(e).__name__}")
+                    continue
                 row["rank_candidates"].append({**kw, "us": us, "rel_err": err})
-            log("  rank kernel by (block_m, block_k, warps, stages): " + "  ".join(
-                f"{c['block_m']},{c['block_k']},{c['num_warps']},{c['num_stages']}: {c['us']:.1f}"
+            log("  rank kernel by (block_m, block_k, warps, stages, fill): " + "  ".join(
+                f"{c['block_m']},{c['block_k']},{c['num_warps']},{c['num_stages']},{c['fill']}: {c['us']:.1f}"
                 for c in row["rank_candidates"]))
         # the dispatch again, after the configs: timed first, w4_linear ran 5–23% slower than its own config called
         # directly (sessions 15–16); timed again here it matches it, so the gap is the order of measurement

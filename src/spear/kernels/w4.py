@@ -1481,16 +1481,17 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
 
 
 def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64, out: torch.Tensor | None = None,
-            splits: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+            splits: int | None = None, num_warps: int = 4, num_stages: int = 3, fill: int = 2) -> torch.Tensor:
     """g = gamma(A x) ⊙ A x  [M, R] fp16; into `out` (any row stride) if given.
 
     K is split (`splits`, default rank_splits) where the row blocks alone would leave most SMs idle: at 1024 rows,
     32 programs each streamed a whole 32-row slice of x, which cost W4+EC 20–70 µs over W4 on the 7B shapes (session
-    16). Split, the partial u go to a float32 scratch and a second launch sums them in order and applies the gate."""
+    16). Split, the partial u go to a float32 scratch and a second launch sums them in order and applies the gate.
+    `fill`: programs an SM that the default split aims at."""
     m, k = x.shape
     g = out if out is not None else torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
     row_blocks = triton.cdiv(m, block_m)
-    splits = splits or rank_splits(row_blocks, k, block_k, num_sms(x.device))
+    splits = splits or rank_splits(row_blocks, k, block_k, num_sms(x.device), fill)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     u_part = torch.empty(splits, m, ec.padded_rank, dtype=torch.float32, device=x.device) if splits > 1 else g
@@ -1503,9 +1504,9 @@ def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 32, block_k: int = 64,
     return g
 
 
-def rank_splits(row_blocks: int, k: int, block_k: int, sms: int) -> int:
-    """Ways to split K in ec_rank: enough programs for two an SM, each split at least two block_k steps."""
-    return max(1, min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(k, 2 * block_k)))
+def rank_splits(row_blocks: int, k: int, block_k: int, sms: int, fill: int = 2) -> int:
+    """Ways to split K in ec_rank: enough programs for `fill` an SM, each split at least two block_k steps."""
+    return max(1, min(triton.cdiv(fill * sms, row_blocks), triton.cdiv(k, 2 * block_k)))
 
 
 def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
