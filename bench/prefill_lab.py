@@ -4,6 +4,7 @@ anywhere, the fused GEMM is worth taking. Run it once per dot loop (SPEAR_W4_DOT
 
     SPEAR_W4_DOT_WIDE=2 python bench/prefill_lab.py --json bench/results/prefill_lab_h200_wide2.json
     python bench/prefill_lab.py --ec-rank 32 --json FILE        # W4+EC: g from the rank kernel, B in the epilogue
+    python bench/prefill_lab.py --rank-programs --json FILE     # W4+EC: g from the tile GEMM's own rank programs
 
 Random weights (per-channel unless --group-size) in the 7B engine's shapes; each fused config is checked against the
 prefill path, then timed as kernels.py times (median over CUDA-graph replays over enough weight copies to overflow
@@ -28,7 +29,8 @@ from common import LAB_SHAPES, provenance, write_json
 from kernels import L2_FLUSH_BYTES, random_ec
 from spear.kernels.pack import pack_ec, pack_w4
 from spear.kernels.timing import time_in_graph
-from spear.kernels.w4 import PREFILL_CANDIDATES, ec_rank, prefill_config, w4_linear, w4_prefill, w4_prefill_fused
+from spear.kernels.w4 import (PREFILL_CANDIDATES, ec_rank, num_sms, prefill_config, prefill_rank_programs, w4_linear,
+                             w4_prefill, w4_prefill_fused)
 from spear.quant.record import QuantConfig, rtn_quantize
 
 
@@ -98,6 +100,39 @@ def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> li
     return rows
 
 
+def bench_rank_programs(name: str, ms: list[int], rank: int, log) -> list[dict]:
+    """W4+EC through the tile GEMM at its default config: g from ec_rank's launch before it (0 rank programs), from
+    the policy's count of the GEMM's own rank programs (prefill_rank_programs), and from forced counts; W4 alone and
+    the dispatch beside them. Each output is checked against the dequantize path's."""
+    n, k = LAB_SHAPES[name]
+    packed = pack_w4(rtn_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), QuantConfig(4, -1)))
+    ec = pack_ec(random_ec(n, k, rank))
+    w4s = [packed] + [packed.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes())) - 1)]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        ref = w4_prefill(x, packed, ec).float()
+        cfg = prefill_config(m, True)
+        tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+        policy = prefill_rank_programs(math.ceil(m / cfg.block_m), tiles, cfg, num_sms(x.device))
+        row = {"shape": name, "N": n, "K": k, "M": m, "ec_rank": rank, "tiles": tiles, "policy_rank_programs": policy,
+               "w4": time_in_graph([lambda w=w, x=x: w4_prefill_fused(x, w, cfg=cfg) for w in w4s]),
+               "by_rank_programs": []}
+        for count in sorted({0, policy, 1, 2, 4, 8, 16}):
+            y = w4_prefill_fused(x, packed, ec, cfg=cfg, rank_programs=count).float()
+            us = time_in_graph([lambda w=w, x=x, c=count: w4_prefill_fused(x, w, ec, cfg=cfg, rank_programs=c)
+                                for w in w4s])
+            row["by_rank_programs"].append({"rank_programs": count, "us": us,
+                                            "rel_err": ((y - ref).norm() / ref.norm()).item()})
+        row["w4_linear"] = time_in_graph([lambda w=w, x=x: w4_linear(x, w, ec) for w in w4s])
+        log(f"{name:18} M={m:<5} tiles {tiles:5}  W4 {row['w4']:7.1f}  W4+EC w4_linear {row['w4_linear']:7.1f} "
+            f"({row['w4_linear'] / row['w4']:.3f}×)  by rank programs (policy {policy}): " + "  ".join(
+                f"{c['rank_programs']}: {c['us']:.1f} ({c['us'] / row['w4']:.3f}×, err {c['rel_err']:.1e})"
+                for c in row["by_rank_programs"]))
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["7b/qkv_fused", "7b/gate_up_fused", "7b/down"],
@@ -105,11 +140,18 @@ def main() -> None:
     p.add_argument("--ms", type=int, nargs="+", default=[256, 512, 1024, 2048])
     p.add_argument("--group-size", type=int, default=-1, help="-1: per-channel (default)")
     p.add_argument("--ec-rank", type=int, default=0, help="W4+EC with a gated EC of this rank (0: W4 alone)")
+    p.add_argument("--rank-programs", action="store_true",
+                   help="W4+EC (rank --ec-rank, default 32) with g from the tile GEMM's own rank programs, by count")
     p.add_argument("--json", default="bench/results/prefill_lab.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("prefill_lab.py: needs a CUDA GPU")
     rows = []
+    if args.rank_programs:
+        for name in args.shapes:
+            rows += bench_rank_programs(name, args.ms, args.ec_rank or 32, lambda line: print(line, flush=True))
+            write_json(args.json, {"provenance": provenance(), "rows": rows})
+        return
     for name in args.shapes:
         rows += bench_shape(name, args.ms, args.group_size, args.ec_rank, lambda line: print(line, flush=True))
         write_json(args.json, {"provenance": provenance(), "rows": rows})

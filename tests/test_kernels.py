@@ -379,6 +379,36 @@ def test_prefill_kernel_matches_reference(group, with_ec, gen):
     assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
 
 
+def test_prefill_rank_programs_share_the_workspace(gen):
+    """The prefill tile GEMM's own rank programs (two for three row blocks, the last one partial: program 0 takes
+    blocks 0 and 2), launches back to back and a decode launch between them (g's cells and the epoch are shared with
+    the decode kernel): each matches the reference and repeats bit for bit; so does the GEMM after ec_rank's launch."""
+    n, k, m = 64, 1088, 70
+    packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 16, gen)).to(DEVICE)
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    ref = w4_linear_ref(x, packed, ec)
+    first = w4_prefill_fused(x, packed, ec, None, SMALL_PREFILL, out=poisoned(m, n), rank_programs=2)
+    assert_close(first, ref, "prefill with rank programs")
+    xd = torch.randn(3, k, generator=gen).half().to(DEVICE)
+    assert_close(w4_decode(xd, packed, ec, None, SMALL_DECODE), w4_linear_ref(xd, packed, ec), "decode between")
+    again = w4_prefill_fused(x, packed, ec, None, SMALL_PREFILL, out=poisoned(m, n), rank_programs=2)
+    assert torch.equal(first, again)
+    before = w4_prefill_fused(x, packed, ec, None, SMALL_PREFILL, out=poisoned(m, n), rank_programs=0)
+    assert_close(before, ref, "prefill after ec_rank's launch")
+
+
+def test_prefill_rank_programs_only_on_idle_sms():
+    """Rank programs only with the 128 × 256 tile (one CTA an SM) and only as many as the last wave leaves SMs idle,
+    each at most PREFILL_RANK_BLOCKS row blocks; else none (ec_rank's launch before the GEMM)."""
+    wide, narrow = PrefillConfig(block_n=256), PrefillConfig()
+    assert w4_module.prefill_rank_programs(8, 128, wide, 132) == 4  # 7B q/k/v/o at 1024 rows: 4 SMs idle, 2 blocks each
+    assert w4_module.prefill_rank_programs(8, 128, narrow, 132) == 0
+    assert w4_module.prefill_rank_programs(8, 344, wide, 132) == 8  # 52 idle: one row block each
+    assert w4_module.prefill_rank_programs(8, 131, wide, 132) == 0  # 1 idle SM for 8 blocks
+    assert w4_module.prefill_rank_programs(8, 264, wide, 132) == 0  # two full waves
+
+
 def test_prefill_tile_gemm_config_follows_rows_and_scales():
     """Untuned, the prefill tile GEMM widens its tile to 128 × 256 from 1024 rows, per-channel only (with groups the
     wide tile's per-group scale FMAs made it 1.8–2.4× slower on the H200, BENCHMARKS §4 session 15)."""
@@ -401,7 +431,8 @@ def test_prefill_tile_gemm_compiles_once_for_any_row_count():
             "for k in (w4._w4_prefill_kernel, w4._ec_rank_kernel, w4._ec_gate_kernel)])")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[['M'], ['M'], ['M', 'splits']]"  # the tile GEMM, the EC's rank and gate kernels
+    # the tile GEMM, the EC's rank and gate kernels
+    assert out.strip() == "[['M', 'num_u', 'num_tiles'], ['M'], ['M', 'splits']]"
 
 
 def test_dequantize_kernel_is_bit_exact(gen):
