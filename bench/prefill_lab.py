@@ -27,6 +27,7 @@ from triton.runtime.errors import OutOfResources
 
 from common import LAB_SHAPES, provenance, write_json
 from kernels import L2_FLUSH_BYTES, random_ec
+from spear.kernels import w4 as w4mod
 from spear.kernels.pack import pack_ec, pack_w4
 from spear.kernels.timing import time_in_graph
 from spear.kernels.w4 import (PREFILL_CANDIDATES, ec_rank, num_sms, prefill_config, prefill_rank_programs, w4_linear,
@@ -100,6 +101,10 @@ def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> li
     return rows
 
 
+# (BK, warps, stages) of the rank programs beside the tile GEMM (w4_prefill_fused), timed at 4 programs
+RANK_PROGRAM_TILINGS = [(64, 4, 3), (64, 8, 4), (128, 8, 3), (128, 4, 3)]
+
+
 def bench_rank_programs(name: str, ms: list[int], rank: int, log) -> list[dict]:
     """W4+EC through the tile GEMM at its default config: g from ec_rank's launch before it (0 rank programs), from
     the policy's count of the GEMM's own rank programs (prefill_rank_programs), and from forced counts; W4 alone and
@@ -125,10 +130,20 @@ def bench_rank_programs(name: str, ms: list[int], rank: int, log) -> list[dict]:
             row["by_rank_programs"].append({"rank_programs": count, "us": us,
                                             "rel_err": ((y - ref).norm() / ref.norm()).item()})
         row["w4_linear"] = time_in_graph([lambda w=w, x=x: w4_linear(x, w, ec) for w in w4s])
+        row["by_rank_tiling"] = []  # the rank programs' (BK, warps, stages) at 4 programs
+        for bk, warps, stages in RANK_PROGRAM_TILINGS:
+            saved = w4mod.PREFILL_RANK_BK, w4mod.PREFILL_RANK_WARPS, w4mod.PREFILL_RANK_STAGES
+            w4mod.PREFILL_RANK_BK, w4mod.PREFILL_RANK_WARPS, w4mod.PREFILL_RANK_STAGES = bk, warps, stages
+            try:
+                us = time_in_graph([lambda w=w, x=x: w4_prefill_fused(x, w, ec, cfg=cfg, rank_programs=4) for w in w4s])
+            finally:
+                w4mod.PREFILL_RANK_BK, w4mod.PREFILL_RANK_WARPS, w4mod.PREFILL_RANK_STAGES = saved
+            row["by_rank_tiling"].append({"block_k": bk, "num_warps": warps, "num_stages": stages, "us": us})
         log(f"{name:18} M={m:<5} tiles {tiles:5}  W4 {row['w4']:7.1f}  W4+EC w4_linear {row['w4_linear']:7.1f} "
             f"({row['w4_linear'] / row['w4']:.3f}×)  by rank programs (policy {policy}): " + "  ".join(
                 f"{c['rank_programs']}: {c['us']:.1f} ({c['us'] / row['w4']:.3f}×, err {c['rel_err']:.1e})"
-                for c in row["by_rank_programs"]))
+                for c in row["by_rank_programs"]) + "  | 4 programs by (BK, warps, stages): " + "  ".join(
+                f"{c['block_k']},{c['num_warps']},{c['num_stages']}: {c['us']:.1f}" for c in row["by_rank_tiling"]))
         rows.append(row)
     return rows
 

@@ -379,10 +379,10 @@ def test_prefill_kernel_matches_reference(group, with_ec, gen):
     assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
 
 
-def test_prefill_rank_programs_share_the_workspace(gen):
-    """The prefill tile GEMM's own rank programs (two for three row blocks, the last one partial: program 0 takes
-    blocks 0 and 2), launches back to back and a decode launch between them (g's cells and the epoch are shared with
-    the decode kernel): each matches the reference and repeats bit for bit; so does the GEMM after ec_rank's launch."""
+def test_prefill_rank_programs_beside_the_gemm(gen):
+    """The rank programs beside the prefill tile GEMM (two for three row blocks, the last one partial: program 0 takes
+    blocks 0 and 2), launches back to back and a decode launch between them (which shares the EC workspace): each
+    matches the reference and repeats bit for bit; so does the GEMM after ec_rank's launch."""
     n, k, m = 64, 1088, 70
     packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 16, gen)).to(DEVICE)
@@ -399,12 +399,12 @@ def test_prefill_rank_programs_share_the_workspace(gen):
 
 
 def test_prefill_rank_programs_only_on_idle_sms():
-    """Rank programs only with the 128 × 256 tile (one CTA an SM) and only as many as the last wave leaves SMs idle,
-    each at most PREFILL_RANK_BLOCKS row blocks; else none (ec_rank's launch before the GEMM)."""
+    """Rank programs only with the 128 × 256 tile (one CTA an SM), at most as many as the last wave leaves SMs idle
+    and PREFILL_RANK_PROGRAMS, each at most PREFILL_RANK_BLOCKS row blocks; else none (ec_rank's launch before)."""
     wide, narrow = PrefillConfig(block_n=256), PrefillConfig()
     assert w4_module.prefill_rank_programs(8, 128, wide, 132) == 4  # 7B q/k/v/o at 1024 rows: 4 SMs idle, 2 blocks each
     assert w4_module.prefill_rank_programs(8, 128, narrow, 132) == 0
-    assert w4_module.prefill_rank_programs(8, 344, wide, 132) == 8  # 52 idle: one row block each
+    assert w4_module.prefill_rank_programs(8, 344, wide, 132) == w4_module.PREFILL_RANK_PROGRAMS  # 52 idle
     assert w4_module.prefill_rank_programs(8, 131, wide, 132) == 0  # 1 idle SM for 8 blocks
     assert w4_module.prefill_rank_programs(8, 264, wide, 132) == 0  # two full waves
 
@@ -428,11 +428,11 @@ def test_prefill_tile_gemm_compiles_once_for_any_row_count():
     # outside the interpreter (CI runs the tests under it), where the kernel is a JITFunction; no GPU needed
     code = ("from spear.kernels import w4; "
             "print([[p.name for p in k.params if p.do_not_specialize] "
-            "for k in (w4._w4_prefill_kernel, w4._ec_rank_kernel, w4._ec_gate_kernel)])")
+            "for k in (w4._w4_prefill_kernel, w4._ec_rank_kernel, w4._ec_gate_kernel, w4._ec_rank_programs_kernel)])")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    # the tile GEMM, the EC's rank and gate kernels
-    assert out.strip() == "[['M', 'num_u', 'num_tiles'], ['M'], ['M', 'splits']]"
+    # the tile GEMM, the EC's rank and gate kernels, the rank programs beside the GEMM
+    assert out.strip() == "[['M'], ['M'], ['M', 'splits'], ['M']]"
 
 
 def test_dequantize_kernel_is_bit_exact(gen):

@@ -188,27 +188,27 @@ def variants() -> dict[str, tuple]:
                                              dict(GATED=True, R=32, H=16, BM=32, BK=64, SPLIT=split), 4)
     out["ec_gate"] = (w4._ec_gate_kernel, {**f16, "u_part_ptr": F32}, dict(GATED=True, R=32, H=16, BM=32), 4)
     out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
-    prefill_ptrs = {**f16, "qw_ptr": I32, "reads_ptr": I64}  # g_ptr: g in fp16, from ec_rank
-    out["prefill_fused"] = (w4._w4_prefill_kernel, prefill_ptrs,
-                            dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=64, BN=64, BK=64, SPG=8, GROUP_M=8,
-                                 PER_CHANNEL=True), 4)
+    out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+                            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True), 4)
     for spg in (8, 4):  # the wide dot loop (one dot a block, or a group of 64 with its codes scaled) in the prefill
         # tile GEMM
         out[f"prefill_fused wide=2 spg={spg}"] = (
-            w4._w4_prefill_kernel, prefill_ptrs,
-            dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=128, BN=128, BK=64, SPG=spg, GROUP_M=8,
-                 PER_CHANNEL=spg == 8, WIDE=2, SCALE_CODES=spg != 8), 8)
-    out["prefill_fused wide=2 spg=8 asm"] = (w4._w4_prefill_kernel, prefill_ptrs,
+            w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8, WIDE=2,
+                 SCALE_CODES=spg != 8), 8)
+    out["prefill_fused wide=2 spg=8 asm"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                                              {**out["prefill_fused wide=2 spg=8"][2], "DOT_ASM": True}, 8)
     # g = 128: the float32 scale a group (session 15's, the compile test's contrast), and the codes scaled (launched)
     grouped = {**out["prefill_fused wide=2 spg=8"][2], "PER_CHANNEL": False, "SCALE_CODES": False}
-    out["prefill_fused wide=2 spg=8 grouped"] = (w4._w4_prefill_kernel, prefill_ptrs, grouped, 8)
+    out["prefill_fused wide=2 spg=8 grouped"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, grouped, 8)
     out["prefill_fused wide=2 spg=8 scale_codes asm"] = (
-        w4._w4_prefill_kernel, prefill_ptrs, {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
-    # the 128 × 256 tile with its own rank programs on the SMs its last wave leaves idle: g in epoch-tagged cells
-    out["prefill_fused wide=2 spg=8 asm rank_programs"] = (
-        w4._w4_prefill_kernel, {**prefill_ptrs, "g_ptr": I64},
-        {**out["prefill_fused wide=2 spg=8 asm"][2], "BN": 256, "RANK_PROGRAMS": True}, 8)
+        w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
+    # from 1024 rows with an EC: the 128 × 256 tile as the programmatic dependent of the rank programs beside it
+    out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+                                                      {**out["prefill_fused wide=2 spg=8 asm"][2], "BN": 256,
+                                                       "PDL": True}, 8)
+    out["ec_rank_programs pdl"] = (w4._ec_rank_programs_kernel, f16,
+                                   dict(GATED=True, R=32, H=16, BM=128, BK=128, PDL=True), 8)
     for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
         out[f"ec_epilogue ec={has_ec}"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32,
                                                                              "out_ptr": F16, "bias_ptr": F16},

@@ -55,6 +55,7 @@ from spear.kernels.pdl import (
     pdl_release,
     prefetch_l2,
     runs_compiled,
+    uses_pdl,
     w4_launch,
 )
 
@@ -1142,15 +1143,16 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
 
 # M is not specialized, nor what follows from it: a prefill chunk's row count changes from step to step, and Triton
 # would otherwise compile a variant of this kernel the first time one is a multiple of 16 (seconds in mid-serving).
-@triton.jit
-def _prefill_rank_program(pid, num_u, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, reads_ptr, M, K, stride_xm,
-                          GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """Rank program pid of num_u in the prefill launch: for row blocks pid, pid + num_u, ... (in that order: the tiles
-    of every row block wait for its g at the end of their first wave), u = A x over all of K, then g = gamma(u) ⊙ u
-    into cells tagged with the launch's epoch (as the decode kernel's u-programs store it)."""
+@triton.jit(do_not_specialize=["M"])
+def _ec_rank_programs_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm, stride_gm,
+                             GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                             PDL: tl.constexpr):
+    """g [M, R] = gamma(A x) ⊙ A x in fp16 from a few programs beside the prefill tile GEMM (w4_prefill_fused): program
+    p takes row blocks p, p + P, ... (P programs), each over all of K. With PDL it waits for the launch before it
+    (x's producer) and then at once lets the next launch, the GEMM, start on the other SMs."""
+    pdl_enter(PDL)
     offs_r = tl.arange(0, R)
-    epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
-    for block in range(pid, tl.cdiv(M, BM), num_u):
+    for block in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
         offs_m = block * BM + tl.arange(0, BM)
         mask_m = offs_m < M
         u = tl.zeros((BM, R), dtype=tl.float32)
@@ -1160,59 +1162,45 @@ def _prefill_rank_program(pid, num_u, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_p
                          mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
             u += tl.dot(xk, tl.trans(_a_tile(a_ptr, offs_r, k0, K, K, BK)))
         g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-        tl.store(g_ptr + offs_m[:, None] * R + offs_r[None, :], _g_cells(g, epoch), mask=mask_m[:, None])
+        tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
 
 
-@triton.jit(do_not_specialize=["M", "num_u", "num_tiles"])
+# M is not specialized: a prefill chunk's row count changes from step to step, and Triton would otherwise compile
+# a variant of this kernel the first time M is a multiple of 16 (seconds in the middle of serving).
+@triton.jit(do_not_specialize=["M"])
 def _w4_prefill_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, reads_ptr,
-    M, N, K, KW, G, group_size, stride_xm, stride_ym, num_u, num_tiles,
-    HAS_EC: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = True,
-    RANK_PROGRAMS: tl.constexpr = False,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr,
+    M, N, K, KW, G, group_size, stride_xm, stride_ym,
+    HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    WIDE: tl.constexpr = 0, DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
-    # g: with RANK_PROGRAMS from the first num_u programs (_prefill_rank_program) in epoch-tagged cells, else given in fp16 at
-    # g_ptr (by ec_rank's launch before this one). Rank programs have the lowest ids, so they are dispatched before any
-    # tile and a tile's wait for g in its epilogue cannot deadlock. The tiles read the launch's epoch before their main
-    # loop and g after it, then add their share to the reads count (the decode kernel's scheme: each launch advances
-    # it by READS_PER_LAUNCH, nothing is reset between launches).
+    # PDL (with an EC, after _ec_rank_programs_kernel): the main loop runs beside the rank programs, which let this
+    # launch start once each has waited for the launch before it (so x is written); g is read after the wait for
+    # their launch to complete.
+    # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
     pid = tl.program_id(0)
-    if HAS_EC and RANK_PROGRAMS and pid < num_u:
-        _prefill_rank_program(pid, num_u, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, reads_ptr, M, K,
-                              stride_xm, GATED, R, H, BM, BK)
-    else:
-        # grouped tile order (Triton tutorial 03): neighbouring programs share weight tiles in L2
-        tid = pid - num_u
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = tid // (GROUP_M * num_n)
-        first_m = group * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tid % (GROUP_M * num_n)) % size_m
-        pid_n = (tid % (GROUP_M * num_n)) // size_m
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        epoch = tl.zeros((), dtype=tl.int64)
-        if HAS_EC and RANK_PROGRAMS:
-            epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
-        # yᵀ tile: the dequantized weight is the dot's first operand
-        acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW,
-                           G, group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM, SCALE_CODES)
-        g = tl.zeros((BM, R), dtype=tl.float32)
-        g_rows = g_ptr + offs_m[:, None] * R + tl.arange(0, R)[None, :]
-        if HAS_EC and RANK_PROGRAMS:
-            g = _read_g(g_rows, mask_m, epoch, True)
-            tl.debug_barrier()  # g is in registers: this tile's share of the reads (relaxed, nothing waits for it)
-            tl.atomic_add(reads_ptr, tl.where(tid == 0, 1 - num_tiles + READS_PER_LAUNCH, 1).to(tl.int64),
-                          sem="relaxed")
-        elif HAS_EC:
-            g = tl.load(g_rows, mask=mask_m[:, None], other=0.0).to(tl.float32)
-        b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
-        _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, HAS_EC, HAS_BIAS)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # yᵀ tile: the dequantized weight is the dot's first operand
+    acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
+                       group_size, SPG, BN, BM, PER_CHANNEL, WIDE, DOT_ASM, SCALE_CODES)
+    g = tl.zeros((BM, R), dtype=tl.float32)
+    if HAS_EC:
+        pdl_enter(PDL)
+        offs_r = tl.arange(0, R)
+        g = tl.load(g_ptr + offs_m[:, None] * R + offs_r[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
+    b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+    _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, HAS_EC, HAS_BIAS)
 
 
 # --- host side ------------------------------------------------------------------------
@@ -1269,8 +1257,14 @@ PREFILL_CANDIDATES = [
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
-PREFILL_RANK_BK = 64  # columns of x and A a step of the prefill launch's rank programs
-PREFILL_RANK_BLOCKS = 2  # the most row blocks a rank program takes (each over all of K)
+# The rank programs beside the prefill tile GEMM (w4_prefill_fused). Session 17 (the programs inside the GEMM's own
+# launch, bench/prefill_lab.py --rank-programs): one program streamed x at 43–57 GB/s; 4 programs were the best or
+# level with 8 and 16 on every 7B/8B/13B/70B shape at 1024–2048 rows.
+PREFILL_RANK_BK = 128  # columns of x and A a step: three steps of 128 rows in flight, 120 KB (offline SASS: 90 registers)
+PREFILL_RANK_WARPS = 8
+PREFILL_RANK_STAGES = 3
+PREFILL_RANK_PROGRAMS = 4  # the most programs
+PREFILL_RANK_BLOCKS = 4  # the most row blocks a program takes
 RANK_PROGRAMS_ON = os.environ.get("SPEAR_PREFILL_RANK_PROGRAMS", "1") == "1"  # lab switch: 0 always launches ec_rank
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs (ax_block)
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3, 4 and 6): 1 tiles do not wait for
@@ -1559,9 +1553,10 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
                      cfg: PrefillConfig | None = None, g: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, rank_programs: int | None = None) -> torch.Tensor:
     """y [M, N] for any M from one Triton tensor-core GEMM that dequantizes in its main loop, with (alpha·B) g added
-    in its epilogue. g may be passed in; else, where the tiles leave SMs idle in their last wave, the launch's first
-    `rank_programs` programs compute it on those SMs while the tiles run (None: `prefill_rank_programs`'s count), and
-    with none `ec_rank` computes it in a launch before this one.
+    in its epilogue. g may be passed in. Else, where the tiles leave SMs idle in their last wave, `rank_programs`
+    programs (None: `prefill_rank_programs`'s count; only under PDL) compute it on those SMs while the tiles run their
+    main loops (_ec_rank_programs_kernel, then this launch as its programmatic dependent); with none, `ec_rank`'s
+    launch computes it before the GEMM.
 
     Untuned, the config is prefill_config's.
     """
@@ -1571,37 +1566,41 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     row_blocks = triton.cdiv(m, cfg.block_m)
     tiles = row_blocks * triton.cdiv(n, cfg.block_n)
-    num_u = 0
+    beside = {"PDL": False}  # the GEMM's launch options: PDL after the rank programs
     if ec is not None and g is None:
-        num_u = prefill_rank_programs(row_blocks, tiles, cfg, num_sms(x.device)) if rank_programs is None else rank_programs
-        if num_u == 0:
+        if rank_programs is None:
+            rank_programs = prefill_rank_programs(row_blocks, tiles, cfg, num_sms(x.device)) if uses_pdl(x) else 0
+        if rank_programs:
+            g = torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
+            beside = launch_options(x)
+            _ec_rank_programs_kernel[(rank_programs,)](
+                x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0), g.stride(0), GATED=ec.gated,
+                R=ec.padded_rank, H=ec.W1.shape[0], BM=cfg.block_m, BK=PREFILL_RANK_BK, num_warps=PREFILL_RANK_WARPS,
+                num_stages=PREFILL_RANK_STAGES, **beside)
+        else:
             g = ec_rank(x, ec)
-    reads = x  # a dummy pointer without rank programs
-    if num_u:
-        assert tiles < READS_PER_LAUNCH.value, "the reads count's per-launch total must exceed the tiles"
-        _, _, g, _, reads = _WORKSPACE.get(x.device, 0, 0, m * ec.padded_rank, 0)  # g's epoch-tagged cells
-    _w4_prefill_kernel[(num_u + tiles,)](
+    _w4_prefill_kernel[(tiles,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
-        *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6), g if g is not None else y, reads,
-        m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0), num_u, tiles,
-        HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None,
-        R=ec.padded_rank if ec is not None else 16, H=ec.W1.shape[0] if ec is not None else 16, BM=cfg.block_m,
-        BN=cfg.block_n, BK=PREFILL_RANK_BK, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
+        g if g is not None else y, ec.B if ec is not None else y,
+        m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
+        HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
+        BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
         PER_CHANNEL=w.scales.shape[1] == 1, WIDE=DOT_WIDE, DOT_ASM=DOT_ASM and runs_compiled(x),
-        RANK_PROGRAMS=num_u > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **beside,
     )
     return y
 
 
 def prefill_rank_programs(row_blocks: int, tiles: int, cfg: PrefillConfig, sms: int) -> int:
-    """Rank programs for the tile GEMM's own launch (0: ec_rank's launch before it). They run on the SMs that the
-    tiles leave idle in their last wave, so only with the 128 × 256 tile (one CTA an SM: its slots are the SMs) and
-    where those idle SMs are enough for PREFILL_RANK_BLOCKS row blocks each. Session 16 gave the launch a rank
-    program for every SM (5532723): they took the whole GPU before the tiles, level with ec_rank's launch."""
+    """Programs of _ec_rank_programs_kernel beside the tile GEMM (0: ec_rank's launch before it). They take SMs that
+    the tiles leave idle in their last wave, so only with the 128 × 256 tile (one CTA an SM: its slots are the SMs),
+    at most PREFILL_RANK_PROGRAMS, and where they are enough for PREFILL_RANK_BLOCKS row blocks each (the tiles of the
+    first wave wait for all of g at the end of their main loops). Session 16 gave the GEMM's own launch a rank program
+    for every SM (5532723): they took the whole GPU before the tiles, level with ec_rank's launch."""
     if cfg.block_n != 256 or not RANK_PROGRAMS_ON:
         return 0
-    idle = -tiles % sms
-    return min(idle, row_blocks) if idle * PREFILL_RANK_BLOCKS >= row_blocks else 0
+    programs = min(-tiles % sms, PREFILL_RANK_PROGRAMS, row_blocks)
+    return programs if programs * PREFILL_RANK_BLOCKS >= row_blocks else 0
 
 
 def prefill_config(m: int, per_channel: bool) -> PrefillConfig:
