@@ -25,8 +25,9 @@
 #          S16C=1 (one H200) the kernel grid's prefill rows, per-channel and g = 128; with S16D=1 the same with
 #          the tile GEMM's own rank programs; with S16E=1 where W4+EC's prefill time goes, and the engine at batch 1;
 #   or, with S17A=1 (one H200), session 17: the EC rank kernel's tiles (7B, 70B), the decode candidates at 1 and 16 rows;
-#          with S17B=1 the prefill tile GEMM's own rank programs, by count, and the 70B grid at 1 and 16 rows; with
-#          S17C=1 the rank programs as a launch beside the GEMM (PDL), by count and tiling, and the 7B prefill grid;
+#          with S17B=1 (at c1d36f6 only) the prefill tile GEMM's own rank programs, by count, and the 70B grid at 1 and
+#          16 rows; with S17C=1 the rank programs as a launch beside the GEMM (PDL), by count and tiling, and the 7B
+#          prefill grid; with S17D=1 the GPU tests and the prefill grid on every model's shapes;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -346,18 +347,6 @@ elif [ "${S17A:-0}" = 1 ]; then  # session 17, one H200: the EC's rank-kernel ti
     --json "$out/prefill_lab_h200_ec32_70b.json" > $log/6_prefill_ec32_70b.log 2>&1
   timeout $((570 - SECONDS)) python bench/ec_ablation.py --configs-only --ms 1 16 --shapes 7b/qkvo 7b/gate_up 7b/down \
     --extra-dot 128:4:4 64:4:5 32:4:4 --json "$out/ec_ablation_h200_m16.json" > $log/3_m16.log 2>&1
-elif [ "${S17B:-0}" = 1 ]; then  # session 17, one H200: the prefill tile GEMM's own rank programs on the SMs its
-  # last wave leaves idle (GPU tests first), W4+EC against W4 by rank-program count on the 7B/8B/13B/70B shapes at
-  # 1024–2048 rows, then the 70B kernel grid at 1 and 16 rows
-  export CUDA_VISIBLE_DEVICES=0 TAIL=200
-  timeout 150 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py -k "prefill or rank" \
-    > $log/1_tests.log 2>&1
-  timeout 170 python bench/prefill_lab.py --rank-programs --ms 1024 2048 --shapes 7b/qkvo 7b/gate_up 7b/down \
-    7b/qkv_fused 7b/gate_up_fused --json "$out/prefill_lab_h200_rankprog_7b.json" > $log/5_rankprog_7b.log 2>&1
-  timeout 150 python bench/prefill_lab.py --rank-programs --ms 1024 --shapes 70b/q_o 70b/gate_up 70b/down 13b/qkvo \
-    13b/gate_up 13b/down 8b/gate_up 8b/down --json "$out/prefill_lab_h200_rankprog_big.json" > $log/6_rankprog_big.log 2>&1
-  timeout $((575 - SECONDS)) python bench/kernels.py --json "$out/kernels_h200_70b.json" --models 70b --ms 1 16 \
-    --time-limit $((540 - SECONDS)) > $log/3_kernels_70b.log 2>&1
 elif [ "${S17C:-0}" = 1 ]; then  # session 17, one H200: the rank programs as a launch of their own beside the tile
   # GEMM (its programmatic dependent), by count and tiling, 7B/8B/13B/70B at 1024–2048 rows; the 7B grid at 1024, 2048
   export CUDA_VISIBLE_DEVICES=0 TAIL=200
@@ -369,6 +358,13 @@ elif [ "${S17C:-0}" = 1 ]; then  # session 17, one H200: the rank programs as a 
     13b/gate_up 13b/down 8b/gate_up 8b/down --json "$out/prefill_lab_h200_rankprog_big.json" > $log/6_rankprog_big.log 2>&1
   timeout $((575 - SECONDS)) python bench/kernels.py --json "$out/kernels_h200_7b.json" --models 7b --ms 1024 2048 \
     --time-limit $((540 - SECONDS)) > $log/3_kernels_7b.log 2>&1
+elif [ "${S17D:-0}" = 1 ]; then  # session 17's last call, one H200: GPU tests (kernels, runtime ops, engine), then the
+  # prefill rows of the kernel grid (1024, 2048) on every model's shapes with the rank programs' final count
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 200 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py tests/test_runtime_ops.py \
+    tests/test_runtime_engine.py > $log/1_tests.log 2>&1
+  timeout $((575 - SECONDS)) python bench/kernels.py --json "$out/kernels_h200_prefill.json" --models 7b 8b 13b 70b \
+    --ms 1024 2048 --time-limit $((530 - SECONDS)) > $log/3_kernels_prefill.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

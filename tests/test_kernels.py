@@ -399,12 +399,14 @@ def test_prefill_rank_programs_beside_the_gemm(gen):
 
 
 def test_prefill_rank_programs_only_on_idle_sms():
-    """Rank programs only with the 128 × 256 tile (one CTA an SM), at most as many as the last wave leaves SMs idle
-    and PREFILL_RANK_PROGRAMS, each at most PREFILL_RANK_BLOCKS row blocks; else none (ec_rank's launch before)."""
+    """Rank programs only with the 128 × 256 tile (one CTA an SM): the fewest that take PREFILL_RANK_BLOCKS (2) row
+    blocks each, where the last wave leaves that many SMs idle; else none (ec_rank's launch before the GEMM)."""
     wide, narrow = PrefillConfig(block_n=256), PrefillConfig()
     assert w4_module.prefill_rank_programs(8, 128, wide, 132) == 4  # 7B q/k/v/o at 1024 rows: 4 SMs idle, 2 blocks each
     assert w4_module.prefill_rank_programs(8, 128, narrow, 132) == 0
-    assert w4_module.prefill_rank_programs(8, 344, wide, 132) == w4_module.PREFILL_RANK_PROGRAMS  # 52 idle
+    assert w4_module.prefill_rank_programs(8, 344, wide, 132) == 4  # 52 idle: still 2 blocks each
+    assert w4_module.prefill_rank_programs(16, 256, wide, 132) == 8  # 2048 rows: 8 idle
+    assert w4_module.prefill_rank_programs(18, 250, wide, 132) == 0  # 14 idle, but 9 programs (8 at most)
     assert w4_module.prefill_rank_programs(8, 131, wide, 132) == 0  # 1 idle SM for 8 blocks
     assert w4_module.prefill_rank_programs(8, 264, wide, 132) == 0  # two full waves
 

@@ -1257,14 +1257,15 @@ PREFILL_CANDIDATES = [
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
 ]
 _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
-# The rank programs beside the prefill tile GEMM (w4_prefill_fused). Session 17 (the programs inside the GEMM's own
-# launch, bench/prefill_lab.py --rank-programs): one program streamed x at 43–57 GB/s; 4 programs were the best or
-# level with 8 and 16 on every 7B/8B/13B/70B shape at 1024–2048 rows.
+# The rank programs beside the prefill tile GEMM (w4_prefill_fused). Session 17 (bench/prefill_lab.py --rank-programs,
+# S17C): one program streams x at 43–57 GB/s, and the GEMM's tiles wait at the end of their first wave for the whole
+# of g, so a program takes at most two row blocks: 4 programs at 1024 rows (W4+EC / W4 1.00–1.04 on the 7B shapes),
+# 8 at 2048 (0.97–1.05; with 4 programs of 4 blocks, 1.06–1.22).
 PREFILL_RANK_BK = 128  # columns of x and A a step: three steps of 128 rows in flight, 120 KB (offline SASS: 90 registers)
 PREFILL_RANK_WARPS = 8
 PREFILL_RANK_STAGES = 3
-PREFILL_RANK_PROGRAMS = 4  # the most programs
-PREFILL_RANK_BLOCKS = 4  # the most row blocks a program takes
+PREFILL_RANK_PROGRAMS = 8  # the most programs
+PREFILL_RANK_BLOCKS = 2  # the most row blocks a program takes
 RANK_PROGRAMS_ON = os.environ.get("SPEAR_PREFILL_RANK_PROGRAMS", "1") == "1"  # lab switch: 0 always launches ec_rank
 AX_BLOCK = 128  # columns of A per step of the decode kernel's u-programs (ax_block)
 # Lab switch for bench/ec_ablation.py (timing only: results are wrong for 1, 3, 4 and 6): 1 tiles do not wait for
@@ -1592,15 +1593,16 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
 
 
 def prefill_rank_programs(row_blocks: int, tiles: int, cfg: PrefillConfig, sms: int) -> int:
-    """Programs of _ec_rank_programs_kernel beside the tile GEMM (0: ec_rank's launch before it). They take SMs that
-    the tiles leave idle in their last wave, so only with the 128 × 256 tile (one CTA an SM: its slots are the SMs),
-    at most PREFILL_RANK_PROGRAMS, and where they are enough for PREFILL_RANK_BLOCKS row blocks each (the tiles of the
-    first wave wait for all of g at the end of their main loops). Session 16 gave the GEMM's own launch a rank program
-    for every SM (5532723): they took the whole GPU before the tiles, level with ec_rank's launch."""
+    """Programs of _ec_rank_programs_kernel beside the tile GEMM (0: ec_rank's launch before it): the fewest that take
+    at most PREFILL_RANK_BLOCKS row blocks each, where that is at most PREFILL_RANK_PROGRAMS and fits the SMs that
+    the tiles leave idle in their last wave; only with the 128 × 256 tile (one CTA an SM: its slots are the SMs).
+    Session 16 gave the GEMM's own launch a rank program for every SM (5532723): they took the whole GPU before the
+    tiles, level with ec_rank's launch; session 17's programs inside the GEMM's launch cost its main loop 309 → 323
+    instructions (offline SASS), hence a launch of their own."""
     if cfg.block_n != 256 or not RANK_PROGRAMS_ON:
         return 0
-    programs = min(-tiles % sms, PREFILL_RANK_PROGRAMS, row_blocks)
-    return programs if programs * PREFILL_RANK_BLOCKS >= row_blocks else 0
+    programs = triton.cdiv(row_blocks, PREFILL_RANK_BLOCKS)
+    return programs if programs <= min(-tiles % sms, PREFILL_RANK_PROGRAMS) else 0
 
 
 def prefill_config(m: int, per_channel: bool) -> PrefillConfig:
