@@ -365,6 +365,17 @@ def test_decode_ec_term_alone_matches_reference(gen):
     assert err < 2e-2, f"EC term relative error {err:.2e}; seed {SEED}"
 
 
+def test_prefill_path_on_a_narrow_weight_matches_reference(gen):
+    """Dequantize + cuBLAS with an EC and a bias on a weight with 4 N ≤ K (k/v of GQA models): on CUDA the GEMM runs
+    first, beside the rank kernel on its side stream, and y += g Bᵀ after it."""
+    n, k, m = 64, 320, 45
+    packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 32, gen)).to(DEVICE)
+    bias = torch.randn(n, generator=gen).half().to(DEVICE)
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    assert_close(w4_prefill(x, packed, ec, bias, out=poisoned(m, n)), w4_linear_ref(x, packed, ec, bias), "narrow")
+
+
 @pytest.mark.parametrize("group", [-1, 64])
 @pytest.mark.parametrize("with_ec", [False, True])
 def test_prefill_kernel_matches_reference(group, with_ec, gen):

@@ -1649,6 +1649,9 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     the EC term in its epilogue, where the GEMM's compute hides it, instead of a pass of its own over y afterwards).
     Measured on the H200 this order of ops beat running the EC as R extra GEMM columns ([x | g]·[W_hat | alpha·B]ᵀ,
     which must copy x) in 5 of 6 shapes at M ≥ 1024 (BENCHMARKS.md §4, with y += g (alpha·B)ᵀ after the GEMM then).
+    A narrow weight (4 N ≤ K: 8B/70B k/v) runs the GEMM first, beside the rank kernel, then y += g (alpha·B)ᵀ: the
+    pass over y (4 M N bytes) costs less than the wait for g, whose kernel reads 2 M K (session 17: the EC cost
+    1.35–1.43× there with g first).
     """
     n, k = w.out_features, w.in_features
     side = _side_stream(x.device) if ec is not None and x.is_cuda else None
@@ -1661,6 +1664,10 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
     if ec is None:
         return torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+    if side is not None and 4 * n <= k:  # a narrow weight: the GEMM first, beside the rank kernel, then y += g Bᵀ
+        y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+        main.wait_stream(side)
+        return y.addmm_(g, ec.B.t())
     if side is not None:
         main.wait_stream(side)
     else:
