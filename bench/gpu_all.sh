@@ -28,7 +28,8 @@
 #          with S17B=1 (at c1d36f6 only) the prefill tile GEMM's own rank programs, by count, and the 70B grid at 1 and
 #          16 rows; with S17C=1 the rank programs as a launch beside the GEMM (PDL), by count and tiling, and the 7B
 #          prefill grid; with S17D=1 the GPU tests and the prefill grid on every model's shapes; with S17E=1 the narrow
-#          weights' GEMM first, the prefill grid (7B, 8B, 70B), 8B and 13B at 1 and 16 rows;
+#          weights' GEMM first, the prefill grid (7B, 8B, 70B), 8B and 13B at 1 and 16 rows; with S17F=1 the wave rule
+#          on 13B at 1024 and 2048 rows, the prefill GPU tests, the runtime ops' and engine's;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -375,6 +376,15 @@ elif [ "${S17E:-0}" = 1 ]; then  # session 17, one H200: the narrow weights' GEM
     --time-limit 170 > $log/3_kernels_prefill.log 2>&1
   timeout $((560 - SECONDS)) python bench/kernels.py --json "$out/kernels_h200_8b13b.json" --models 8b 13b --ms 1 16 \
     --time-limit $((520 - SECONDS)) > $log/4_kernels_8b13b.log 2>&1
+elif [ "${S17F:-0}" = 1 ]; then  # session 17's last call, one H200: the dispatch's wave rule on 13B (the prefill grid
+  # at 1024, 2048), the GPU tests of the prefill paths, then the runtime ops and the engine
+  export CUDA_VISIBLE_DEVICES=0
+  timeout 90 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py -k "prefill or rank or dispatch" \
+    > $log/1_tests.log 2>&1
+  timeout 100 python bench/kernels.py --json "$out/kernels_h200_prefill_13b.json" --models 13b --ms 1024 2048 \
+    --time-limit 80 > $log/3_kernels_13b.log 2>&1
+  timeout $((300 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -q tests/test_runtime_ops.py \
+    tests/test_runtime_engine.py > $log/2_tests_runtime.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

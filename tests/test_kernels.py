@@ -493,7 +493,8 @@ def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
 def test_prefill_path_follows_rows_scales_and_tiles():
     """Per-channel weights take the tile GEMM up to 2048 rows; grouped ones up to 512, where dequantize + cuBLAS draws
     level (it is 13–35% ahead at 1024 rows on the H200, session 16); a weight too narrow to give half the SMs a tile
-    takes dequantize + cuBLAS (70b k/v: 3× faster there)."""
+    takes dequantize + cuBLAS (70b k/v: 3× faster there), and so does one whose 128 × 256 tiles leave the last wave
+    mostly empty (13b q/k/v/o and down: 1.3–1.45× faster through cuBLAS, session 17)."""
     from spear.kernels.w4 import takes_tile_gemm
 
     h200 = dict(n=4096, sms=132)  # 7b q/k/v/o: 128 tiles of 128 × 256 at 1024 rows
@@ -501,6 +502,9 @@ def test_prefill_path_follows_rows_scales_and_tiles():
     assert takes_tile_gemm(512, per_channel=False, **h200) and not takes_tile_gemm(513, per_channel=False, **h200)
     assert takes_tile_gemm(1024, per_channel=True, **h200)
     assert not takes_tile_gemm(1024, n=1024, per_channel=True, sms=132)  # 70b k/v: 32 tiles
+    assert not takes_tile_gemm(1024, n=5120, per_channel=True, sms=132)  # 13b q/k/v/o: 160 tiles, waves 0.61 full
+    assert not takes_tile_gemm(2048, n=5120, per_channel=True, sms=132)  # 320 tiles, 0.81 full
+    assert takes_tile_gemm(1024, n=11008, per_channel=True, sms=132)  # 7b gate/up: 344 tiles, 0.87 full
 
 
 def test_decode_config_prefers_the_one_tuned_with_the_ec(gen, monkeypatch):

@@ -26,13 +26,16 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
   also do the layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of stacked [gate; up]): a tile
   then gathers rows of the two halves (BN / 2 rows of gate and the same rows of up).
 * prefill (M > DECODE_PATH_MAX_M): up to FUSED_PREFILL_MAX_M rows (per-channel; FUSED_PREFILL_MAX_M_GROUPED with
-  groups) where its tiles fill half the SMs (`takes_tile_gemm`), one Triton tile GEMM that dequantizes in its main
-  loop (the decode kernel's dot loop: one tensor-core dot a 128-column block or a group, a group's codes scaled in
-  fp16 before it) with (alpha·B) g added in its epilogue, g from the EC's rank-space kernel (`ec_rank`, K split
-  across the SMs; `w4_prefill_fused`); beyond that the weight is dequantized once into scratch and multiplied by
-  cuBLAS, the rank-space kernel on a side stream beside the dequantization, the EC term written first and read by
-  cuBLAS's epilogue (`w4_prefill`). Per-channel, the tile GEMM
-  runs at 0.78–0.86× of cuBLAS fp16's throughput at 1024–2048 rows on the 7B shapes (session 16); with groups,
+  groups) where its tiles fill half the SMs and, 128 × 256 wide, their waves (`takes_tile_gemm`), one Triton tile
+  GEMM that dequantizes in its main loop (the decode kernel's dot loop: one tensor-core dot a 128-column block or a
+  group, a group's codes scaled in fp16 before it) with (alpha·B) g added in its epilogue (`w4_prefill_fused`). g
+  comes from a few rank programs on the SMs the GEMM's last wave leaves idle, a launch of their own that the GEMM
+  follows as its programmatic dependent, its main loop beside them and its epilogue after them
+  (`_ec_rank_programs_kernel`); else from the EC's rank-space kernel before the GEMM (`ec_rank`, K split across the
+  SMs). Beyond that the weight is dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a
+  side stream, the EC term written first and read by cuBLAS's epilogue (a narrow weight: added after the GEMM,
+  which then runs beside the rank kernel; `w4_prefill`). Per-channel, the tile GEMM runs at 0.77–0.87× of cuBLAS
+  fp16's throughput at 1024–2048 rows on the 7B shapes, W4+EC at 1.00–1.06× of W4 (session 17); with groups,
   dequantize + cuBLAS is ahead from 1024 rows.
 """
 
@@ -1689,10 +1692,19 @@ def takes_tile_gemm(m: int, n: int, per_channel: bool, sms: int) -> bool:
     """Whether w4_linear runs m prefill rows of an n-row weight through the tile GEMM rather than dequantize + cuBLAS:
     up to FUSED_PREFILL_MAX_M rows (FUSED_PREFILL_MAX_M_GROUPED with groups), and only where its untuned tiles fill
     at least half the SMs (one tile an SM: on 70b k/v, N = 1024 at 1024 rows, 32 tiles took 103.7 µs where dequantize
-    + cuBLAS took 34.6, session 16)."""
+    + cuBLAS took 34.6, session 16). The 128 × 256 tile (one CTA an SM) also needs its waves full to TILE_WAVE_FILL:
+    on 13B q/k/v/o and down (N = 5120) 1024 rows make 160 tiles, 1.2 waves of 132, and took 135 / 348 µs against
+    dequantize + cuBLAS's 93 / 243 (session 17, BENCHMARKS §4). W4 alone, every shape timed with its waves under 0.84
+    full was faster through cuBLAS (13b gate/up at 1024 rows, 0.82 full: 4%); with an EC the tile GEMM's rank
+    programs make up for that much (13b gate/up 6% ahead), not for 13b q/k/v/o or down."""
     cfg = prefill_config(m, per_channel)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return m <= (FUSED_PREFILL_MAX_M if per_channel else FUSED_PREFILL_MAX_M_GROUPED) and 2 * tiles >= sms
+    if m > (FUSED_PREFILL_MAX_M if per_channel else FUSED_PREFILL_MAX_M_GROUPED) or 2 * tiles < sms:
+        return False
+    return cfg.block_n != 256 or tiles / (triton.cdiv(tiles, sms) * sms) >= TILE_WAVE_FILL
+
+
+TILE_WAVE_FILL = 0.84  # how full the 128 × 256 tile GEMM's waves must be on average (takes_tile_gemm)
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
