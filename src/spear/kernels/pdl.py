@@ -8,6 +8,9 @@ The contract every PDL launch keeps (CUDA programming guide, "Programmatic Depen
   chain of PDL launches stays ordered;
 - `griddepcontrol.launch_dependents` after the wait (the W4 kernel: after its main loops): the next launch may
   start once every program of this one has passed it (one launch of lookahead, never more).
+- one exception, by construction: a launch whose programs all call `launch_dependents` only after their own wait
+  (the prefill rank programs, w4.py's `_ec_rank_programs_kernel`) lets the next launch (the tile GEMM) read that
+  launch's inputs before its wait too: they were written before its dependent could start.
 
 Off under the Triton interpreter and before sm_90; `SPEAR_PDL=0` turns it off (to time the difference).
 """

@@ -70,6 +70,7 @@ DECODE_PATH_MAX_M = 128
 # shape. With groups (128 or 64) dequantize + cuBLAS is level at 512 rows and 13–35% faster at 1024 (session 16).
 FUSED_PREFILL_MAX_M = 2048
 FUSED_PREFILL_MAX_M_GROUPED = 512
+TILE_WAVE_FILL = 0.84  # how full the 128 × 256 tile GEMM's waves must be on average (takes_tile_gemm)
 TWO_38: tl.constexpr = tl.constexpr(2.0**38)  # the GEMV loop's products are q x 2^-38 (_codes_denormal)
 # Each decode launch with an EC advances the workspace's reads count by 2^READS_SHIFT (its tiles' shares), so that
 # the count's high bits are the launch's epoch, the tag of g's cells (the kernel's comment); a launch has fewer tiles.
@@ -1144,9 +1145,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
             tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], (q - z) * s, mask=mask)
 
 
-# M is not specialized, nor what follows from it: a prefill chunk's row count changes from step to step, and Triton
-# would otherwise compile a variant of this kernel the first time one is a multiple of 16 (seconds in mid-serving).
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M"])  # M: as _w4_prefill_kernel's
 def _ec_rank_programs_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm, stride_gm,
                              GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                              PDL: tl.constexpr):
@@ -1703,8 +1702,6 @@ def takes_tile_gemm(m: int, n: int, per_channel: bool, sms: int) -> bool:
         return False
     return cfg.block_n != 256 or tiles / (triton.cdiv(tiles, sms) * sms) >= TILE_WAVE_FILL
 
-
-TILE_WAVE_FILL = 0.84  # how full the 128 × 256 tile GEMM's waves must be on average (takes_tile_gemm)
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
