@@ -35,10 +35,10 @@ from spear.kernels.w4 import (PREFILL_CANDIDATES, ec_rank, num_sms, prefill_conf
 from spear.quant.record import QuantConfig, rtn_quantize
 
 
-# (block_m, block_k, num_warps, num_stages, fill) of ec_rank timed with --ec-rank: its defaults first (session 16:
-# 8–22 µs at 1024–2048 rows on the 7B shapes, the whole of W4+EC's gap over W4), then wider row blocks (A re-read less
-# often), longer steps (more bytes in flight), and fewer or more programs an SM (`fill`: K split less or more; the
-# float32 partials of u grow with the splits)
+# (block_m, block_k, num_warps, num_stages, fill) of ec_rank timed with --ec-rank: its session-16 defaults first
+# (8–22 µs at 1024–2048 rows on the 7B shapes, the whole of W4+EC's gap over W4), then wider row blocks (A re-read
+# less often), longer steps (more bytes in flight), and fewer or more programs an SM (`fill`: K split less or more;
+# the float32 partials of u grow with the splits)
 RANK_CANDIDATES = [(32, 64, 4, 3, 2), (64, 64, 4, 3, 2), (64, 128, 4, 3, 2), (128, 64, 8, 3, 2), (128, 128, 8, 3, 2),
                    (64, 128, 4, 4, 2), (32, 128, 4, 4, 2), (128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 128, 8, 3, 1),
                    (64, 64, 4, 4, 1), (256, 64, 8, 3, 1), (64, 128, 4, 3, 4), (128, 64, 8, 3, 4)]

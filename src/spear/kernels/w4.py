@@ -1149,9 +1149,9 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
 def _ec_rank_programs_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm, stride_gm,
                              GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                              PDL: tl.constexpr):
-    """g [M, R] = gamma(A x) ⊙ A x in fp16 from a few programs beside the prefill tile GEMM (w4_prefill_fused): program
-    p takes row blocks p, p + P, ... (P programs), each over all of K. With PDL it waits for the launch before it
-    (x's producer) and then at once lets the next launch, the GEMM, start on the other SMs."""
+    """g [M, R] = gamma(A x) ⊙ A x in fp16 from a few programs beside the prefill tile GEMM (w4_prefill_fused):
+    program p takes row blocks p, p + P, ... (P programs), each over all of K. With PDL it waits for the launch
+    before it (x's producer) and then at once lets the next launch, the GEMM, start on the other SMs."""
     pdl_enter(PDL)
     offs_r = tl.arange(0, R)
     for block in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
@@ -1263,7 +1263,7 @@ _TUNED: dict[tuple, DecodeConfig | PrefillConfig] = {}
 # S17C): one program streams x at 43–57 GB/s, and the GEMM's tiles wait at the end of their first wave for the whole
 # of g, so a program takes at most two row blocks: 4 programs at 1024 rows (W4+EC / W4 1.00–1.04 on the 7B shapes),
 # 8 at 2048 (0.97–1.05; with 4 programs of 4 blocks, 1.06–1.22).
-PREFILL_RANK_BK = 128  # columns of x and A a step: three steps of 128 rows in flight, 120 KB (offline SASS: 90 registers)
+PREFILL_RANK_BK = 128  # columns of x and A a step: three steps of 128 rows in flight, 120 KB (offline: 90 registers)
 PREFILL_RANK_WARPS = 8
 PREFILL_RANK_STAGES = 3
 PREFILL_RANK_PROGRAMS = 8  # the most programs
