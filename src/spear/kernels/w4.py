@@ -1084,6 +1084,27 @@ def _w4_decode_kernel(
 # --- prefill: rank-space kernel + tensor-core GEMM ---------------------------------------
 
 
+@triton.jit
+def _rank_u(x_ptr, a_ptr, offs_m, mask_m, offs_r, k_lo, k_hi, K, stride_xm, BM: tl.constexpr, R: tl.constexpr,
+            BK: tl.constexpr):
+    """u = A x [BM, R] in float32 for the rows offs_m over columns [k_lo, k_hi) of K."""
+    u = tl.zeros((BM, R), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                     mask=mask_m[:, None] & (offs_k[None, :] < k_hi), other=0.0)
+        u += tl.dot(xk, tl.trans(_a_tile(a_ptr, offs_r, k0, k_hi, K, BK)))
+    return u
+
+
+@triton.jit
+def _store_g(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, offs_m, mask_m, offs_r, stride_gm, GATED: tl.constexpr,
+             R: tl.constexpr, H: tl.constexpr):
+    """g = gamma(u) ⊙ u stored in fp16 at the rows offs_m of g [M, R] (row stride stride_gm)."""
+    g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+    tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+
+
 @triton.jit(do_not_specialize=["M"])  # M: as _w4_prefill_kernel's (k_per_split is always a multiple of 64)
 def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_ptr, M, K, stride_xm, stride_gm,
                     k_per_split, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
@@ -1095,19 +1116,11 @@ def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
     k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    u = tl.zeros((BM, R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                     mask=mask_m[:, None] & (offs_k[None, :] < k_hi), other=0.0)
-        ak = tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
-        u += tl.dot(xk, tl.trans(ak))
+    u = _rank_u(x_ptr, a_ptr, offs_m, mask_m, offs_r, k_lo, tl.minimum(k_lo + k_per_split, K), K, stride_xm, BM, R, BK)
     if SPLIT:
         tl.store(u_part_ptr + (tl.program_id(1) * M + offs_m[:, None]) * R + offs_r[None, :], u, mask=mask_m[:, None])
     else:
-        g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-        tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+        _store_g(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, offs_m, mask_m, offs_r, stride_gm, GATED, R, H)
 
 
 @triton.jit(do_not_specialize=["M", "splits"])
@@ -1120,8 +1133,7 @@ def _ec_gate_kernel(u_part_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, splits
     u = tl.zeros((BM, R), dtype=tl.float32)
     for s in range(splits):
         u += tl.load(u_part_ptr + (s * M + offs_m[:, None]) * R + offs_r[None, :], mask=mask_m[:, None], other=0.0)
-    g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-    tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+    _store_g(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, offs_m, mask_m, offs_r, stride_gm, GATED, R, H)
 
 
 @triton.jit
@@ -1157,14 +1169,8 @@ def _ec_rank_programs_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr
     for block in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
         offs_m = block * BM + tl.arange(0, BM)
         mask_m = offs_m < M
-        u = tl.zeros((BM, R), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-            u += tl.dot(xk, tl.trans(_a_tile(a_ptr, offs_r, k0, K, K, BK)))
-        g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-        tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_r[None, :], g.to(tl.float16), mask=mask_m[:, None])
+        u = _rank_u(x_ptr, a_ptr, offs_m, mask_m, offs_r, 0, K, K, stride_xm, BM, R, BK)
+        _store_g(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, offs_m, mask_m, offs_r, stride_gm, GATED, R, H)
 
 
 # M is not specialized: a prefill chunk's row count changes from step to step, and Triton would otherwise compile
@@ -1665,17 +1671,21 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
         g.record_stream(main)
     w_hat = dequantize_w4_into(w, _SCRATCH.get(x.device, n, k))
     if ec is None:
-        return torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+        return _mm_bias(x, w_hat.t(), bias, out)
     if side is not None and 4 * n <= k:  # a narrow weight: the GEMM first, beside the rank kernel, then y += g Bᵀ
-        y = torch.mm(x, w_hat.t(), out=out) if bias is None else torch.addmm(bias, x, w_hat.t(), out=out)
+        y = _mm_bias(x, w_hat.t(), bias, out)
         main.wait_stream(side)
         return y.addmm_(g, ec.B.t())
     if side is not None:
         main.wait_stream(side)
     else:
         g = ec_rank(x, ec)
-    y = torch.mm(g, ec.B.t(), out=out) if bias is None else torch.addmm(bias, g, ec.B.t(), out=out)
-    return y.addmm_(x, w_hat.t())
+    return _mm_bias(g, ec.B.t(), bias, out).addmm_(x, w_hat.t())
+
+
+def _mm_bias(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """a @ b (+ bias), into `out` if given: one cuBLAS call."""
+    return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -1701,7 +1711,6 @@ def takes_tile_gemm(m: int, n: int, per_channel: bool, sms: int) -> bool:
     if m > (FUSED_PREFILL_MAX_M if per_channel else FUSED_PREFILL_MAX_M_GROUPED) or 2 * tiles < sms:
         return False
     return cfg.block_n != 256 or tiles / (triton.cdiv(tiles, sms) * sms) >= TILE_WAVE_FILL
-
 
 
 def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
