@@ -4,7 +4,7 @@ anywhere, the fused GEMM is worth taking. Run it once per dot loop (SPEAR_W4_DOT
 
     SPEAR_W4_DOT_WIDE=2 python bench/prefill_lab.py --json bench/results/prefill_lab_h200_wide2.json
     python bench/prefill_lab.py --ec-rank 32 --json FILE        # W4+EC: g from the rank kernel, B in the epilogue
-    python bench/prefill_lab.py --rank-programs --json FILE     # W4+EC: g from the tile GEMM's own rank programs
+    python bench/prefill_lab.py --rank-programs --json FILE     # W4+EC: g from rank programs beside the tile GEMM
 
 Random weights (per-channel unless --group-size) in the 7B engine's shapes; each fused config is checked against the
 prefill path, then timed as kernels.py times (median over CUDA-graph replays over enough weight copies to overflow
@@ -44,13 +44,18 @@ RANK_CANDIDATES = [(32, 64, 4, 3, 2), (64, 64, 4, 3, 2), (64, 128, 4, 3, 2), (12
                    (64, 64, 4, 4, 1), (256, 64, 8, 3, 1), (64, 128, 4, 3, 4), (128, 64, 8, 3, 4)]
 
 
+def _copies(weight, nbytes: int) -> list:
+    """weight and clones of it, at least two and more bytes than L2_FLUSH_BYTES: calls over them read from HBM."""
+    return [weight] + [weight.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / nbytes)) - 1)]
+
+
 def bench_shape(name: str, ms: list[int], group_size: int, rank: int, log) -> list[dict]:
     n, k = LAB_SHAPES[name]
     w_fp = torch.randn(n, k, device="cuda", dtype=torch.float16)
     packed = pack_w4(rtn_quantize(w_fp, QuantConfig(4, group_size)))
     ec = pack_ec(random_ec(n, k, rank)) if rank else None  # W4+EC: g from the rank kernel, B in the epilogue
-    fps = [w_fp] + [w_fp.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k))) - 1)]
-    w4s = [packed] + [packed.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes())) - 1)]
+    fps = _copies(w_fp, 2 * n * k)
+    w4s = _copies(packed, packed.nbytes())
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -107,12 +112,12 @@ RANK_PROGRAM_TILINGS = [(64, 4, 3), (64, 8, 4), (128, 8, 3), (128, 4, 3)]
 
 def bench_rank_programs(name: str, ms: list[int], rank: int, log) -> list[dict]:
     """W4+EC through the tile GEMM at its default config: g from ec_rank's launch before it (0 rank programs), from
-    the policy's count of the GEMM's own rank programs (prefill_rank_programs), and from forced counts; W4 alone and
-    the dispatch beside them. Each output is checked against the dequantize path's."""
+    the policy's count of rank programs beside it (prefill_rank_programs), and from forced counts; W4 alone and the
+    dispatch beside them. Each output is checked against the dequantize path's."""
     n, k = LAB_SHAPES[name]
     packed = pack_w4(rtn_quantize(torch.randn(n, k, device="cuda", dtype=torch.float16), QuantConfig(4, -1)))
     ec = pack_ec(random_ec(n, k, rank))
-    w4s = [packed] + [packed.clone() for _ in range(max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes())) - 1)]
+    w4s = _copies(packed, packed.nbytes())
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -156,20 +161,22 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=-1, help="-1: per-channel (default)")
     p.add_argument("--ec-rank", type=int, default=0, help="W4+EC with a gated EC of this rank (0: W4 alone)")
     p.add_argument("--rank-programs", action="store_true",
-                   help="W4+EC (rank --ec-rank, default 32) with g from the tile GEMM's own rank programs, by count")
+                   help="W4+EC (rank --ec-rank, default 32) with g from rank programs beside the tile GEMM, by count")
     p.add_argument("--json", default="bench/results/prefill_lab.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("prefill_lab.py: needs a CUDA GPU")
     rows = []
-    if args.rank_programs:
-        for name in args.shapes:
-            rows += bench_rank_programs(name, args.ms, args.ec_rank or 32, lambda line: print(line, flush=True))
-            write_json(args.json, {"provenance": provenance(), "rows": rows})
-        return
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
     for name in args.shapes:
-        rows += bench_shape(name, args.ms, args.group_size, args.ec_rank, lambda line: print(line, flush=True))
+        rows += (bench_rank_programs(name, args.ms, args.ec_rank or 32, log) if args.rank_programs
+                 else bench_shape(name, args.ms, args.group_size, args.ec_rank, log))
         write_json(args.json, {"provenance": provenance(), "rows": rows})
+    if args.rank_programs:
+        return
     print("\nthroughput / cuBLAS fp16: dequant + cuBLAS, the best fused config, w4_linear (the dispatch) before / after")
     for row in rows:
         print(f"{row['shape']:18} {row['M']:>5} {row['fp16_cublas'] / row['w4_dequant_cublas']:6.2f} "
