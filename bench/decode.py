@@ -37,6 +37,8 @@ from common import copy_bandwidth, write_json
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
+from spear.kernels.w4 import decode_tune_rows
+from spear.runtime import model as runtime_model
 from spear.runtime.model import ModelArgs, Transformer, random_model
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
@@ -51,6 +53,7 @@ MODELS = {
     "tiny": ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256),
 }
 EC_FRACTIONS = {"w4": 0.0, "w4+ec15": 0.15, "w4+ec38": 0.38, "w4+ec60": 0.60}
+ROPE_ARMS = {"on": (True,), "off": (False,), "both": (False, True)}
 
 
 class NoText:
@@ -144,6 +147,9 @@ def main() -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the engine's host work with the GPU step, as spear serve does (EngineConfig.overlap; "
                         "default: on, off with --tp, where it is not supported)")
+    p.add_argument("--rope-in-attention", choices=["on", "off", "both"], default="on",
+                   help="RoPE and the K/V write inside decode attention (model.ROPE_IN_ATTENTION) or in a launch of "
+                        "their own; both: each batch twice on one built model, off then on (default on)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
     if args.tp < 1:
@@ -190,22 +196,25 @@ def run(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             fraction = EC_FRACTIONS.get(setting)
             model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device,
-                                 kernels=channel is None)
+                                 kernels=channel is None, tune_rows=decode_tune_rows(max(batches)))
             if channel is not None:  # shard, then pack for the kernels; decode steps reduce by --tp-reduction
                 shard_for_serving(model, args.tp_reduction, max(batches), drop_dense=True)
             synchronize(device)
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)
             label = setting if fraction is not None or dtype == torch.float16 else "fp32"
-            for batch in batches:
+            for batch, rope_in_attention in ((b, r) for b in batches for r in ROPE_ARMS[args.rope_in_attention]):
+                runtime_model.ROPE_IN_ATTENTION = rope_in_attention  # read as the engine's graphs are captured
                 measured = measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs, channel, args.overlap)
                 if measured is None:
                     continue
                 row = {"model": name, "setting": label, "weight_bytes": nbytes, "build_s": build_seconds,
-                       "floor_ms_per_token": 1e3 * nbytes / bandwidth, **measured}
+                       "floor_ms_per_token": 1e3 * nbytes / bandwidth, "rope_in_attention": rope_in_attention,
+                       **measured}
                 rows.append(row)
+                arm = "" if args.rope_in_attention != "both" else f" rope in attention {'on' if rope_in_attention else 'off'}"
                 print(f"{name:<10} {label:<8} B={batch:<3} {row['ms_per_token']:8.2f} ms/token "
-                      f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_ms_per_token']:6.2f} ms", flush=True)
+                      f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_ms_per_token']:6.2f} ms{arm}", flush=True)
                 save()  # after every row, so a cut-short run keeps what it measured
             del model
             if device.type == "cuda":
@@ -213,10 +222,11 @@ def run(args: argparse.Namespace) -> None:
     if rank > 0:
         return
     save()
-    print(f"\n{'model':<10} {'setting':<8} {'batch':>5} {'ms/token':>9} {'tok/s':>9} {'floor ms':>9} {'GB read':>8}")
+    print(f"\n{'model':<10} {'setting':<8} {'batch':>5} {'ms/token':>9} {'tok/s':>9} {'floor ms':>9} {'GB read':>8}"
+          f" {'RoPE in attention':>17}")
     for r in rows:
         print(f"{r['model']:<10} {r['setting']:<8} {r['batch']:>5} {r['ms_per_token']:>9.2f} {r['tokens_per_s']:>9.1f} "
-              f"{r['floor_ms_per_token']:>9.3f} {r['weight_bytes'] / 1e9:>8.3f}")
+              f"{r['floor_ms_per_token']:>9.3f} {r['weight_bytes'] / 1e9:>8.3f} {'on' if r['rope_in_attention'] else 'off':>17}")
 
 
 if __name__ == "__main__":

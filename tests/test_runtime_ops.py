@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spear.runtime import ops
-from spear.runtime.kv_cache import Batch, Chunk, KVCache
+from spear.runtime.kv_cache import NULL_BLOCK, Batch, Chunk, KVCache
 from spear.runtime.model import ModelArgs, random_model, rope_inv_freq
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -137,6 +137,43 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
     assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA and GQA 3
+def test_decode_attention_with_rope_and_kv_write_folded_in_matches_reference(dtype, heads, kv_heads, gen):
+    """new_kv: q, k, v unrotated as row-strided views of a q|k|v output; the kernel rotates q and k by position
+    seq_len - 1, writes k and v to that slot (only there: the pools are NaN elsewhere) and attends to the new key
+    from registers. Lengths 1 (the new key alone), a block boundary, several steps; 1, 3 and 16 splits (empty
+    ones), and the default."""
+    block_size, width, head_dim = 16, 5, 32
+    seq_lens = [1, 17, 37, 80]
+    tables, (k_pool0, v_pool0), (k_ref0, v_ref0) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype,
+                                                                gen)
+    B = len(seq_lens)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    slots = ops.decode_slots(tables, lens - 1, block_size)
+    written = torch.zeros(k_pool0.shape[:2], dtype=torch.bool, device=DEVICE).view(-1)
+    written[slots] = True
+    written = written.view(k_pool0.shape[:2])  # [N, block_size]: this step's slots, not written yet (NaN)
+    for pool in (k_pool0, v_pool0):
+        pool[written] = float("nan")
+    qkv = randn(B, (heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype)
+    q, k, v = (part.view(B, -1, head_dim) for part in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                  kv_heads * head_dim], dim=-1))
+    inv_freq = rope_inv_freq(ModelArgs(dim=heads * head_dim, intermediate=1, n_heads=heads, n_kv_heads=kv_heads,
+                                       head_dim=head_dim, n_layers=1, vocab=1)).to(DEVICE)
+    k_ref, v_ref = k_ref0.clone(), v_ref0.clone()
+    ref = ops.paged_decode_attention(q, k_ref, v_ref, tables, lens, new_kv=(k, v), inv_freq=inv_freq, use_triton=False)
+    for splits in (1, 3, 16, None):
+        k_pool, v_pool = k_pool0.clone(), v_pool0.clone()
+        out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, new_kv=(k, v), inv_freq=inv_freq,
+                                         use_triton=True, splits=splits, block_n=16)
+        what = f"decode attention with RoPE folded H={heads} KV={kv_heads} {dtype} splits={splits}"
+        assert_close(out, ref, what)
+        assert_close(k_pool[written], k_ref[written], what + " (k written)")
+        assert_close(v_pool[written], v_ref[written], what + " (v written)", tol=0.0)
+        assert torch.equal(k_pool[~written].isnan(), k_pool0[~written].isnan()), what + ": a slot written by mistake"
+
+
 @pytest.mark.parametrize("splits", [1, 3])  # 1: the split kernel writes the output, no combine launch
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA (16 rows a tile) and GQA 3 (4 rows a tile)
 def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, splits, gen):
@@ -210,6 +247,7 @@ def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, ge
     forward(False, Batch.build([Chunk(prompts[0][:5], 0, tables[0]), Chunk(prompts[1], 0, tables[1])], 8, DEVICE))
     k, v = cache.k.clone(), cache.v.clone()
     chunked = forward(False, Batch.build(step, 8, DEVICE))
+    chunked_kv = cache.k.clone(), cache.v.clone()
     cache.k.copy_(k)
     cache.v.copy_(v)
     rows, last = token_rows(step)
@@ -218,6 +256,8 @@ def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, ge
     assert padded.tiles[:, 1].tolist() == [1, 16, 6, 6, 3, 0, 0, 0, 0]  # decode, chunk 16 + 6, prompt, padding
     tiled = forward(True, padded)
     assert_close(tiled[last], chunked, "mixed step as tiled token rows vs chunked", tol=1e-4)
+    for got, ref in zip((cache.k, cache.v), chunked_kv):  # the step's keys and values cached alike (block 0: padding's)
+        assert_close(got[:, NULL_BLOCK + 1:], ref[:, NULL_BLOCK + 1:], "the step's K/V in the cache", tol=1e-4)
 
 
 def test_decode_splits_fill_the_gpu_and_follow_the_table():

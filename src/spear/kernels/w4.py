@@ -1292,6 +1292,12 @@ def _m_bucket(m: int) -> int:
     return 1 if m == 1 else 4 if m <= 4 else min(4096, _row_tile(m))
 
 
+def decode_tune_rows(max_rows: int) -> tuple[int, ...]:
+    """The tuning buckets of decode steps of up to `max_rows` rows, as the engine pads them to its CUDA graphs' row
+    buckets (powers of two): the row counts a decode benchmark needs tuned (batch 1: one)."""
+    return tuple(sorted({_m_bucket(1 << i) for i in range((max_rows - 1).bit_length() + 1)}))
+
+
 def _row_tile(m: int) -> int:
     """The decode kernel's BM for m rows: the power of two ≥ max(16, m) (16: the tensor-core dot's minimum)."""
     return max(16, 1 << (m - 1).bit_length())

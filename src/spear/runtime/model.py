@@ -28,7 +28,7 @@ from spear.kernels.reference import w4_linear_ref
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
-from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
+from spear.runtime.ops import add_rms_norm, paged_decode_attention, rope_write_kv, silu_mul
 
 # silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
 # launch a layer fewer. Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused, 2.40 / 4.31 not
@@ -38,6 +38,10 @@ FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
 # The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those W4 decode
 # launches (kernels.norm_fold.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
 FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
+# RoPE and the K/V write inside decode attention (ops.paged_decode_attention's new_kv) on decode steps: rope_write_kv's
+# launch a layer fewer, and attention reads q and the new key straight from the q|k|v output. SPEAR_ROPE_IN_ATTENTION=0
+# turns it off (session 18's A/B, BENCHMARKS §4).
+ROPE_IN_ATTENTION = os.environ.get("SPEAR_ROPE_IN_ATTENTION", "1") == "1"
 # The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): exact
 # on an H200 pair but level in time (session 14, BENCHMARKS §7: ±1.5% at TP 2), so off unless SPEAR_FOLD_NORM_TP=1.
 FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
@@ -226,19 +230,21 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.wqkv: FusedLinear | None = None  # set by fuse_projections
 
-    def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
+    def qkv(self, x: torch.Tensor | FoldedNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections q [T, H, D], k and v [T, KV, D], unrotated (views of one q|k|v output where fused)."""
         if isinstance(x, FoldedNorm):  # this layer's attention norm, folded into the launch before (Block)
             T = x.h.shape[0]
             q, k, v = self.wqkv(x.hw, rms=x)
         else:
             T = x.shape[0]
             q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
-        q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
-        k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
-        v = v.view(T, self.n_kv_heads, self.head_dim)
-        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots)
+        return (q.view(T, self.n_heads, self.head_dim), k.view(T, self.n_kv_heads, self.head_dim),
+                v.view(T, self.n_kv_heads, self.head_dim))
+
+    def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
+        return rope_write_kv(*self.qkv(x), positions, inv_freq, *kv, slots)
 
 
 
@@ -268,17 +274,28 @@ class Block(nn.Module):
         block's output, formed by the next norm. The first block gets residual None (x is the stream).
         On decode steps the next block's attention norm may be folded into this block's down launch: the
         output is then that norm's FoldedNorm (and the residual its h)."""
+        if ROPE_IN_ATTENTION and batch.decode:  # one launch fewer: RoPE and the K/V write inside decode attention
+            h, residual = self.attention_input(x, residual)
+            q, k, v = self.attention.qkv(h)
+            attn = paged_decode_attention(q, *kv, batch.block_tables, batch.seq_lens, tiles=batch.tiles,
+                                          tile_rows=batch.tile_rows, new_kv=(k, v), inv_freq=inv_freq)
+            return self.after_attention(attn.reshape(q.shape[0], -1), residual, next_block)
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
         return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
+
+    def attention_input(self, x: torch.Tensor | FoldedNorm,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
+        """(x, residual) -> (the attention norm's output, or x itself where that norm is folded in; residual)."""
+        if isinstance(x, FoldedNorm):  # the norm is done: x.h is the stream
+            return x, x.h
+        return self.attention_norm(x, residual)
 
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,
                          positions: torch.Tensor, slots: torch.Tensor,
                          kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (rotated queries [T, H, D], residual); this block's keys and values are cached."""
-        if isinstance(x, FoldedNorm):  # the norm is done: x.h is the stream
-            return self.attention.project(x, inv_freq, positions, slots, kv), x.h
-        h, residual = self.attention_norm(x, residual)
+        h, residual = self.attention_input(x, residual)
         return self.attention.project(h, inv_freq, positions, slots, kv), residual
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
@@ -382,13 +399,15 @@ def fuse_projections(model: Transformer) -> int:
     return count
 
 
-def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, fuse: bool = True) -> int:
+def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, fuse: bool = True,
+                tune_rows: tuple[int, ...] | None = None) -> int:
     """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
     returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `fuse`
     (a Transformer), q/k/v and gate/up become one launch each (fuse_projections). With `tune`, time the
     decode kernel's configs once per distinct weight shape and row bucket, fused ones included, and at one row
     once more per shape and EC rank with the EC (tens of seconds on a fresh machine, where every candidate
-    compiles first; kernels.w4.tune_w4)."""
+    compiles first; kernels.w4.tune_w4). `tune_rows`: only these row counts' buckets (default tune_w4's, 1 to 128
+    rows: kernels.w4.decode_tune_rows gives a decode benchmark's)."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
     if not linears or linears[0].codes.device.type != "cuda" or linears[0].weight_hat.dtype != torch.float16:
         return 0
@@ -412,7 +431,7 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
         jobs = [(w, None) for w in shapes.values()] + list(with_ec.values())
         for w, ec in tqdm(jobs, desc="tuning the W4 kernels", unit="shape", leave=False):
             if ec is None:
-                tune_w4(w)
+                tune_w4(w, **({} if tune_rows is None else {"ms": tune_rows}))
             else:
                 tune_w4(w, (1,), ec=ec)
     return len(packed)
@@ -421,13 +440,14 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
 @torch.no_grad()
 def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction: float = 0.0, rank: int = 32,
                  dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", seed: int = 0,
-                 kernels: bool = True) -> Transformer:
+                 kernels: bool = True, tune_rows: tuple[int, ...] | None = None) -> Transformer:
     """Random weights (~N(0, 1/in)) in the shapes of `args`, generated on `device`.
 
     With `quant`, every decoder linear is RTN-quantized to a SpearLinear; gated ECs
     (gate_hidden 8) of rank `rank` with random factors go on `ec_fraction` of them,
     spread evenly over the depth. With `kernels` (on CUDA) the 4-bit linears are packed for the
-    Triton kernels and their dense copies freed; pass False to shard the model (tp.apply_tp) first.
+    Triton kernels and their dense copies freed (their configs tuned at `tune_rows`, use_kernels); pass False to
+    shard the model (tp.apply_tp) first.
     """
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)
@@ -468,7 +488,7 @@ def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction:
             if math.floor((i + 1) * ec_fraction) > math.floor(i * ec_fraction):  # evenly spread, floor(n * fraction) in all
                 lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn)
     if kernels:
-        use_kernels(model, drop_dense=True)
+        use_kernels(model, drop_dense=True, tune_rows=tune_rows)
     return model
 
 
