@@ -147,9 +147,10 @@ def main() -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the engine's host work with the GPU step, as spear serve does (EngineConfig.overlap; "
                         "default: on, off with --tp, where it is not supported)")
-    p.add_argument("--rope-in-attention", choices=["on", "off", "both"], default="on",
+    p.add_argument("--rope-in-attention", choices=["on", "off", "both"], default=None,
                    help="RoPE and the K/V write inside decode attention (model.ROPE_IN_ATTENTION) or in a launch of "
-                        "their own; both: each batch twice on one built model, off then on (default on)")
+                        "their own; both: each batch twice on one built model, off then on (default: the model's, "
+                        "$SPEAR_ROPE_IN_ATTENTION)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
     if args.tp < 1:
@@ -158,6 +159,8 @@ def main() -> None:
         p.error("--overlap is not supported with --tp")
     if args.overlap is None:
         args.overlap = args.tp == 1
+    if args.rope_in_attention is None:
+        args.rope_in_attention = "on" if runtime_model.ROPE_IN_ATTENTION else "off"
     if args.tp == 1:
         run(args)
     else:

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from spear.runtime import model as model_module
 from spear.runtime import ops
 from spear.runtime.kv_cache import NULL_BLOCK, Batch, Chunk, KVCache
 from spear.runtime.model import ModelArgs, random_model, rope_inv_freq
@@ -203,15 +204,18 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads} splits={splits}")
 
 
-def test_model_steps_with_kernels_match_references(monkeypatch, gen):
+@pytest.mark.parametrize("rope_in_attention", [False, True])
+def test_model_steps_with_kernels_match_references(monkeypatch, gen, rope_in_attention):
     """The ops as the model wires them: prefill, mixed steps (a one-token prefill piece among decodes, then a longer
-    chunk beside them), then a decode step, with every op forced to Triton or to PyTorch."""
+    chunk beside them), then a decode step, with every op forced to Triton or to PyTorch; the Triton run's decode steps
+    with RoPE and the K/V write in their own launch or inside decode attention, the references' in their own."""
     args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=100)
     model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
     prompts, tables = [[5, 17, 3, 9, 11], [42, 7], [8, 6, 2]], [[3, 1], [2, 4], [5, 6]]
 
     def run(triton: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(ops, "_triton", lambda use_triton, x: triton)
+        monkeypatch.setattr(model_module, "ROPE_IN_ATTENTION", triton and rope_in_attention)
         cache = KVCache(args.n_layers, 7, 4, args.n_kv_heads, args.head_dim, torch.float32, DEVICE)
         decodes = [[Chunk([1 + i], len(p) + i, t) for p, t in zip(prompts[:2], tables)] for i in range(3)]
         steps = [[Chunk(p, 0, t) for p, t in zip(prompts[:2], tables)],
@@ -226,12 +230,15 @@ def test_model_steps_with_kernels_match_references(monkeypatch, gen):
         assert_close(got, ref, f"model logits of step {i}, kernels vs references", tol=1e-4)
 
 
-def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, gen):
+@pytest.mark.parametrize("rope_in_attention", [False, True])
+def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, gen, rope_in_attention):
     """runner.token_rows with attention tiles: a mixed step (a decode, a prompt's later chunk crossing a block
     boundary, a new prompt) as one-token rows in padded static shapes, through the Triton kernels, gives the
-    logits of the chunked step through the references."""
+    logits and the cached K/V of the chunked step through the references. With RoPE inside decode attention, the
+    chunk's second tile takes the first tile's keys from the projection (its first fresh row), not the pool."""
     from spear.runtime.runner import token_rows
 
+    monkeypatch.setattr(model_module, "ROPE_IN_ATTENTION", rope_in_attention)
     args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=4, head_dim=16, n_layers=2, vocab=100)
     model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
     tables = [[3, 1, 7, 4], [2], [5, 6]]
