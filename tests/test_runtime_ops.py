@@ -111,19 +111,9 @@ def random_cache(seq_lens: list[int], width: int, block_size: int, kv_heads: int
     return ids.to(DEVICE), pools, ref_pools
 
 
-@pytest.fixture(params=[False, True], ids=["combine launch", "combine in splits"])
-def combine_in_splits(request, monkeypatch) -> bool:
-    """The splits merged by a combine launch, or by the last split of each tile and KV head (ops.COMBINE_IN_SPLITS);
-    after each test the counters are zero again (each launch restores them)."""
-    monkeypatch.setattr(ops, "COMBINE_IN_SPLITS", request.param)
-    yield request.param
-    counters = ops._COUNTERS.buffers.get(DEVICE)
-    assert counters is None or not counters.any(), "a launch left its split counters set"
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2), (4, 1)])  # GQA 1, 3, 4
-def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, gen, combine_in_splits):
+def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, gen):
     """Lengths 1, a block, a block and a bit, the full table; the keys in 1, 3 (not a power of two: the
     combine's padding) and 16 splits (more than the longest row has steps: empty splits), and the default."""
     block_size, width, head_dim = 16, 5, 32
@@ -150,8 +140,7 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA and GQA 3
-def test_decode_attention_with_rope_and_kv_write_folded_in_matches_reference(dtype, heads, kv_heads, gen,
-                                                                            combine_in_splits):
+def test_decode_attention_with_rope_and_kv_write_folded_in_matches_reference(dtype, heads, kv_heads, gen):
     """new_kv: q, k, v unrotated as row-strided views of a q|k|v output; the kernel rotates q and k by position
     seq_len - 1, writes k and v to that slot (only there: the pools are NaN elsewhere) and attends to the new key
     from registers. Lengths 1 (the new key alone), a block boundary, several steps; 1, 3 and 16 splits (empty
@@ -188,7 +177,7 @@ def test_decode_attention_with_rope_and_kv_write_folded_in_matches_reference(dty
 
 @pytest.mark.parametrize("splits", [1, 3])  # 1: the split kernel writes the output, no combine launch
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA (16 rows a tile) and GQA 3 (4 rows a tile)
-def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, splits, gen, combine_in_splits):
+def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, splits, gen):
     """A mixed step's tokens as rows: two prompts' chunks (rows at consecutive positions, grouped into tiles of
     one sequence) and two decodes (tiles of one row), then padding tiles; each row sees keys up to its own
     position, across splits that start past some rows of a tile."""

@@ -229,13 +229,11 @@ def variants() -> dict[str, tuple]:
     attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr", "new_k_ptr", "new_v_ptr")},
                       **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},
                       **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr", "inv_freq_ptr")}, "scale": "fp32"}
-    # rope: RoPE and the K/V write inside (ROPE); combine: the last split merges them (COMBINE_IN_SPLITS)
-    for tiles, rope, combine in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
-                                 (True, True, True)):
-        out[f"decode attention tiles={tiles}" + " rope" * rope + " combine" * combine] = (
-            ops._paged_decode_split_kernel, {**attention_ptrs, "counters_ptr": I32},
-            dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N,
-                 PRECISION="tf32", ROPE=rope, FAST_TRIG=True, COMBINE=combine, PDL=True), 4)
+    for tiles, rope in ((False, False), (True, False), (False, True), (True, True)):  # rope: RoPE + K/V write in
+        out[f"decode attention tiles={tiles}" + " rope" * rope] = (
+            ops._paged_decode_split_kernel, attention_ptrs,
+            dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N, PRECISION="tf32",
+                 ROPE=rope, FAST_TRIG=True, PDL=True), 4)
     return out
 
 

@@ -12,8 +12,7 @@ each layer launches ~40 of them. Fused here, one launch each:
                           splits of the context in parallel, then a small combine kernel); with
                           `tiles`, up to 16 rows of one sequence at consecutive positions (a prefill
                           chunk's tokens as rows) share one pass over the keys; on decode steps
-                          with `new_kv`, rope_write_kv's work too (one launch fewer a layer), and
-                          with COMBINE_IN_SPLITS the combine too (one more)
+                          with `new_kv`, rope_write_kv's work too (one launch fewer a layer)
 
 The references (`*_ref`) are the specification and what runs off CUDA; every public op takes
 `use_triton` (None: Triton when the input is on CUDA, else the reference; tests force True
@@ -57,11 +56,6 @@ if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):
 # took 11 µs a layer at batch 1 on the H200 (Llama-2-7B, ~130 keys: 2-3 dependent steps in one program).
 MAX_SPLITS = 16
 ATTENTION_PROGRAMS_PER_SM = 4
-# The splits merged by the last of them to finish (a counter a tile and KV head), not by a combine launch: one launch a
-# layer fewer at every decode step with splits (batch 1: always). Built in session 18 with no device time left, checked
-# on CPU (interpreter) and by the offline sm_90 compile only: off until the H200 times it. SPEAR_ATTN_COMBINE_IN_SPLITS=1
-# turns it on.
-COMBINE_IN_SPLITS = os.environ.get("SPEAR_ATTN_COMBINE_IN_SPLITS", "0") == "1"
 
 
 def _triton(use_triton: bool | None, x: torch.Tensor) -> bool:
@@ -374,14 +368,13 @@ def _fresh_step(q, m, l, acc, t, end, visible, fresh_row, fresh_pos, own_pos, ta
 
 @_jit(do_not_specialize=("stride_table",))
 def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
-                               m_ptr, l_ptr, acc_ptr, out_ptr, new_k_ptr, new_v_ptr, inv_freq_ptr, counters_ptr,
+                               m_ptr, l_ptr, acc_ptr, out_ptr, new_k_ptr, new_v_ptr, inv_freq_ptr,
                                scale, H, block_size, stride_table, stride_tiles, stride_qt, stride_new_k, stride_new_v,
                                stride_pool_block, stride_pool_offset,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                HAS_TILES: tl.constexpr, D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                               ROPE: tl.constexpr, FAST_TRIG: tl.constexpr, COMBINE: tl.constexpr,
-                               PDL: tl.constexpr):
+                               ROPE: tl.constexpr, FAST_TRIG: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over split p of the tile's keys by online
@@ -390,9 +383,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     BLOCK_N): the splits follow the sequence's length, not the table's width, so a short context is one
     step a program. Writes each (row, head)'s running max m, sum l = Σ exp(s - m) and acc = Σ exp(s - m) v
     (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
-    acc / l itself (no combine launch); with COMBINE, the tile's last split to store merges them all (its
-    counter, zero between launches, counts the splits that stored). Without tiles every row is a tile of its own
-    (a decode step).
+    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step).
     The step's tiles, lengths and block tables (written by the host, never by a kernel) are read before the PDL
     wait, the first step's table entries included; q and the keys after it.
 
@@ -485,36 +476,6 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
             tl.store(l_ptr + out, l, mask=ok)
             # the combine never reads the acc of a split that starts past a row's end (its m is -inf)
             tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
-            if COMBINE:  # the tile's split that stores last merges them all (no combine launch)
-                tl.debug_barrier()  # every lane's stores before the count
-                arrived = tl.atomic_add(counters_ptr + tile * tl.num_programs(1) + kv, 1, sem="acq_rel")
-                if arrived == SPLITS - 1:
-                    _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, (row * H + head) * SPLITS, (row * H + head) * D,
-                                  ok, d, SPLITS)
-                    tl.atomic_xchg(counters_ptr + tile * tl.num_programs(1) + kv, 0)  # zero for the next launch
-
-
-@_jit
-def _merge_splits(m_ptr, l_ptr, acc_ptr, out_ptr, first_split, out_offset, ok, d, SPLITS: tl.constexpr):
-    """The combine kernel's merge for the rows [R] whose splits start at first_split in the workspace (what the
-    splits stored, read past L1: other programs wrote it), split after split: M = max m_p, then
-    out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p, into out_ptr + out_offset [R, D]."""
-    big = tl.full(ok.shape, float("-inf"), tl.float32)
-    for p in range(SPLITS):
-        big = tl.maximum(big, tl.load(m_ptr + first_split + p, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-    big = tl.where(big == float("-inf"), 0.0, big)  # padding lanes: exp(-inf - 0), not NaN
-    l = tl.zeros(ok.shape, tl.float32)
-    acc = tl.zeros([ok.shape[0], d.shape[0]], tl.float32)
-    for p in range(SPLITS):
-        m = tl.load(m_ptr + first_split + p, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        saw_keys = ok & (m > float("-inf"))  # a split past the row's end stored no acc
-        weight = tl.where(saw_keys, tl.exp(m - big), 0.0)
-        l += weight * tl.load(l_ptr + first_split + p, mask=saw_keys, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * tl.load(acc_ptr + (first_split + p)[:, None] * d.shape[0] + d[None, :],
-                                         mask=saw_keys[:, None], other=0.0, cache_modifier=".cg")
-    l = tl.where(ok, l, 1.0)  # padding lanes
-    tl.store(out_ptr + out_offset[:, None] + d[None, :], (acc / l[:, None]).to(out_ptr.dtype.element_ty),
-             mask=ok[:, None])
 
 
 @_jit
@@ -585,46 +546,22 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     else:  # the split kernel writes the output itself
         m = l = acc = out
-    combine_in_splits = splits > 1 and COMBINE_IN_SPLITS
-    counters = _COUNTERS.get(q.device, num_tiles * KV) if combine_in_splits else seq_lens
     group = H // KV
     block_g = _next_pow2(group)
     rows = tile_rows if tiles is not None else 1
     _paged_decode_split_kernel[(num_tiles, KV, splits)](
         q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out,
-        new_k, new_v, inv_freq if new_kv is not None else seq_lens, counters,
+        new_k, new_v, inv_freq if new_kv is not None else seq_lens,
         D**-0.5 if scale is None else scale, H, block_size, block_tables.stride(0),
         tiles.stride(0) if tiles is not None else 0, q.stride(0), new_k.stride(0), new_v.stride(0),
         k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ROPE=new_kv is not None, FAST_TRIG=runs_compiled(q), COMBINE=combine_in_splits, **launch_options(q))
-    if splits > 1 and not combine_in_splits:
+        ROPE=new_kv is not None, FAST_TRIG=runs_compiled(q), **launch_options(q))
+    if splits > 1:
         _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
                                              num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
     return out
-
-
-class _Counters:
-    """Per device, the int32 counters of COMBINE_IN_SPLITS (one a tile and KV head), zero between launches (each
-    launch's merging programs restore them). Launches on one stream run in order, so one buffer serves every layer;
-    it only grows, and a buffer it outgrows stays alive, since a captured CUDA graph may still point at it (the
-    engine captures its largest graph first)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-        self.retired: list[torch.Tensor] = []
-
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        have = self.buffers.get(device)
-        if have is None or have.numel() < n:
-            if have is not None:
-                self.retired.append(have)
-            have = self.buffers[device] = torch.zeros(n, dtype=torch.int32, device=device)
-        return have
-
-
-_COUNTERS = _Counters()
 
 
 def decode_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
