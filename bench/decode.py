@@ -53,7 +53,9 @@ MODELS = {
     "tiny": ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256),
 }
 EC_FRACTIONS = {"w4": 0.0, "w4+ec15": 0.15, "w4+ec38": 0.38, "w4+ec60": 0.60}
-ROPE_ARMS = {"on": (True,), "off": (False,), "both": (False, True)}
+# Decode attention with RoPE and the K/V write in a launch of their own ("separate") or inside its split launch
+# ("rope-in", model.ROPE_IN_ATTENTION)
+ATTENTION_VARIANTS = {"separate": False, "rope-in": True}
 
 
 class NoText:
@@ -147,10 +149,10 @@ def main() -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the engine's host work with the GPU step, as spear serve does (EngineConfig.overlap; "
                         "default: on, off with --tp, where it is not supported)")
-    p.add_argument("--rope-in-attention", choices=["on", "off", "both"], default=None,
-                   help="RoPE and the K/V write inside decode attention (model.ROPE_IN_ATTENTION) or in a launch of "
-                        "their own; both: each batch twice on one built model, off then on (default: the model's, "
-                        "$SPEAR_ROPE_IN_ATTENTION)")
+    p.add_argument("--attention", nargs="+", choices=sorted(ATTENTION_VARIANTS), default=None,
+                   help="decode attention's variants, each batch once per variant on one built model, in this order: "
+                        "separate (RoPE + K/V write in a launch of their own), rope-in (inside the split launch); "
+                        "default: as $SPEAR_ROPE_IN_ATTENTION sets it")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
     if args.tp < 1:
@@ -159,8 +161,8 @@ def main() -> None:
         p.error("--overlap is not supported with --tp")
     if args.overlap is None:
         args.overlap = args.tp == 1
-    if args.rope_in_attention is None:
-        args.rope_in_attention = "on" if runtime_model.ROPE_IN_ATTENTION else "off"
+    if args.attention is None:
+        args.attention = ["rope-in" if runtime_model.ROPE_IN_ATTENTION else "separate"]
     if args.tp == 1:
         run(args)
     else:
@@ -206,16 +208,16 @@ def run(args: argparse.Namespace) -> None:
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)
             label = setting if fraction is not None or dtype == torch.float16 else "fp32"
-            for batch, rope_in_attention in ((b, r) for b in batches for r in ROPE_ARMS[args.rope_in_attention]):
-                runtime_model.ROPE_IN_ATTENTION = rope_in_attention  # read as the engine's graphs are captured
+            for batch, attention in ((b, a) for b in batches for a in args.attention):
+                runtime_model.ROPE_IN_ATTENTION = ATTENTION_VARIANTS[attention]  # read as the graphs are captured
                 measured = measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs, channel, args.overlap)
                 if measured is None:
                     continue
                 row = {"model": name, "setting": label, "weight_bytes": nbytes, "build_s": build_seconds,
-                       "floor_ms_per_token": 1e3 * nbytes / bandwidth, "rope_in_attention": rope_in_attention,
+                       "floor_ms_per_token": 1e3 * nbytes / bandwidth, "attention": attention,
                        **measured}
                 rows.append(row)
-                arm = "" if args.rope_in_attention != "both" else f" rope in attention {'on' if rope_in_attention else 'off'}"
+                arm = "" if len(args.attention) == 1 else f"  attention {attention}"
                 print(f"{name:<10} {label:<8} B={batch:<3} {row['ms_per_token']:8.2f} ms/token "
                       f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_ms_per_token']:6.2f} ms{arm}", flush=True)
                 save()  # after every row, so a cut-short run keeps what it measured
@@ -226,10 +228,10 @@ def run(args: argparse.Namespace) -> None:
         return
     save()
     print(f"\n{'model':<10} {'setting':<8} {'batch':>5} {'ms/token':>9} {'tok/s':>9} {'floor ms':>9} {'GB read':>8}"
-          f" {'RoPE in attention':>17}")
+          f" {'attention':>9}")
     for r in rows:
         print(f"{r['model']:<10} {r['setting']:<8} {r['batch']:>5} {r['ms_per_token']:>9.2f} {r['tokens_per_s']:>9.1f} "
-              f"{r['floor_ms_per_token']:>9.3f} {r['weight_bytes'] / 1e9:>8.3f} {'on' if r['rope_in_attention'] else 'off':>17}")
+              f"{r['floor_ms_per_token']:>9.3f} {r['weight_bytes'] / 1e9:>8.3f} {r['attention']:>9}")
 
 
 if __name__ == "__main__":

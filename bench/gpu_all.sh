@@ -30,8 +30,8 @@
 #          prefill grid; with S17D=1 the GPU tests and the prefill grid on every model's shapes; with S17E=1 the narrow
 #          weights' GEMM first, the prefill grid (7B, 8B, 70B), 8B and 13B at 1 and 16 rows; with S17F=1 the wave rule
 #          on 13B at 1024 and 2048 rows, the prefill GPU tests, the runtime ops' and engine's;
-#   or, with S18A=1 (one H200), session 18: Llama-2-7B W4 and fp16 at batch 1 with RoPE in decode attention off and
-#          on, then the GPU tests of that fold;
+#   or, with S18A=1 (one H200), session 18's: the GPU tests of decode attention with RoPE and the K/V write inside,
+#          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -387,13 +387,14 @@ elif [ "${S17F:-0}" = 1 ]; then  # session 17's last call, one H200: the dispatc
     --time-limit 80 > $log/3_kernels_13b.log 2>&1
   timeout $((300 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -q tests/test_runtime_ops.py \
     tests/test_runtime_engine.py > $log/2_tests_runtime.log 2>&1
-elif [ "${S18A:-0}" = 1 ]; then  # session 18, one H200, ~190 s of device time left: RoPE and the K/V write inside
-  # decode attention (model.ROPE_IN_ATTENTION), off then on per batch on one built model; then its GPU tests
+elif [ "${S18A:-0}" = 1 ]; then  # built in session 18 (no device time left then), for the next call on one H200:
+  # the GPU tests of decode attention with RoPE and the K/V write inside, then both attention variants on one built
+  # model each (separate, rope-in, separate again: the order's drift shows), batch 1 and 8, W4 then fp16
   export CUDA_VISIBLE_DEVICES=0
-  timeout 130 python bench/decode.py --models llama2-7b --settings w4 fp16 --batches 1 --rope-in-attention both \
-    --json "$out/decode_h200_rope.json" > $log/2_decode_rope.log 2>&1
-  timeout $((178 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -v tests/test_runtime_ops.py \
-    -k "folded or tiled_token_rows or model_steps" > $log/1_tests.log 2>&1
+  timeout 150 python -m pytest -p no:cacheprovider -o addopts= -v tests/test_runtime_ops.py \
+    -k "paged or folded or tiled_token_rows or model_steps" > $log/1_tests.log 2>&1
+  timeout $((560 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 fp16 --batches 1 8 \
+    --attention separate rope-in separate --json "$out/decode_h200_attention.json" > $log/2_decode_attention.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \
