@@ -316,25 +316,27 @@ def _rope_angles(positions, inv_freq_ptr, d, D: tl.constexpr, FAST: tl.constexpr
 
 
 @_jit
-def _rotated(rows_ptr, d, partner, cos, sin, mask, D: tl.constexpr):
-    """x cos θ + rotate_half(x) sin θ (float32) of the rows x at rows_ptr [R, 1], rope_ref's convention
+def _rotate(x, x_partner, d, cos, sin, D: tl.constexpr):
+    """x cos θ + rotate_half(x) sin θ (float32; x_partner: x at the partner lanes), rope_ref's convention
     (rotate_half([x1, x2]) = [-x2, x1]), as _rope_row computes it."""
-    x = tl.load(rows_ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     return tl.where(d[None, :] < D // 2, x * cos - x_partner * sin, x * cos + x_partner * sin)
 
 
 @_jit
-def _own_key_step(q, m, l, acc, row, position, kv, d, scale, inv_freq_ptr, new_k_ptr, new_v_ptr, stride_new_k,
-                  stride_new_v, k_pool_ptr, v_pool_ptr, table_ptr, block_size, stride_pool_block, stride_pool_offset,
+def _rotated(rows_ptr, d, partner, cos, sin, mask, D: tl.constexpr):
+    """_rotate of the rows at rows_ptr [R, 1]."""
+    x = tl.load(rows_ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return _rotate(x, x_partner, d, cos, sin, D)
+
+
+@_jit
+def _own_key_step(q, m, l, acc, k, k_partner, v, slot, cos, sin, kv, d, scale, k_pool_ptr, v_pool_ptr,
                   D: tl.constexpr):
-    """_fresh_step for a decode row's one new key (projection row `row`, at `position`), without a dot and with
-    one angle a lane: rotated, stored with its value at its slot, attended to by the query rows q."""
-    cos, sin, partner = _rope_angles(position + tl.zeros([1], tl.int32), inv_freq_ptr, d, D, False)  # [1, D]
-    k = _rotated(new_k_ptr + row * stride_new_k + kv * D, d, partner, cos, sin, d[None, :] < D, D)
-    k = k.to(k_pool_ptr.dtype.element_ty)  # [1, D], as stored
-    v = tl.load(new_v_ptr + row * stride_new_v + kv * D + d[None, :])  # [1, D]
-    slot = tl.load(table_ptr + position // block_size) * stride_pool_block + (position % block_size) * stride_pool_offset
+    """_fresh_step for a decode row's one new key, loaded before the pool's keys (k and its rotate-half partner
+    lanes, v [1, D]; `slot`: its pool offset), rotated by the row's own angles, without a dot: stored with its value
+    for later steps, and attended to by the query rows q."""
+    k = _rotate(k, k_partner, d, cos, sin, D).to(k_pool_ptr.dtype.element_ty)  # [1, D], as stored
     tl.store(k_pool_ptr + slot + kv * D + d[None, :], k)
     tl.store(v_pool_ptr + slot + kv * D + d[None, :], v)
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale  # [BLOCK_Q]
@@ -406,10 +408,18 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     end = tl.minimum(start + split_len, seq_len)
     t = start + tl.arange(0, BLOCK_N)  # the first step's key positions
     block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
+    d = tl.arange(0, D)
     if ROPE:  # the pool holds the sequence's keys before fresh_pos
         fresh_row = tl.load(tiles_ptr + stride_tiles * tile + 2) if HAS_TILES else first
         fresh_pos = tl.load(seq_lens_ptr + fresh_row, mask=count > 0, other=1) - 1
         end_cached = tl.minimum(end, fresh_pos)
+        # a decode row (the tile's one row, its sequence's one new token): one angle a lane, its q's and its new
+        # key's; a tile of a prefill chunk's rows takes one a row and lane, its fresh keys one a key and lane
+        one_row = (count == 1) & (fresh_row == first)
+        owns_new_key = one_row & (start <= fresh_pos) & (fresh_pos < end)  # this split stores and reads it
+        cos1, sin1, partner = _rope_angles(seq_len - 1 + tl.zeros([1], tl.int32), inv_freq_ptr, d, D, False)
+        slot = tl.load(tables_ptr + last * stride_table + fresh_pos // block_size, mask=owns_new_key, other=0)
+        slot = slot * stride_pool_block + (fresh_pos % block_size) * stride_pool_offset
     else:
         end_cached = end
     pdl_enter(PDL)
@@ -419,17 +429,18 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         ok = (r < count) & (g < GROUP)  # rows past the tile or the group are padding (tl.dot needs 16)
         row = first + r
         head = kv * GROUP + g
-        d = tl.arange(0, D)
         row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
         q_rows = q_ptr + (row * stride_qt + head * D)[:, None]
         if ROPE:
-            # a decode row (the tile's one row, its sequence's one new token) has one angle a lane; a tile of a
-            # prefill chunk's rows one a row and lane, and its fresh keys one a key and lane (much more work)
-            one_row = (count == 1) & (fresh_row == first)
+            # the new key and value, loaded before the pool's keys, so that their latency hides behind those
+            new_k_row = new_k_ptr + first * stride_new_k + kv * D
+            new_v_row = new_v_ptr + first * stride_new_v + kv * D
+            mine = d[None, :] < tl.where(owns_new_key, D, 0)  # [1, D]
+            k_new = tl.load(new_k_row + d[None, :], mask=mine, other=0.0).to(tl.float32)
+            k_partner = tl.load(new_k_row + partner[None, :], mask=mine, other=0.0).to(tl.float32)
+            v_new = tl.load(new_v_row + d[None, :], mask=mine, other=0.0)
             if one_row:
-                cos1, sin1, partner1 = _rope_angles(seq_len - 1 + tl.zeros([1], tl.int32), inv_freq_ptr, d, D,
-                                                    False)
-                q = _rotated(q_rows, d, partner1, cos1, sin1, ok[:, None], D).to(q_ptr.dtype.element_ty)
+                q = _rotated(q_rows, d, partner, cos1, sin1, ok[:, None], D).to(q_ptr.dtype.element_ty)
             else:
                 cos, sin, partner = _rope_angles(row_len - 1, inv_freq_ptr, d, D, FAST_TRIG)  # [BLOCK_Q, D]
                 q = _rotated(q_rows, d, partner, cos, sin, ok[:, None], D).to(q_ptr.dtype.element_ty)
@@ -449,11 +460,9 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
             m, l, acc = _attention_step(q, m, l, acc, block, t, end_cached, visible, k_pool_ptr, v_pool_ptr, kv, d,
                                         scale, block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
         if ROPE:
-            if one_row & (start <= fresh_pos) & (fresh_pos < end):  # this split takes the row's own key
-                m, l, acc = _own_key_step(q, m, l, acc, first, fresh_pos, kv, d, scale, inv_freq_ptr, new_k_ptr,
-                                          new_v_ptr, stride_new_k, stride_new_v, k_pool_ptr, v_pool_ptr,
-                                          tables_ptr + last * stride_table, block_size, stride_pool_block,
-                                          stride_pool_offset, D)
+            if owns_new_key:
+                m, l, acc = _own_key_step(q, m, l, acc, k_new, k_partner, v_new, slot, cos1, sin1, kv, d, scale,
+                                          k_pool_ptr, v_pool_ptr, D)
             elif (start <= fresh_pos) & (fresh_pos < end):  # this split takes the keys written this step
                 # 16 keys a step, fewer than BLOCK_N: each key lane carries its angle's cos and sin too (offline
                 # SASS at BLOCK_N = 32 keys a step: 27 more spills)
