@@ -41,7 +41,7 @@ FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
 # RoPE and the K/V write inside decode attention (ops.paged_decode_attention's new_kv) on decode steps: rope_write_kv's
 # launch a layer fewer, and attention reads q and the new key straight from the q|k|v output. Built in session 18 with
 # no device time left, so checked on CPU (interpreter) and by the offline sm_90 compile only: off until the H200 times
-# it (`S18A=1 bash bench/gpu_all.sh`: bench/decode.py --rope-in-attention both). SPEAR_ROPE_IN_ATTENTION=1 turns it on.
+# it (`S18A=1 bash bench/gpu_all.sh`: bench/decode.py --attention separate rope-in). SPEAR_ROPE_IN_ATTENTION=1 turns it on.
 ROPE_IN_ATTENTION = os.environ.get("SPEAR_ROPE_IN_ATTENTION", "0") == "1"
 # The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): exact
 # on an H200 pair but level in time (session 14, BENCHMARKS §7: ±1.5% at TP 2), so off unless SPEAR_FOLD_NORM_TP=1.

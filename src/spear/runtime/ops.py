@@ -442,7 +442,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
             if one_row:
                 q = _rotated(q_rows, d, partner, cos1, sin1, ok[:, None], D).to(q_ptr.dtype.element_ty)
             else:
-                cos, sin, partner = _rope_angles(row_len - 1, inv_freq_ptr, d, D, FAST_TRIG)  # [BLOCK_Q, D]
+                cos, sin, _ = _rope_angles(row_len - 1, inv_freq_ptr, d, D, FAST_TRIG)  # [BLOCK_Q, D]
                 q = _rotated(q_rows, d, partner, cos, sin, ok[:, None], D).to(q_ptr.dtype.element_ty)
         else:
             q = tl.load(q_rows + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
@@ -514,7 +514,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1), pools
     [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
-    dtype. `tiles` [NT, 2] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
+    dtype. `tiles` [NT, 2 or 3] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
     a mixed step's prefill tokens as rows); None: every row alone.
 
