@@ -31,7 +31,8 @@
 #          weights' GEMM first, the prefill grid (7B, 8B, 70B), 8B and 13B at 1 and 16 rows; with S17F=1 the wave rule
 #          on 13B at 1024 and 2048 rows, the prefill GPU tests, the runtime ops' and engine's;
 #   or, with S18A=1 (one H200), session 18's: the GPU tests of decode attention with RoPE and the K/V write inside,
-#          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention);
+#          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention), then the
+#          eager batch-1 W4 profile with it on;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -395,6 +396,9 @@ elif [ "${S18A:-0}" = 1 ]; then  # built in session 18 (no device time left then
     -k "paged or folded or tiled_token_rows or model_steps" > $log/1_tests.log 2>&1
   timeout $((560 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 fp16 --batches 1 8 \
     --attention separate rope-in separate --json "$out/decode_h200_attention.json" > $log/2_decode_attention.log 2>&1
+  # where a batch-1 W4 step's time goes with the fold on (eager; the tuner's picks come from the cache written above)
+  SPEAR_ROPE_IN_ATTENTION=1 timeout $((585 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting w4 \
+    --batch 1 --json "$out/profile_b1_ropein.json" > $log/3_profile_ropein.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \
