@@ -33,6 +33,7 @@
 #   or, with S18A=1 (one H200), session 18's: the GPU tests of decode attention with RoPE and the K/V write inside,
 #          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention), then the
 #          eager batch-1 W4 profile with it on;
+#   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -399,6 +400,17 @@ elif [ "${S18A:-0}" = 1 ]; then  # built in session 18 (no device time left then
   # where a batch-1 W4 step's time goes with the fold on (eager; the tuner's picks come from the cache written above)
   SPEAR_ROPE_IN_ATTENTION=1 timeout $((585 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting w4 \
     --batch 1 --json "$out/profile_b1_ropein.json" > $log/3_profile_ropein.log 2>&1
+elif [ "${S19A:-0}" = 1 ]; then  # session 19, one H200: the float model's dense path (q/k/v and gate/up stacked, the
+  # fp16 GEMV kernel where it beats cuBLAS): its GPU tests, the kernel against cuBLAS on every model's shapes at one
+  # row, then Llama-2-7B fp16 through the engine with it off / on / off, and W4 beside it (batch 1 and 8)
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout 120 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_f16_gemv.py tests/test_runtime_fuse.py \
+    > $log/1_tests.log 2>&1
+  timeout 150 python bench/f16_gemv.py --models 7b 8b 13b 70b --json "$out/f16_gemv_h200.json" > $log/2_f16_gemv.log 2>&1
+  i=0; for d in 1 0 1; do i=$((i + 1)); SPEAR_DENSE_KERNELS=$d timeout 90 python bench/decode.py --models llama2-7b \
+    --settings fp16 --batches 1 8 --json "$out/decode_h200_fp16_dense${d}_run$i.json" > $log/3_fp16_dense${d}_$i.log 2>&1; done
+  timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 \
+    --json "$out/decode_h200_w4.json" > $log/4_w4.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

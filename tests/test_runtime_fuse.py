@@ -124,6 +124,50 @@ def test_fused_model_matches_separate_layers(gen):
     assert err < 1e-2, f"fused vs separate logits: {err:.2e}; seed {SEED}"
 
 
+@pytest.mark.parametrize("rope_in", [False, True])
+def test_fused_float_model_matches_separate_layers(rope_in, monkeypatch, gen):
+    """A float model's q/k/v and gate/up as one GEMM each (FusedDenseLinear): the same logits as the separate
+    linears, through prefill and decode steps (with the RoPE fold too: it takes q/k/v from the fused output)."""
+    from spear.runtime import model as model_module
+    from spear.runtime.model import DenseLinear, FusedDenseLinear, use_dense_kernels
+
+    monkeypatch.setattr(model_module, "ROPE_IN_ATTENTION", rope_in)
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64,
+                     attention_bias=True)
+    model = random_model(args, dtype=torch.float32, device=DEVICE, kernels=False, seed=SEED % 1000)
+    first = model.layers[0].attention
+    first.wk.bias = None  # a part without a bias: zeros in the stacked one
+    ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
+    ref = logits(model, ids, prefill=5)
+    wv = first.wv.weight.clone()
+
+    assert fuse_projections(model) == 2 * args.n_layers
+    assert fuse_projections(model) == 0  # fused once
+    fused = first.wqkv
+    assert isinstance(fused, FusedDenseLinear) and fused.sizes == [128, 64, 64]
+    assert isinstance(model.layers[0].feed_forward.w_gate_up, FusedDenseLinear)
+    assert first.wv.weight.data_ptr() == fused.weight[192:].data_ptr()  # a view: held once
+    assert torch.equal(first.wv.weight, wv) and torch.equal(fused.bias[128:192], torch.zeros(64))
+    wo = first.wo.weight
+    assert use_dense_kernels(model, tune=False) == 4 * args.n_layers  # o and down wrapped, beside the two fused
+    assert isinstance(first.wo, DenseLinear) and first.wo.weight is wo
+
+    out = logits(model, ids, prefill=5)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, f"fused vs separate float logits: {err:.2e}; seed {SEED}"
+
+
+def test_dense_fusion_skips_mixed_parts(gen):
+    """Parts of different dtypes or kinds stay separate (a packed SpearLinear beside a float one: neither fusion)."""
+    from spear.runtime.model import _dense
+
+    a, b = torch.nn.Linear(K, 64), torch.nn.Linear(K, 32)
+    assert _dense([a, b])
+    assert not _dense([a, b.double()])
+    assert not _dense([a, torch.nn.Linear(2 * K, 32)])
+    assert not _dense([a, SpearLinear(rtn_quantize(torch.randn(64, K, generator=gen), QuantConfig(4, -1)))])
+
+
 @pytest.mark.parametrize("m,block_n,split_k", [(1, 32, 1), (3, 16, 3), (16, 64, 2)])  # GEMV loop, then dot loop
 @pytest.mark.parametrize("with_ec,group", [(True, 32), (False, -1), (True, -1)])
 def test_swiglu_in_the_epilogue_equals_silu_of_the_fused_output(m, block_n, split_k, with_ec, group, gen):

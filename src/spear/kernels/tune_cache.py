@@ -41,11 +41,12 @@ def _kernel_hash() -> str:
     return hashlib.sha256((Path(__file__).parent / "w4.py").read_bytes()).hexdigest()[:12]
 
 
-def key(device: torch.device, tune_key: tuple) -> str:
+def key(device: torch.device, tune_key: tuple, source: str | None = None) -> str:
+    """The entry's key; `source` names the kernel source and its hash (default the W4 kernels', w4.py)."""
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"{name}|triton {triton.__version__}|torch {torch.__version__}|w4.py {_kernel_hash()}|" + \
+    return f"{name}|triton {triton.__version__}|torch {torch.__version__}|{source or f'w4.py {_kernel_hash()}'}|" + \
         ",".join(map(str, tune_key))
 
 

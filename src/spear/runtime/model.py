@@ -7,7 +7,8 @@ write, decode attention, SiLU * up. The residual stream is carried beside the su
 outputs, vLLM-style: each norm first adds the previous sub-layer's output to it.
 `build_runtime_model` reuses a transformers model's modules (SpearLinear layers stay the
 same objects, ECs included); `random_model` builds one of a real shape for benchmarks.
-Once packed for the kernels, q/k/v and gate/up each run as one W4 launch (FusedLinear).
+On CUDA, q/k/v and gate/up each run as one launch: a W4 launch once packed for the kernels (FusedLinear), one
+cuBLAS GEMM over the stacked weights where they are float (FusedDenseLinear), as gpt-fast's fp16 model does.
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
 # launches (kernels.norm_fold.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
 FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
 # RoPE and the K/V write inside decode attention (ops.paged_decode_attention's new_kv) on decode steps: rope_write_kv's
-# launch a layer fewer, and attention reads q and the new key straight from the q|k|v output. Built in session 18 with
-# no device time left, so checked on CPU (interpreter) and by the offline sm_90 compile only: off until the H200 times
-# it (`S18A=1 bash bench/gpu_all.sh`: bench/decode.py --attention separate rope-in). SPEAR_ROPE_IN_ATTENTION=1 turns it on.
+# launch a layer fewer, and attention reads q and the new key straight from the q|k|v output. Slower on the H200
+# (session 19, decode_h200_attention_d17d481.json; Llama-2-7B ms/token, separate / rope-in / separate): W4 batch 1
+# 2.02 / 2.04 / 2.01, batch 8 2.85 / 3.15 / 2.84; fp16 4.85 / 4.90 / 4.85 and 5.34 / 5.63 / 5.34. The split kernel
+# takes 247 registers with tiles (208 without the fold). Off; SPEAR_ROPE_IN_ATTENTION=1 turns it on.
 ROPE_IN_ATTENTION = os.environ.get("SPEAR_ROPE_IN_ATTENTION", "0") == "1"
 # The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): exact
 # on an H200 pair but level in time (session 14, BENCHMARKS §7: ±1.5% at TP 2), so off unless SPEAR_FOLD_NORM_TP=1.
 FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
+# A float model on CUDA: q/k/v and gate/up stacked into one GEMM each (FusedDenseLinear), and one-row steps through
+# the fp16 GEMV kernel where it beats cuBLAS on the shape (DenseLinear, kernels.f16_gemv). SPEAR_DENSE_KERNELS=0: the
+# transformers layout, every linear through cuBLAS (to time the difference).
+DENSE_KERNELS = os.environ.get("SPEAR_DENSE_KERNELS", "1") == "1"
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -192,6 +198,54 @@ class FusedLinear(nn.Module):
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
 
 
+class DenseLinear(nn.Module):
+    """A float linear whose one-row fp16 steps on CUDA take the fp16 GEMV kernel where tune_gemv found it faster
+    than cuBLAS (kernels.f16_gemv.dense_linear); cuBLAS (F.linear) everywhere else."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from spear.kernels.f16_gemv import dense_linear
+
+            return dense_linear(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, dtype={self.weight.dtype}"
+
+
+class FusedDenseLinear(DenseLinear):
+    """Float linears over the same input as one GEMM: y = x [W_1; W_2; ...]ᵀ + [b_1; b_2; ...], returned as the
+    parts' outputs (views of one [..., Σ N_i] result). At one decode row the three q/k/v GEMVs of a 7B layer
+    become one over 100 MB, which streams nearer the copy bandwidth than three over 33 MB.
+
+    The parts are re-pointed at their rows of the stacked weight, so it is held once."""
+
+    def __init__(self, parts: list[nn.Linear]):
+        weight = nn.Parameter(torch.cat([m.weight.detach() for m in parts]), requires_grad=False)
+        bias = None
+        if any(m.bias is not None for m in parts):
+            bias = nn.Parameter(torch.cat([torch.zeros_like(m.weight[:, 0]) if m.bias is None else m.bias.detach()
+                                           for m in parts]), requires_grad=False)
+        super().__init__(weight, bias)
+        self.sizes = [m.out_features for m in parts]
+        start = 0
+        for m, n in zip(parts, self.sizes):
+            m.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+            start += n
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return super().forward(x).split(self.sizes, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out={'+'.join(map(str, self.sizes))}, dtype={self.weight.dtype}"
+
+
 def _decode_launch(x: torch.Tensor) -> bool:
     """Whether a W4 launch on x [T, K] takes the decode kernel (fp16, T ≤ DECODE_PATH_MAX_M): the steps whose
     epilogue fusion (FUSE_SWIGLU) applies."""
@@ -229,7 +283,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
-        self.wqkv: FusedLinear | None = None  # set by fuse_projections
+        self.wqkv: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
 
     def qkv(self, x: torch.Tensor | FoldedNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections q [T, H, D], k and v [T, KV, D], unrotated (views of one q|k|v output where fused)."""
@@ -253,10 +307,10 @@ class FeedForward(nn.Module):
     def __init__(self, w_gate: nn.Module, w_up: nn.Module, w_down: nn.Module):
         super().__init__()
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
-        self.w_gate_up: FusedLinear | None = None  # set by fuse_projections
+        self.w_gate_up: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if FUSE_SWIGLU and self.w_gate_up is not None and _decode_launch(x):
+        if FUSE_SWIGLU and isinstance(self.w_gate_up, FusedLinear) and _decode_launch(x):
             return self.w_down(self.w_gate_up.swiglu(x))
         gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
         return self.w_down(silu_mul(gate, up))
@@ -375,6 +429,13 @@ def _packed(parts: list[nn.Module]) -> bool:
     return len({(m.packed.in_features, m.packed.group_size) for m in parts}) == 1
 
 
+def _dense(parts: list[nn.Module]) -> bool:
+    """Whether the parts are plain float linears on one device in one dtype with one input width (FusedDenseLinear)."""
+    if not all(type(m) is nn.Linear for m in parts):
+        return False
+    return len({(m.in_features, m.weight.dtype, m.weight.device) for m in parts}) == 1
+
+
 def _fused_parts(module: nn.Module) -> list[nn.Module]:
     """The linears a fused launch replaced in this Attention or FeedForward (none otherwise)."""
     if isinstance(module, Attention) and module.wqkv is not None:
@@ -384,19 +445,23 @@ def _fused_parts(module: nn.Module) -> list[nn.Module]:
     return []
 
 
-def fuse_projections(model: Transformer) -> int:
-    """Run each layer's q/k/v as one W4 launch (attention.wqkv) and gate/up as another
-    (feed_forward.w_gate_up), where all parts are packed SpearLinears; returns how many fusions.
-    The separate modules stay (their packed weights become views of the fused one)."""
+def fuse_projections(model: Transformer, dense: bool = True) -> int:
+    """Run each layer's q/k/v as one launch (attention.wqkv) and gate/up as another (feed_forward.w_gate_up): one W4
+    launch where all parts are packed SpearLinears, with `dense` one GEMM where all are float linears; returns how
+    many fusions. The separate modules stay (their weights become views of the fused one)."""
+
+    def fused(parts: list[nn.Module]) -> FusedLinear | FusedDenseLinear | None:
+        if _packed(parts):
+            return FusedLinear(parts)
+        return FusedDenseLinear(parts) if dense and _dense(parts) else None
+
     count = 0
     for layer in model.layers:
         a, f = layer.attention, layer.feed_forward
-        if _packed([a.wq, a.wk, a.wv]):
-            a.wqkv = FusedLinear([a.wq, a.wk, a.wv])
-            count += 1
-        if _packed([f.w_gate, f.w_up]):
-            f.w_gate_up = FusedLinear([f.w_gate, f.w_up])
-            count += 1
+        if a.wqkv is None and (qkv := fused([a.wq, a.wk, a.wv])) is not None:
+            a.wqkv, count = qkv, count + 1
+        if f.w_gate_up is None and (gate_up := fused([f.w_gate, f.w_up])) is not None:
+            f.w_gate_up, count = gate_up, count + 1
     return count
 
 
@@ -404,17 +469,23 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
                 tune_rows: tuple[int, ...] | None = None) -> int:
     """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
     returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `fuse`
-    (a Transformer), q/k/v and gate/up become one launch each (fuse_projections). With `tune`, time the
+    (a Transformer on CUDA), q/k/v and gate/up become one launch each, float ones too (fuse_projections). With `tune`, time the
     decode kernel's configs once per distinct weight shape and row bucket, fused ones included, and at one row
     once more per shape and EC rank with the EC (tens of seconds on a fresh machine, where every candidate
     compiles first; kernels.w4.tune_w4). `tune_rows`: only these row counts' buckets (default tune_w4's, 1 to 128
     rows: kernels.w4.decode_tune_rows gives a decode benchmark's)."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
-    if not linears or linears[0].codes.device.type != "cuda" or linears[0].weight_hat.dtype != torch.float16:
+    packed = []
+    if linears and linears[0].codes.device.type == "cuda" and linears[0].weight_hat.dtype == torch.float16:
+        packed = [m for m in linears if m.use_kernels(drop_dense)]
+    if isinstance(model, Transformer) and model.embed.weight.device.type == "cuda":
+        # float linears too (on CPU they stay as transformers has them)
+        if fuse:
+            fuse_projections(model, dense=DENSE_KERNELS)
+        if DENSE_KERNELS:
+            use_dense_kernels(model, tune)
+    if not packed:
         return 0
-    packed = [m for m in linears if m.use_kernels(drop_dense)]
-    if fuse and isinstance(model, Transformer):
-        fuse_projections(model)
     if tune:
         from spear.kernels.w4 import tune_w4
 
@@ -436,6 +507,30 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
             else:
                 tune_w4(w, (1,), ec=ec)
     return len(packed)
+
+
+def use_dense_kernels(model: Transformer, tune: bool = True) -> int:
+    """Route the float decoder linears (o and down; q/k/v and gate/up once fused) of a CUDA model through DenseLinear,
+    with `tune` timing the fp16 GEMV kernel against cuBLAS once per fp16 weight shape (kernels.f16_gemv.tune_gemv);
+    returns how many linears it routes."""
+    count = 0
+    for layer in model.layers:
+        a, f = layer.attention, layer.feed_forward
+        if type(a.wo) is nn.Linear:
+            a.wo = DenseLinear(a.wo.weight, a.wo.bias)
+        if type(f.w_down) is nn.Linear:
+            f.w_down = DenseLinear(f.w_down.weight, f.w_down.bias)
+        count += sum(isinstance(m, DenseLinear) for m in (a.wqkv, a.wo, f.w_gate_up, f.w_down))
+    weights = {}  # one per shape: every layer's o has the same, and tune_gemv keys by shape
+    for m in model.modules():
+        if isinstance(m, DenseLinear) and m.weight.dtype == torch.float16 and m.weight.is_cuda:
+            weights.setdefault(tuple(m.weight.shape), m)
+    if tune and weights:
+        from spear.kernels.f16_gemv import tune_gemv
+
+        for m in tqdm(weights.values(), desc="tuning the fp16 GEMV", unit="shape", leave=False):
+            tune_gemv(m.weight, m.bias)
+    return count
 
 
 @torch.no_grad()

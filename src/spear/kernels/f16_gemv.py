@@ -1,0 +1,150 @@
+"""fp16 GEMV for a float model's one-row decode steps: y = x Wᵀ + b, x [1, K], W [N, K] (issue 5's fp16 baseline).
+
+At one row a linear layer is a stream of its weight. cuBLAS's M = 1 kernels read the Llama-2-7B shapes at 2.4–3.6
+TB/s on the H200 (BENCHMARKS §4: 13.8 µs for the 33.5 MB of q/k/v/o, 29.2 µs for down's 90 MB), against a copy
+bandwidth of 4.27 TB/s. This kernel is the plain streaming form (what torch.compile makes of an M = 1 matmul in
+gpt-fast): a program owns BLOCK_N weight rows, walks K in BLOCK_K steps with the next step's tile loaded a step
+ahead (the first before the PDL wait: weights are never written), and multiplies in float32, one accumulator an
+element, summed once at the end.
+
+`tune_gemv` times its configs against cuBLAS per weight shape and keeps the faster (the choice may be cuBLAS:
+`CUBLAS`); `dense_linear` then takes the tuned choice for one-row fp16 inputs on CUDA, cuBLAS for everything else.
+The reference is `torch.nn.functional.linear`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from spear.kernels import tune_cache
+from spear.kernels.pdl import launch_options, pdl_enter, pdl_release, runs_compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows a program (0: cuBLAS, no Triton launch)
+    block_k: int  # columns a step
+    num_warps: int
+
+
+CUBLAS = GemvConfig(0, 0, 0)
+CANDIDATES = [CUBLAS] + [GemvConfig(n, k, w) for n, k, w in (
+    (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 8),
+    (16, 256, 4), (16, 256, 8), (16, 512, 8), (32, 256, 8))]
+TUNE_BYTES = 256 << 20  # weight bytes per timed graph when tuning: five times the H200's 50 MB L2
+_TUNED: dict[tuple, GemvConfig] = {}
+
+
+@triton.jit
+def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # N % BLOCK_N == 0 (f16_gemv checks)
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :]
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
+    pdl_enter(PDL, LATE=True)  # x is the launch before's output
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:  # unmasked: the last step reloads the first tile instead
+            x = tl.load(x_ptr + k + cols)
+            w_next = tl.load(w_ptrs + (k + BLOCK_K) % K, eviction_policy="evict_first")
+        else:
+            x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
+            w_next = tl.load(w_ptrs + (k + BLOCK_K), mask=(k + BLOCK_K + cols[None, :]) < K, other=0.0,
+                             eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w_next
+    pdl_release(PDL)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(tl.float16))
+
+
+def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] fp16 times weight [N, K]ᵀ (+ bias) through the Triton kernel: [1, N] fp16 (into `out` if given)."""
+    n, k = weight.shape
+    if x.shape != (1, k) or x.dtype != torch.float16 or weight.dtype != torch.float16:
+        raise ValueError(f"f16_gemv takes x [1, {k}] and a weight [{n}, {k}] in fp16, got {tuple(x.shape)} "
+                         f"{x.dtype} and {weight.dtype}")
+    if cfg == CUBLAS or n % cfg.block_n or weight.stride(1) != 1:
+        raise ValueError(f"f16_gemv cannot run {cfg} on a [{n}, {k}] weight with strides {weight.stride()}")
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=torch.float16, device=x.device) if out is None else out
+    _f16_gemv_kernel[(n // cfg.block_n,)](
+        x, weight, bias if bias is not None else weight, y, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=1, **launch_options(x))
+    return y
+
+
+def _key(weight: torch.Tensor) -> tuple:
+    return ("f16_gemv", *weight.shape, weight.device)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except one fp16 row on CUDA of a weight `tune_gemv` found faster through the Triton kernel."""
+    cfg = _TUNED.get(_key(weight)) if x.dtype == torch.float16 and x.numel() == x.shape[-1] else None
+    if cfg is None or cfg == CUBLAS or not runs_compiled(x):
+        return torch.nn.functional.linear(x, weight, bias)
+    return f16_gemv(x.reshape(1, -1), weight, bias, cfg).view(*x.shape[:-1], weight.shape[0])
+
+
+@functools.cache
+def _source_hash() -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
+def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
+              timings: list[tuple[float, GemvConfig]] | None = None) -> GemvConfig:
+    """The fastest of cuBLAS and the kernel's configs for one fp16 row on this weight shape (CUDA, outside graph
+    capture; timed in a CUDA graph over copies that overflow L2), kept for `dense_linear` and in the tuning cache
+    (kernels.tune_cache: a later process on the same GPU and versions reads it instead). With `timings`, every
+    candidate is timed again and its (median µs, config) goes into the list, fastest first."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from spear.kernels.timing import time_in_graph
+
+    if timings is None and _key(weight) in _TUNED:
+        return _TUNED[_key(weight)]
+    n, k = weight.shape
+    cache = tune_cache.path()
+    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k), source=f"f16_gemv.py {_source_hash()}")
+    if cache is not None and timings is None:
+        cached = tune_cache.config(tune_cache.read(cache).get(cache_key), (GemvConfig,), CANDIDATES)
+        if cached is not None:
+            _TUNED[_key(weight)] = cached
+            return cached
+    copies = [weight] + [weight.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, weight.nbytes)) - 1)]
+    x = torch.randn(1, k, dtype=torch.float16, device=weight.device)
+    measured = []
+    for cfg in CANDIDATES:
+        if cfg != CUBLAS and n % cfg.block_n:
+            continue
+        run = (functools.partial(torch.nn.functional.linear, x) if cfg == CUBLAS
+               else lambda w, cfg=cfg: f16_gemv(x, w, bias, cfg))
+        try:
+            measured.append((time_in_graph([functools.partial(run, w) for w in copies], reps=5), cfg))
+        except (OutOfResources, CompilationError):
+            pass
+    ranked = sorted(measured, key=lambda t: t[0])
+    if timings is not None:
+        timings.extend(ranked)
+    _TUNED[_key(weight)] = ranked[0][1]
+    if cache is not None:
+        tune_cache.write(cache, {cache_key: ranked[0][1]}, {cache_key: [(round(us, 2), c) for us, c in ranked[:3]]})
+    return ranked[0][1]
