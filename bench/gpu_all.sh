@@ -34,6 +34,7 @@
 #          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention), then the
 #          eager batch-1 W4 profile with it on;
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
+#          with S19B=1 the GEMV's runs of row blocks, then the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
 #          layer-level TP grid (bench/tp_decode.py: collective, p2p, p2p with the norm folded), then the serving
 #          engine at TP 2 (bench/decode.py --tp 2; the step hand-off alone: bench/step_channel.py, not run here).
@@ -409,6 +410,16 @@ elif [ "${S19A:-0}" = 1 ]; then  # session 19, one H200: the float model's dense
   timeout 150 python bench/f16_gemv.py --models 7b 8b 13b 70b --json "$out/f16_gemv_h200.json" > $log/2_f16_gemv.log 2>&1
   i=0; for d in 1 0 1; do i=$((i + 1)); SPEAR_DENSE_KERNELS=$d timeout 90 python bench/decode.py --models llama2-7b \
     --settings fp16 --batches 1 8 --json "$out/decode_h200_fp16_dense${d}_run$i.json" > $log/3_fp16_dense${d}_$i.log 2>&1; done
+  timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 \
+    --json "$out/decode_h200_w4.json" > $log/4_w4.log 2>&1
+elif [ "${S19B:-0}" = 1 ]; then  # session 19, one H200: the fp16 GEMV with runs of row blocks a program, then the
+  # engine: fp16 with the dense path on / off, W4 and W4+EC38 (batch 1 and 8)
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_f16_gemv.py tests/test_runtime_fuse.py \
+    -k "f16 or float or dense" > $log/1_tests.log 2>&1
+  timeout 170 python bench/f16_gemv.py --models 7b 8b 13b 70b --json "$out/f16_gemv_h200.json" > $log/2_f16_gemv.log 2>&1
+  i=0; for d in 1 0; do i=$((i + 1)); SPEAR_DENSE_KERNELS=$d timeout 90 python bench/decode.py --models llama2-7b \
+    --settings fp16 --batches 1 8 --json "$out/decode_h200_fp16_dense${d}.json" > $log/3_fp16_dense${d}_$i.log 2>&1; done
   timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 \
     --json "$out/decode_h200_w4.json" > $log/4_w4.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then

@@ -20,6 +20,9 @@ def gen() -> torch.Generator:
     (128, 320, GemvConfig(16, 256, 4)),   # K not a multiple: the last step masked
     (96, 64, GemvConfig(32, 128, 8)),     # one masked step wider than K
     (64, 576, GemvConfig(2, 64, 4)),      # SmolLM2's width
+    (64, 256, GemvConfig(4, 128, 4, 4)),  # four row blocks a program, tiles loaded ahead across them
+    (128, 320, GemvConfig(8, 128, 4, 2)),  # ... with a masked last step in each
+    (96, 64, GemvConfig(16, 128, 4, 2)),  # ... each block one step wider than K: the next block's tile masked to K
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_f16_gemv_matches_linear(n, k, cfg, bias, gen):
@@ -52,6 +55,8 @@ def test_f16_gemv_rejects_what_it_cannot_run(gen):
         f16_gemv(torch.randn(1, 128), w, None, GemvConfig(8, 128, 4))
     with pytest.raises(ValueError, match="cannot run"):
         f16_gemv(torch.randn(1, 128).half(), w, None, GemvConfig(48, 128, 4))  # 64 rows are not blocks of 48
+    with pytest.raises(ValueError, match="cannot run"):
+        f16_gemv(torch.randn(1, 128).half(), w, None, GemvConfig(16, 128, 4, 3))  # nor runs of 3 blocks of 16
     with pytest.raises(ValueError, match="cannot run"):
         f16_gemv(torch.randn(1, 128).half(), w, None, CUBLAS)
 

@@ -147,7 +147,7 @@ def test_fused_float_model_matches_separate_layers(rope_in, monkeypatch, gen):
     assert isinstance(fused, FusedDenseLinear) and fused.sizes == [128, 64, 64]
     assert isinstance(model.layers[0].feed_forward.w_gate_up, FusedDenseLinear)
     assert first.wv.weight.data_ptr() == fused.weight[192:].data_ptr()  # a view: held once
-    assert torch.equal(first.wv.weight, wv) and torch.equal(fused.bias[128:192], torch.zeros(64))
+    assert torch.equal(first.wv.weight, wv) and torch.equal(fused.bias[128:192], torch.zeros(64, device=DEVICE))
     wo = first.wo.weight
     assert use_dense_kernels(model, tune=False) == 4 * args.n_layers  # o and down wrapped, beside the two fused
     assert isinstance(first.wo, DenseLinear) and first.wo.weight is wo

@@ -3,9 +3,9 @@
 At one row a linear layer is a stream of its weight. cuBLAS's M = 1 kernels read the Llama-2-7B shapes at 2.4–3.6
 TB/s on the H200 (BENCHMARKS §4: 13.8 µs for the 33.5 MB of q/k/v/o, 29.2 µs for down's 90 MB), against a copy
 bandwidth of 4.27 TB/s. This kernel is the plain streaming form (what torch.compile makes of an M = 1 matmul in
-gpt-fast): a program owns BLOCK_N weight rows, walks K in BLOCK_K steps with the next step's tile loaded a step
-ahead (the first before the PDL wait: weights are never written), and multiplies in float32, one accumulator an
-element, summed once at the end.
+gpt-fast): a program owns ROW_BLOCKS blocks of BLOCK_N weight rows, walks K in BLOCK_K steps with the next tile
+loaded a step ahead (across row blocks too; the first before the PDL wait: weights are never written), and
+multiplies in float32, one accumulator an element, summed once a row block.
 
 `tune_gemv` times its configs against cuBLAS per weight shape and keeps the faster (the choice may be cuBLAS:
 `CUBLAS`); `dense_linear` then takes the tuned choice for one-row fp16 inputs on CUDA, cuBLAS for everything else.
@@ -31,44 +31,59 @@ class GemvConfig:
     block_n: int  # weight rows a program (0: cuBLAS, no Triton launch)
     block_k: int  # columns a step
     num_warps: int
+    row_blocks: int = 1  # blocks of block_n rows a program walks in one run (its tiles loaded ahead across them)
 
 
 CUBLAS = GemvConfig(0, 0, 0)
-CANDIDATES = [CUBLAS] + [GemvConfig(n, k, w) for n, k, w in (
-    (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4), (8, 512, 8), (8, 1024, 8),
-    (16, 256, 4), (16, 256, 8), (16, 512, 8), (32, 256, 8))]
+# Where BLOCK_K = 256 × num_warps, every warp's lanes lie along K and x takes the weight tile's layout as it loads;
+# narrower steps move x through shared memory each step (a barrier; offline SASS). Session 19's first call
+# (f16_gemv_h200_5788136.json) had such configs best on 12 of 16 shapes; the 2-warp ones came after it.
+CANDIDATES = [CUBLAS] + [GemvConfig(*c) for c in (
+    (2, 512, 2), (4, 512, 2), (8, 512, 2), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 4), (8, 256, 4),
+    (16, 256, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8),
+    (2, 1024, 4, 4), (2, 1024, 4, 8), (4, 1024, 4, 4), (2, 512, 2, 8), (4, 512, 2, 4), (16, 256, 4, 4))]
 TUNE_BYTES = 256 << 20  # weight bytes per timed graph when tuning: five times the H200's 50 MB L2
 _TUNED: dict[tuple, GemvConfig] = {}
 
 
 @triton.jit
 def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     PDL: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # N % BLOCK_N == 0 (f16_gemv checks)
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    # A program owns ROW_BLOCKS blocks of BLOCK_N rows (N % (BLOCK_N * ROW_BLOCKS) == 0, f16_gemv checks) and walks
+    # them as one run of (row block, K step) tiles, each loaded a tile ahead, across row blocks too
+    rows = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :]
+    first_row = tl.program_id(0) * (BLOCK_N * ROW_BLOCKS)
+    w_base = w_ptr + (first_row + rows)[:, None].to(tl.int64) * stride_w + cols[None, :]
     if EVEN_K:
-        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        w = tl.load(w_base, eviction_policy="evict_first")
     else:
-        w = tl.load(w_ptrs, mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_base, mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
     pdl_enter(PDL, LATE=True)  # x is the launch before's output
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:  # unmasked: the last step reloads the first tile instead
-            x = tl.load(x_ptr + k + cols)
-            w_next = tl.load(w_ptrs + (k + BLOCK_K) % K, eviction_policy="evict_first")
-        else:
-            x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
-            w_next = tl.load(w_ptrs + (k + BLOCK_K), mask=(k + BLOCK_K + cols[None, :]) < K, other=0.0,
-                             eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w = w_next
+    for block in range(ROW_BLOCKS):
+        ptrs = w_base + block * (BLOCK_N * stride_w)
+        # the next row block's first tile (the last block's: the first block's again, not past the program's rows)
+        next_block = w_base + ((block + 1) % ROW_BLOCKS) * (BLOCK_N * stride_w)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            more = k + BLOCK_K < K
+            after = tl.where(more, ptrs + (k + BLOCK_K), next_block)
+            if EVEN_K:
+                x = tl.load(x_ptr + k + cols)
+                w_next = tl.load(after, eviction_policy="evict_first")
+            else:
+                x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
+                width = tl.where(more, K - k - BLOCK_K, K)  # the next tile's columns: this row's rest, or a new row's
+                w_next = tl.load(after, mask=cols[None, :] < width, other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # y_r = Σ_k W_rk x_k, one float32 term an element
+            w = w_next
+        y = tl.sum(acc, axis=1)
+        out_rows = first_row + block * BLOCK_N + rows
+        if HAS_BIAS:
+            y += tl.load(b_ptr + out_rows).to(tl.float32)
+        tl.store(y_ptr + out_rows, y.to(tl.float16))
     pdl_release(PDL)
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(tl.float16))
 
 
 def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
@@ -78,13 +93,14 @@ def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     if x.shape != (1, k) or x.dtype != torch.float16 or weight.dtype != torch.float16:
         raise ValueError(f"f16_gemv takes x [1, {k}] and a weight [{n}, {k}] in fp16, got {tuple(x.shape)} "
                          f"{x.dtype} and {weight.dtype}")
-    if cfg == CUBLAS or n % cfg.block_n or weight.stride(1) != 1:
+    if cfg == CUBLAS or n % (cfg.block_n * cfg.row_blocks) or weight.stride(1) != 1:
         raise ValueError(f"f16_gemv cannot run {cfg} on a [{n}, {k}] weight with strides {weight.stride()}")
     x = x.contiguous()
     y = torch.empty(1, n, dtype=torch.float16, device=x.device) if out is None else out
-    _f16_gemv_kernel[(n // cfg.block_n,)](
+    _f16_gemv_kernel[(n // (cfg.block_n * cfg.row_blocks),)](
         x, weight, bias if bias is not None else weight, y, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
+        EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=1, **launch_options(x))
     return y
 
@@ -133,7 +149,7 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
     x = torch.randn(1, k, dtype=torch.float16, device=weight.device)
     measured = []
     for cfg in CANDIDATES:
-        if cfg != CUBLAS and n % cfg.block_n:
+        if cfg != CUBLAS and n % (cfg.block_n * cfg.row_blocks):
             continue
         run = (functools.partial(torch.nn.functional.linear, x) if cfg == CUBLAS
                else lambda w, cfg=cfg: f16_gemv(x, w, bias, cfg))

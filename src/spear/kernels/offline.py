@@ -234,6 +234,14 @@ def variants() -> dict[str, tuple]:
             ops._paged_decode_split_kernel, attention_ptrs,
             dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N, PRECISION="tf32",
                  ROPE=rope, FAST_TRIG=True, PDL=True), 4)
+    # the float model's one-row GEMV (kernels.f16_gemv): one row block, and runs of four with a masked K
+    from spear.kernels import f16_gemv
+
+    gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    for block_n, block_k, warps, row_blocks, even in ((2, 1024, 4, 1, True), (4, 1024, 4, 4, False)):
+        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even}"] = (
+            f16_gemv._f16_gemv_kernel, gemv_ptrs,
+            dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even, PDL=True), warps)
     return out
 
 
