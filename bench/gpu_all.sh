@@ -33,6 +33,8 @@
 #   or, with S18A=1 (one H200), session 18's: the GPU tests of decode attention with RoPE and the K/V write inside,
 #          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention), then the
 #          eager batch-1 W4 profile with it on;
+#   or, with S20A=1 (one H200), session 20's: the fp16 GEMV on / off under the float fusion, fp16's profile, the full
+#          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table;
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #          with S19B=1 the GEMV's runs of row blocks, then the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -422,6 +424,21 @@ elif [ "${S19B:-0}" = 1 ]; then  # session 19, one H200: the fp16 GEMV with runs
     --settings fp16 --batches 1 8 --json "$out/decode_h200_fp16_dense${d}.json" > $log/3_fp16_dense${d}_$i.log 2>&1; done
   timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 8 \
     --json "$out/decode_h200_w4.json" > $log/4_w4.log 2>&1
+elif [ "${S20A:-0}" = 1 ]; then  # session 20, one H200: the fp16 GEMV's own share of the dense path (SPEAR_F16_GEMV
+  # 0 = the stacked projections through cuBLAS, then 1), fp16's eager batch-1 profile, then the full Llama-2-7B table
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout 80 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_f16_gemv.py tests/test_runtime_fuse.py \
+    -k "f16 or float or dense or gemv" > $log/1_tests.log 2>&1
+  for g in 0 1; do SPEAR_F16_GEMV=$g timeout 100 python bench/decode.py --models llama2-7b --settings fp16 \
+    --batches 1 8 32 --json "$out/decode_h200_fp16_gemv$g.json" > $log/2_fp16_gemv$g.log 2>&1; done
+  timeout 70 python bench/profile_step.py --model llama2-7b --setting fp16 --batch 1 --json "$out/profile_b1_fp16.json" \
+    > $log/3_profile_fp16.log 2>&1
+  timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 w4+ec15 w4+ec60 \
+    --batches 1 8 32 --json "$out/decode_h200_llama2.json" > $log/4_llama2.log 2>&1
+elif [ "${S20B:-0}" = 1 ]; then  # session 20's second call (one H200, .gpu_cache carried): the full Llama-3-8B table
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout $((575 - SECONDS)) python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 w4+ec15 w4+ec60 \
+    --batches 1 8 32 --json "$out/decode_h200_llama3.json" > $log/4_llama3.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

@@ -71,3 +71,15 @@ def test_dense_linear_is_linear_off_the_gpu(gen, monkeypatch):
         assert torch.equal(dense_linear(x, w, b), torch.nn.functional.linear(x, w, b))
     x = torch.randn(2, 1, 128, generator=gen)
     assert torch.equal(dense_linear(x, w.float(), b.float()), torch.nn.functional.linear(x, w.float(), b.float()))
+
+
+def test_gemv_switched_off_keeps_cublas_without_timing(gen, monkeypatch):
+    """SPEAR_F16_GEMV=0 (USE_GEMV False): tune_gemv picks cuBLAS at once, timing nothing (so it runs on CPU too)
+    and remembers it for dense_linear."""
+    from spear.kernels import f16_gemv as mod
+
+    w = torch.randn(64, 128, generator=gen).half()
+    monkeypatch.setattr(mod, "USE_GEMV", False)
+    monkeypatch.delitem(_TUNED, _key(w), raising=False)
+    assert mod.tune_gemv(w) == CUBLAS
+    assert _TUNED.pop(_key(w)) == CUBLAS

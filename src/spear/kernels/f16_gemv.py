@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ CANDIDATES = [CUBLAS] + [GemvConfig(*c) for c in (
     (2, 512, 2), (4, 512, 2), (8, 512, 2), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 4), (8, 256, 4),
     (16, 256, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8),
     (2, 1024, 4, 4), (2, 1024, 4, 8), (4, 1024, 4, 4), (2, 512, 2, 8), (4, 512, 2, 4), (16, 256, 4, 4))]
+# SPEAR_F16_GEMV=0: tune_gemv keeps cuBLAS on every shape (the float fusion stays: its A/B against the GEMV)
+USE_GEMV = os.environ.get("SPEAR_F16_GEMV", "1") == "1"
 TUNE_BYTES = 256 << 20  # weight bytes per timed graph when tuning: five times the H200's 50 MB L2
 _TUNED: dict[tuple, GemvConfig] = {}
 
@@ -137,6 +140,9 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
 
     if timings is None and _key(weight) in _TUNED:
         return _TUNED[_key(weight)]
+    if not USE_GEMV and timings is None:
+        _TUNED[_key(weight)] = CUBLAS
+        return CUBLAS
     n, k = weight.shape
     cache = tune_cache.path()
     cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k), source=f"f16_gemv.py {_source_hash()}")
