@@ -435,10 +435,13 @@ elif [ "${S20A:-0}" = 1 ]; then  # session 20, one H200: the fp16 GEMV's own sha
     > $log/3_profile_fp16.log 2>&1
   timeout $((575 - SECONDS)) python bench/decode.py --models llama2-7b --settings w4 w4+ec38 w4+ec15 w4+ec60 \
     --batches 1 8 32 --json "$out/decode_h200_llama2.json" > $log/4_llama2.log 2>&1
-elif [ "${S20B:-0}" = 1 ]; then  # session 20's second call (one H200, .gpu_cache carried): the full Llama-3-8B table
+elif [ "${S20B:-0}" = 1 ]; then  # session 20's second call (one H200, .gpu_cache carried): the full Llama-3-8B table,
+  # then Llama-2-7B fp16 at batch 1 with the GEMV on every one-row shape (SPEAR_F16_GEMV=always), then as tuned
   export CUDA_VISIBLE_DEVICES=0 TAIL=60
-  timeout $((575 - SECONDS)) python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 w4+ec15 w4+ec60 \
+  timeout 420 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 w4+ec15 w4+ec60 \
     --batches 1 8 32 --json "$out/decode_h200_llama3.json" > $log/4_llama3.log 2>&1
+  for g in always 1; do SPEAR_F16_GEMV=$g timeout $((585 - SECONDS)) python bench/decode.py --models llama2-7b \
+    --settings fp16 --batches 1 --json "$out/decode_h200_fp16_gemv_$g.json" > $log/5_fp16_gemv_$g.log 2>&1; done
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

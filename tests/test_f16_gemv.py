@@ -83,3 +83,13 @@ def test_gemv_switched_off_keeps_cublas_without_timing(gen, monkeypatch):
     monkeypatch.delitem(_TUNED, _key(w), raising=False)
     assert mod.tune_gemv(w) == CUBLAS
     assert _TUNED.pop(_key(w)) == CUBLAS
+
+
+def test_gemv_mode_is_checked():
+    """A mistyped SPEAR_F16_GEMV stops the import with one clear line, not a silent cuBLAS run."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "import spear.kernels.f16_gemv"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "SPEAR_F16_GEMV": "yes"})
+    assert run.returncode != 0 and "SPEAR_F16_GEMV must be 0, 1 or always" in run.stderr

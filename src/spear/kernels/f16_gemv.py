@@ -43,8 +43,12 @@ CANDIDATES = [CUBLAS] + [GemvConfig(*c) for c in (
     (2, 512, 2), (4, 512, 2), (8, 512, 2), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 4), (8, 256, 4),
     (16, 256, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8),
     (2, 1024, 4, 4), (2, 1024, 4, 8), (4, 1024, 4, 4), (2, 512, 2, 8), (4, 512, 2, 4), (16, 256, 4, 4))]
-# SPEAR_F16_GEMV=0: tune_gemv keeps cuBLAS on every shape (the float fusion stays: its A/B against the GEMV)
-USE_GEMV = os.environ.get("SPEAR_F16_GEMV", "1") == "1"
+# SPEAR_F16_GEMV=0: tune_gemv keeps cuBLAS on every shape (the float fusion stays: its A/B against the GEMV);
+# "always": the fastest kernel config even where cuBLAS is faster alone (cuBLAS's launches take no part in PDL)
+GEMV_MODE = os.environ.get("SPEAR_F16_GEMV", "1")
+if GEMV_MODE not in ("0", "1", "always"):
+    raise ValueError(f"SPEAR_F16_GEMV must be 0, 1 or always, got {GEMV_MODE!r}")
+USE_GEMV = GEMV_MODE != "0"
 TUNE_BYTES = 256 << 20  # weight bytes per timed graph when tuning: five times the H200's 50 MB L2
 _TUNED: dict[tuple, GemvConfig] = {}
 
@@ -132,7 +136,8 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
     """The fastest of cuBLAS and the kernel's configs for one fp16 row on this weight shape (CUDA, outside graph
     capture; timed in a CUDA graph over copies that overflow L2), kept for `dense_linear` and in the tuning cache
     (kernels.tune_cache: a later process on the same GPU and versions reads it instead). With `timings`, every
-    candidate is timed again and its (median µs, config) goes into the list, fastest first."""
+    candidate is timed again and its (median µs, config) goes into the list, fastest first. SPEAR_F16_GEMV=0 picks
+    cuBLAS untimed, "always" the fastest kernel config (GEMV_MODE)."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -145,7 +150,7 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
         return CUBLAS
     n, k = weight.shape
     cache = tune_cache.path()
-    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k), source=f"f16_gemv.py {_source_hash()}")
+    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k, GEMV_MODE), source=f"f16_gemv.py {_source_hash()}")
     if cache is not None and timings is None:
         cached = tune_cache.config(tune_cache.read(cache).get(cache_key), (GemvConfig,), CANDIDATES)
         if cached is not None:
@@ -164,6 +169,8 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
         except (OutOfResources, CompilationError):
             pass
     ranked = sorted(measured, key=lambda t: t[0])
+    if GEMV_MODE == "always" and timings is None:  # cuBLAS only where no kernel config runs the shape
+        ranked = [t for t in ranked if t[1] != CUBLAS] or ranked
     if timings is not None:
         timings.extend(ranked)
     _TUNED[_key(weight)] = ranked[0][1]
