@@ -34,7 +34,8 @@
 #          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention), then the
 #          eager batch-1 W4 profile with it on;
 #   or, with S20A=1 (one H200), session 20's: the fp16 GEMV on / off under the float fusion, fp16's profile, the full
-#          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table;
+#          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
+#          early PDL release A/B'd (the kernel on 7B, then the engine);
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #          with S19B=1 the GEMV's runs of row blocks, then the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -442,6 +443,15 @@ elif [ "${S20B:-0}" = 1 ]; then  # session 20's second call (one H200, .gpu_cach
     --batches 1 8 32 --json "$out/decode_h200_llama3.json" > $log/4_llama3.log 2>&1
   for g in always 1; do SPEAR_F16_GEMV=$g timeout $((585 - SECONDS)) python bench/decode.py --models llama2-7b \
     --settings fp16 --batches 1 --json "$out/decode_h200_fp16_gemv_$g.json" > $log/5_fp16_gemv_$g.log 2>&1; done
+elif [ "${S20C:-0}" = 1 ]; then  # session 20's third call (one H200): the fp16 GEMV releasing its dependents right
+  # after its wait (SPEAR_F16_GEMV_RELEASE=early) against after its stores (late): the kernel alone on 7B, then the engine
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout 60 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_f16_gemv.py > $log/1_tests.log 2>&1
+  for r in late early; do SPEAR_F16_GEMV_RELEASE=$r timeout 70 python bench/f16_gemv.py --models 7b \
+    --json "$out/f16_gemv_7b_$r.json" > $log/2_f16_gemv_$r.log 2>&1; done
+  i=0; for r in late early late early; do i=$((i + 1)); SPEAR_F16_GEMV_RELEASE=$r timeout $((585 - SECONDS)) \
+    python bench/decode.py --models llama2-7b --settings fp16 --batches 1 8 \
+    --json "$out/decode_h200_fp16_${r}_run$i.json" > $log/3_fp16_${r}_$i.log 2>&1; done
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

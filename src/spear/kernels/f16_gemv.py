@@ -49,6 +49,10 @@ GEMV_MODE = os.environ.get("SPEAR_F16_GEMV", "1")
 if GEMV_MODE not in ("0", "1", "always"):
     raise ValueError(f"SPEAR_F16_GEMV must be 0, 1 or always, got {GEMV_MODE!r}")
 USE_GEMV = GEMV_MODE != "0"
+# When the next launch may start (PDL): "late", after the program's stores (the W4 kernel's choice); "early", right
+# after its wait, so that the next launch starts during this one's last wave (its prologue, and a GEMV's first
+# weight tile, under this one's tail). SPEAR_F16_GEMV_RELEASE, an A/B knob until timed in the engine.
+EARLY_RELEASE = os.environ.get("SPEAR_F16_GEMV_RELEASE", "late") == "early"
 TUNE_BYTES = 256 << 20  # weight bytes per timed graph when tuning: five times the H200's 50 MB L2
 _TUNED: dict[tuple, GemvConfig] = {}
 
@@ -56,7 +60,7 @@ _TUNED: dict[tuple, GemvConfig] = {}
 @triton.jit
 def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, EARLY_RELEASE: tl.constexpr, PDL: tl.constexpr):
     # A program owns ROW_BLOCKS blocks of BLOCK_N rows (N % (BLOCK_N * ROW_BLOCKS) == 0, f16_gemv checks) and walks
     # them as one run of (row block, K step) tiles, each loaded a tile ahead, across row blocks too
     rows = tl.arange(0, BLOCK_N)
@@ -67,7 +71,7 @@ def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
         w = tl.load(w_base, eviction_policy="evict_first")
     else:
         w = tl.load(w_base, mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
-    pdl_enter(PDL, LATE=True)  # x is the launch before's output
+    pdl_enter(PDL, LATE=not EARLY_RELEASE)  # x is the launch before's output
     for block in range(ROW_BLOCKS):
         ptrs = w_base + block * (BLOCK_N * stride_w)
         # the next row block's first tile (the last block's: the first block's again, not past the program's rows)
@@ -90,7 +94,8 @@ def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
         if HAS_BIAS:
             y += tl.load(b_ptr + out_rows).to(tl.float32)
         tl.store(y_ptr + out_rows, y.to(tl.float16))
-    pdl_release(PDL)
+    if not EARLY_RELEASE:
+        pdl_release(PDL)
 
 
 def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
@@ -107,7 +112,7 @@ def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     _f16_gemv_kernel[(n // (cfg.block_n * cfg.row_blocks),)](
         x, weight, bias if bias is not None else weight, y, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
-        EVEN_K=k % cfg.block_k == 0,
+        EVEN_K=k % cfg.block_k == 0, EARLY_RELEASE=EARLY_RELEASE,
         num_warps=cfg.num_warps, num_stages=1, **launch_options(x))
     return y
 
@@ -150,7 +155,7 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
         return CUBLAS
     n, k = weight.shape
     cache = tune_cache.path()
-    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k, GEMV_MODE), source=f"f16_gemv.py {_source_hash()}")
+    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k, GEMV_MODE, "early" if EARLY_RELEASE else "late"), source=f"f16_gemv.py {_source_hash()}")
     if cache is not None and timings is None:
         cached = tune_cache.config(tune_cache.read(cache).get(cache_key), (GemvConfig,), CANDIDATES)
         if cached is not None:

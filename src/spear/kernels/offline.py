@@ -238,10 +238,11 @@ def variants() -> dict[str, tuple]:
     from spear.kernels import f16_gemv
 
     gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
-    for block_n, block_k, warps, row_blocks, even in ((2, 1024, 4, 1, True), (4, 1024, 4, 4, False)):
-        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even}"] = (
+    for block_n, block_k, warps, row_blocks, even, early in ((2, 1024, 4, 1, True, False), (4, 1024, 4, 4, False, True)):
+        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even} early={early}"] = (
             f16_gemv._f16_gemv_kernel, gemv_ptrs,
-            dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even, PDL=True), warps)
+            dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even,
+                 EARLY_RELEASE=early, PDL=True), warps)
     return out
 
 
