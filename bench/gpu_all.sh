@@ -36,6 +36,7 @@
 #   or, with S20A=1 (one H200), session 20's: the fp16 GEMV on / off under the float fusion, fp16's profile, the full
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
+#          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #          with S19B=1 the GEMV's runs of row blocks, then the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -458,6 +459,14 @@ elif [ "${S20D:-0}" = 1 ]; then  # session 20's fourth call (one H200, .gpu_cach
   i=0; for l in 1 0 1 0; do i=$((i + 1)); SPEAR_PDL_LATE=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 --batches 1 8 --json "$out/decode_h200_w4_late${l}_run$i.json" \
     > $log/3_w4_late${l}_$i.log 2>&1; done
+elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache carried): the W4 GEMV loop's early
+  # release (SPEAR_PDL_LATE_GEMV=0, the default now) against late (1) for W4 and W4+EC38, after the runtime's GPU tests
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout 100 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_runtime_fuse.py tests/test_runtime_engine.py \
+    > $log/1_tests.log 2>&1
+  i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
+    --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
+    > $log/3_gemvlate${l}_$i.log 2>&1; done
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

@@ -60,19 +60,22 @@ def launch_options(x: torch.Tensor) -> dict:
 class W4Launch:
     """How the W4 decode kernel uses PDL (lab knobs SPEAR_PDL_PREFETCH, SPEAR_PDL_LATE, SPEAR_W4_PRELOAD): prefetch_bytes, codes of each
     tile row prefetched into L2 before the wait (0: none); late, let the next launch start after the main loops
-    (else right after the wait). Measured in session 10 (bench/NOTES-kernels.md): prefetching 4 KB a row thrashed
-    L2 on the 7B MLP shapes and 1 KB slowed W4+EC38 and batch 8 in the engine, so the default prefetches nothing
-    and releases late."""
+    (else right after the wait) on launches of the dot loop; late_gemv, the same on launches of the GEMV loop (a few
+    rows). Measured in session 10 (bench/NOTES-kernels.md): prefetching 4 KB a row thrashed L2 on the 7B MLP shapes
+    and 1 KB slowed W4+EC38 and batch 8 in the engine, so the default prefetches nothing. Session 20 (S20D, Llama-2-7B
+    W4, both orders): releasing early gave 1.97 ms at batch 1 against 2.04 late, and 2.92-3.00 at batch 8 against
+    2.87; so the GEMV loop releases early (SPEAR_PDL_LATE_GEMV=0) and the dot loop late (SPEAR_PDL_LATE=1)."""
 
     prefetch_bytes: int
     late: bool
     preload: bool  # the single-stage GEMV loops load each step's codes a step ahead, the first before the wait
+    late_gemv: bool = False
 
 
 def w4_launch() -> W4Launch:
     env = os.environ.get
     return W4Launch(int(env("SPEAR_PDL_PREFETCH", "0")), env("SPEAR_PDL_LATE", "1") == "1",
-                    env("SPEAR_W4_PRELOAD", "1") == "1")
+                    env("SPEAR_W4_PRELOAD", "1") == "1", env("SPEAR_PDL_LATE_GEMV", "0") == "1")
 
 
 @triton.jit

@@ -1525,7 +1525,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         F16X2_ASM=runs_compiled(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
+        EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late_gemv if gemv_rows else pdl.late, PREFETCH_BYTES=pdl.prefetch_bytes,
         PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, ADD_NORM=add_norm is not None,
         RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), WIDE=DOT_WIDE,
         DOT_ASM=DOT_ASM and runs_compiled(x), **launch_options(x),
