@@ -62,20 +62,21 @@ class W4Launch:
     tile row prefetched into L2 before the wait (0: none); late, let the next launch start after the main loops
     (else right after the wait) on launches of the dot loop; late_gemv, the same on launches of the GEMV loop (a few
     rows). Measured in session 10 (bench/NOTES-kernels.md): prefetching 4 KB a row thrashed L2 on the 7B MLP shapes
-    and 1 KB slowed W4+EC38 and batch 8 in the engine, so the default prefetches nothing. Session 20 (S20D, Llama-2-7B
-    W4, both orders): releasing early gave 1.97 ms at batch 1 against 2.04 late, and 2.92-3.00 at batch 8 against
-    2.87; so the GEMV loop releases early (SPEAR_PDL_LATE_GEMV=0) and the dot loop late (SPEAR_PDL_LATE=1)."""
+    and 1 KB slowed W4+EC38 and batch 8 in the engine, so the default prefetches nothing. Both release late by
+    default. Session 20 timed early releases twice on Llama-2-7B W4, each arm twice in alternating order, and the
+    two calls disagree. S20D (every launch early): 1.97 ms at batch 1 against 2.04 late, but 2.92-3.00 at batch 8
+    against 2.87. S20E (the GEMV loop alone early): 2.01 against 1.96-1.97 late. So there is no default change."""
 
     prefetch_bytes: int
     late: bool
     preload: bool  # the single-stage GEMV loops load each step's codes a step ahead, the first before the wait
-    late_gemv: bool = False
+    late_gemv: bool = True
 
 
 def w4_launch() -> W4Launch:
     env = os.environ.get
     return W4Launch(int(env("SPEAR_PDL_PREFETCH", "0")), env("SPEAR_PDL_LATE", "1") == "1",
-                    env("SPEAR_W4_PRELOAD", "1") == "1", env("SPEAR_PDL_LATE_GEMV", "0") == "1")
+                    env("SPEAR_W4_PRELOAD", "1") == "1", env("SPEAR_PDL_LATE_GEMV", "1") == "1")
 
 
 @triton.jit
