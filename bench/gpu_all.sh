@@ -37,6 +37,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S21A=1 (one H200), the float path's norm and SiLU·up folded into its GEMVs (SPEAR_DENSE_FOLD) A/B'd;
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #          with S19B=1 the GEMV's runs of row blocks, then the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the
@@ -467,6 +468,15 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S21A:-0}" = 1 ]; then  # for session 21 (one H200): the float path's add + RMSNorm and SiLU·up folded into
+  # the stacked GEMVs (SPEAR_DENSE_FOLD): its GPU tests, then Llama-2-7B fp16 off / on / off / on, then its eager profile
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout 90 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_f16_gemv.py tests/test_runtime_fuse.py \
+    -k "f16 or float or dense or gemv" > $log/1_tests.log 2>&1
+  i=0; for f in 0 1 0 1; do i=$((i + 1)); SPEAR_DENSE_FOLD=$f timeout 100 python bench/decode.py --models llama2-7b \
+    --settings fp16 --batches 1 8 --json "$out/decode_h200_fp16_fold${f}_run$i.json" > $log/2_fp16_fold${f}_$i.log 2>&1; done
+  SPEAR_DENSE_FOLD=1 timeout $((585 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting fp16 --batch 1 \
+    --json "$out/profile_b1_fp16_fold.json" > $log/3_profile_fold.log 2>&1
 elif [ "${FINAL14:-0}" = 1 ]; then  # session 14's last call, nvidia-h200-x2: the TP grid at TP 2 (both GPUs), then
   # GPU 0 Llama-2-7B through the engine, GPU 1 the GPU tests and Llama-3-8B
   timeout 200 python bench/tp_decode.py --tp 2 --models llama2-13b llama2-7b --settings w4 w4+ec \

@@ -93,3 +93,43 @@ def test_gemv_mode_is_checked():
     run = subprocess.run([sys.executable, "-c", "import spear.kernels.f16_gemv"], capture_output=True, text=True,
                          env={**__import__("os").environ, "SPEAR_F16_GEMV": "yes"})
     assert run.returncode != 0 and "SPEAR_F16_GEMV must be 0, 1 or always" in run.stderr
+
+
+@pytest.mark.parametrize("n,k,cfg", [
+    (64, 256, GemvConfig(8, 128, 4)),      # unmasked steps
+    (128, 320, GemvConfig(16, 256, 4, 2)),  # masked last step, two row blocks a program
+    (64, 576, GemvConfig(2, 64, 4)),       # SmolLM2's width; with SwiGLU one output row a program
+])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_f16_gemv_with_the_norm_and_swiglu_folded_in(n, k, cfg, residual, swiglu, gen):
+    """RowNorm: the add + RMSNorm before the GEMV done inside it (h stored once, exact), and SwiGLU: silu(gate) ⊙ up
+    of the [gate; up] weight's halves; against ops' references and F.linear, every output entry written."""
+    from spear.kernels.norm_fold import RowNorm
+    from spear.runtime.ops import add_rms_norm_ref, silu_mul_ref
+
+    w = (torch.randn(n, k, generator=gen) / k**0.5).half().to(DEVICE)
+    x = torch.randn(1, k, generator=gen).half().to(DEVICE)
+    r = torch.randn(1, k, generator=gen).half().to(DEVICE) if residual else None
+    nw = (1 + 0.3 * torch.randn(k, generator=gen)).half().to(DEVICE)
+    h = torch.full((1, k), float("nan"), dtype=torch.float16, device=DEVICE) if residual else None
+    out = torch.full((1, n // 2 if swiglu else n), float("nan"), dtype=torch.float16, device=DEVICE)
+    y = f16_gemv(x, w, None, cfg, out=out, norm=RowNorm(nw, 1e-5, r, h), swiglu=swiglu)
+    normed, h_ref = add_rms_norm_ref(x, nw, 1e-5, r)
+    ref = torch.nn.functional.linear(normed.float(), w.float())
+    if swiglu:
+        ref = silu_mul_ref(*ref.chunk(2, dim=-1))
+    assert not y.isnan().any()
+    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 5e-3, f"n={n} k={k} {cfg} residual={residual} swiglu={swiglu}: relative error {err:.2e}; seed {SEED}"
+    if residual:
+        assert torch.equal(h, h_ref)
+
+
+def test_f16_gemv_norm_with_a_residual_needs_h(gen):
+    from spear.kernels.norm_fold import RowNorm
+
+    w = torch.randn(64, 128, generator=gen).half()
+    x = torch.randn(1, 128, generator=gen).half()
+    with pytest.raises(ValueError, match="needs h"):
+        f16_gemv(x, w, None, GemvConfig(8, 128, 4), norm=RowNorm(torch.ones(128).half(), 1e-5, x))
