@@ -10,6 +10,11 @@ multiplies in float32, one accumulator an element, summed once a row block.
 `tune_gemv` times its configs against cuBLAS per weight shape and keeps the faster (the choice may be cuBLAS:
 `CUBLAS`); `dense_linear` then takes the tuned choice for one-row fp16 inputs on CUDA, cuBLAS for everything else.
 The reference is `torch.nn.functional.linear`.
+
+Two folds, for the runtime model's SPEAR_DENSE_FOLD: `norm` (norm_fold.RowNorm), the add + RMSNorm before the GEMV done
+on the fly (each program forms h = x + residual along K, sums h², multiplies h ⊙ w_norm, and scales its row sums by
+rstd at the end; program 0 stores h), and `swiglu`, a [gate; up] weight's tile holding gate rows and the matching up
+rows, stored as silu(gate) ⊙ up. The references are ops.add_rms_norm_ref and ops.silu_mul_ref.
 """
 
 from __future__ import annotations
