@@ -6,23 +6,41 @@
 Reads the `decode_h200*.json` files under bench/results (bench/decode.py's output; single-GPU runs only)
 and plots ms/token of fp16, W4 and W4+EC38 per run at one batch size; at batch 1 with the issue's targets as
 lines: W4 within 1.5× of its bandwidth floor, W4 at 2.5× fp16's tokens/s (from the run's own fp16), fp16 within 1.2×
-of its floor.
+of its floor. A run made with a lab knob set away from today's default (a SPEAR_* switch in its provenance whose
+value is not the one src/ defaults it to: one arm of an A/B) is a hollow marker off the lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = {"fp16": "tab:gray", "w4": "tab:blue", "w4+ec38": "tab:orange"}
+NOT_KNOBS = ("SPEAR_TUNE_CACHE", "SPEAR_CACHE", "SPEAR_COMMIT")  # recorded in provenance, but change no code path
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def knob_defaults() -> dict[str, str]:
+    """Today's default of each SPEAR_* knob, as src/ reads it: os.environ.get("SPEAR_X", "default") or env(...)."""
+    found = {}
+    for path in SRC.rglob("*.py"):
+        found.update(re.findall(r'"(SPEAR_[A-Z0-9_]+)", "([^"]*)"\)', path.read_text()))
+    return found
+
+
+def is_arm(env: dict[str, str], defaults: dict[str, str]) -> bool:
+    """Whether a run's knobs took a path other than today's defaults (a knob since removed counts as one)."""
+    return any(k.startswith("SPEAR_") and k not in NOT_KNOBS and defaults.get(k) != v for k, v in env.items())
 
 
 def runs(model: str = "llama2-7b", batch: int = 1) -> list[dict]:
     """One entry per JSON file with any of SETTINGS at this model and batch: its date, commit and ms/token and
     floor per setting."""
     out = []
+    defaults = knob_defaults()
     for path in RESULTS.glob("decode_h200*.json"):
         data = json.loads(path.read_text())
         if data.get("tp", 1) not in (None, 1):
@@ -33,6 +51,7 @@ def runs(model: str = "llama2-7b", batch: int = 1) -> list[dict]:
             out.append({"date": prov["date"], "commit": prov["commit"][:7] + (" PDL" if prov.get("pdl") else "")
                         + (" overlap" if data.get("overlap") else ""),
                         "file": path.name,
+                        "arm": is_arm(prov.get("env", {}), defaults),
                         "ms": {s: rows[s]["ms_per_token"] for s in SETTINGS if s in rows},
                         "floor": {s: rows[s]["floor_ms_per_token"] for s in SETTINGS if s in rows}})
     return sorted(out, key=lambda r: r["date"])
@@ -47,8 +66,12 @@ def plot(history: list[dict], out: Path, batch: int = 1) -> None:
     fig, ax = plt.subplots(figsize=(10, 5.4))
     xs = range(len(history))
     for setting, color in SETTINGS.items():
-        points = [(x, r["ms"][setting]) for x, r in zip(xs, history) if setting in r["ms"]]
+        points = [(x, r["ms"][setting]) for x, r in zip(xs, history) if setting in r["ms"] and not r["arm"]]
         ax.plot(*zip(*points), "o-", color=color, label=setting)
+        arms = [(x, r["ms"][setting]) for x, r in zip(xs, history) if setting in r["ms"] and r["arm"]]
+        if arms:
+            ax.plot(*zip(*arms), "o", color=color, markerfacecolor="none",
+                    label=f"{setting}, an A/B arm (a SPEAR_* knob off today's default)")
     if batch == 1:  # the issue's targets are set at batch 1
         w4_floor = next(r["floor"]["w4"] for r in reversed(history) if "w4" in r["floor"])
         fp16_floor = next(r["floor"]["fp16"] for r in reversed(history) if "fp16" in r["floor"])
@@ -56,7 +79,7 @@ def plot(history: list[dict], out: Path, batch: int = 1) -> None:
                    label=f"target: W4 ≤ 1.5× its floor ({1.5 * w4_floor:.2f} ms)")
         ax.axhline(1.2 * fp16_floor, color="tab:gray", ls=":",
                    label=f"target: fp16 ≤ 1.2× its floor ({1.2 * fp16_floor:.2f} ms)")
-        goal = [(x, r["ms"]["fp16"] / 2.5) for x, r in zip(xs, history) if "fp16" in r["ms"]]
+        goal = [(x, r["ms"]["fp16"] / 2.5) for x, r in zip(xs, history) if "fp16" in r["ms"] and not r["arm"]]
         ax.plot(*zip(*goal), "_", color="tab:blue", markersize=14, label="target: W4 at 2.5× fp16 tokens/s")
     every = max(1, len(history) // 30)  # at most ~30 labels, or they overlap
     ax.set_xticks(list(xs)[::every], [f"{r['date'][5:16].replace('T', ' ')} {r['commit']}" for r in history][::every],

@@ -67,6 +67,21 @@ def test_decode_history_plot_reads_the_committed_runs(tmp_path):
     assert bad.returncode == 2 and "batch 3" in bad.stderr.strip().splitlines()[-1]
 
 
+def test_decode_history_marks_runs_off_todays_defaults():
+    """A run is an A/B arm when a SPEAR_* knob in its provenance differs from the default src/ reads (or names a knob
+    since removed); bookkeeping variables and knobs set to the default are not."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import plot_decode_history as plot
+    finally:
+        sys.path.pop(0)
+    defaults = plot.knob_defaults()
+    assert defaults["SPEAR_DENSE_KERNELS"] == "1" and defaults["SPEAR_ROPE_IN_ATTENTION"] == "0"
+    assert not plot.is_arm({"SPEAR_DENSE_KERNELS": "1", "SPEAR_TUNE_CACHE": "/tmp/t.json"}, defaults)
+    assert plot.is_arm({"SPEAR_DENSE_KERNELS": "0"}, defaults)
+    assert plot.is_arm({"SPEAR_ATTN_COMBINE": "fused"}, defaults)  # a switch no longer in src/
+
+
 def test_prefill_lab_says_it_needs_a_gpu():
     """bench/prefill_lab.py times CUDA kernels: on a CPU machine it stops with one line, not a traceback."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prefill_lab.py"), "--ec-rank", "32"], check=False,
