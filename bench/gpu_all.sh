@@ -469,10 +469,12 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
 elif [ "${S21A:-0}" = 1 ]; then  # for session 21 (one H200): the float path's add + RMSNorm and SiLU·up folded into
-  # the stacked GEMVs (SPEAR_DENSE_FOLD): its GPU tests, then Llama-2-7B fp16 off / on / off / on, then its eager profile
+  # the stacked GEMVs (SPEAR_DENSE_FOLD): its GPU tests, the folded GEMV against the launches it replaces (7B), then
+  # Llama-2-7B fp16 off / on / off / on through the engine, then its eager profile
   export CUDA_VISIBLE_DEVICES=0 TAIL=60
   timeout 90 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_f16_gemv.py tests/test_runtime_fuse.py \
     -k "f16 or float or dense or gemv" > $log/1_tests.log 2>&1
+  timeout 90 python bench/f16_gemv.py --models 7b --fold --json "$out/f16_gemv_7b_fold.json" > $log/2_f16_gemv_fold.log 2>&1
   i=0; for f in 0 1 0 1; do i=$((i + 1)); SPEAR_DENSE_FOLD=$f timeout 100 python bench/decode.py --models llama2-7b \
     --settings fp16 --batches 1 8 --json "$out/decode_h200_fp16_fold${f}_run$i.json" > $log/2_fp16_fold${f}_$i.log 2>&1; done
   SPEAR_DENSE_FOLD=1 timeout $((585 - SECONDS)) python bench/profile_step.py --model llama2-7b --setting fp16 --batch 1 \

@@ -133,3 +133,21 @@ def test_f16_gemv_norm_with_a_residual_needs_h(gen):
     x = torch.randn(1, 128, generator=gen).half()
     with pytest.raises(ValueError, match="needs h"):
         f16_gemv(x, w, None, GemvConfig(8, 128, 4), norm=RowNorm(torch.ones(128).half(), 1e-5, x))
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fold_bench_times_two_sequences_that_agree(swiglu, gen):
+    """bench/f16_gemv.py --fold times the unfolded launches against the folded GEMV: both compute the same step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        from f16_gemv import fold_pair
+    finally:
+        sys.path.pop(0)
+    w = (torch.randn(128, 256, generator=gen) / 16).half().to(DEVICE)
+    unfolded, folded = fold_pair(w, GemvConfig(8, 128, 4), swiglu)
+    a, b = unfolded(w).float(), folded(w).float()
+    assert a.shape == b.shape == (1, 64 if swiglu else 128)
+    assert ((a - b).abs().max() / a.abs().max()).item() < 5e-3
