@@ -334,8 +334,8 @@ class Attention(nn.Module):
         return (q.view(T, self.n_heads, self.head_dim), k.view(T, self.n_kv_heads, self.head_dim),
                 v.view(T, self.n_kv_heads, self.head_dim))
 
-    def project(self, x: torch.Tensor | FoldedNorm | NormedRow, inv_freq: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def project(self, x: torch.Tensor | FoldedNorm | NormedRow, inv_freq: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
         return rope_write_kv(*self.qkv(x), positions, inv_freq, *kv, slots)
 
