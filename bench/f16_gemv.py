@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from common import copy_bandwidth, provenance, write_json
 
-from spear.kernels.f16_gemv import CUBLAS, TUNE_BYTES, f16_gemv, tune_gemv
+from spear.kernels.f16_gemv import CUBLAS, f16_gemv, tune_gemv, weight_copies
 from spear.kernels.norm_fold import RowNorm
 from spear.kernels.timing import time_in_graph
 from spear.runtime.ops import add_rms_norm, silu_mul
@@ -59,9 +59,8 @@ def fold_pair(w: torch.Tensor, cfg, swiglu: bool):
 
 def fold_timings(w: torch.Tensor, cfg, swiglu: bool) -> dict[str, float]:
     """µs a step of fold_pair's two sequences, each over weight copies that overflow L2, in one graph apiece."""
-    copies = [w] + [w.clone() for _ in range(max(1, -(-TUNE_BYTES // w.nbytes)) - 1)]
     unfolded, folded = fold_pair(w, cfg, swiglu)
-    return {name: time_in_graph([functools.partial(fn, c) for c in copies], reps=5)
+    return {name: time_in_graph([functools.partial(fn, c) for c in weight_copies(w)], reps=5)
             for name, fn in (("unfolded_us", unfolded), ("folded_us", folded))}
 
 

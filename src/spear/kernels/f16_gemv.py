@@ -112,7 +112,8 @@ def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, h_ptr, K, stride
             if NORM:
                 if HAS_RESIDUAL:  # h = x + residual, rounded to fp16 as the add + RMSNorm launch rounds it
                     h = (xf + tl.load(r_ptr + k + cols, mask=in_k, other=0.0).to(tl.float32)).to(tl.float16)
-                    tl.store(h_ptr + k + cols, h, mask=in_k & (cols * 0 + tl.program_id(0) + block == 0))  # program 0, first pass
+                    first_pass_of_program_0 = cols * 0 + tl.program_id(0) + block == 0
+                    tl.store(h_ptr + k + cols, h, mask=in_k & first_pass_of_program_0)
                     xf = h.to(tl.float32)
                 squares += xf * xf
                 xf = xf * tl.load(nw_ptr + k + cols, mask=in_k, other=0.0).to(tl.float32)
@@ -198,13 +199,15 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
         return CUBLAS
     n, k = weight.shape
     cache = tune_cache.path()
-    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k, GEMV_MODE, "early" if EARLY_RELEASE else "late"), source=f"f16_gemv.py {_source_hash()}")
+    release = "early" if EARLY_RELEASE else "late"
+    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k, GEMV_MODE, release),
+                               source=f"f16_gemv.py {_source_hash()}")
     if cache is not None and timings is None:
         cached = tune_cache.config(tune_cache.read(cache).get(cache_key), (GemvConfig,), CANDIDATES)
         if cached is not None:
             _TUNED[_key(weight)] = cached
             return cached
-    copies = [weight] + [weight.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, weight.nbytes)) - 1)]
+    copies = weight_copies(weight)
     x = torch.randn(1, k, dtype=torch.float16, device=weight.device)
     measured = []
     for cfg in CANDIDATES:
@@ -225,6 +228,11 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
     if cache is not None:
         tune_cache.write(cache, {cache_key: ranked[0][1]}, {cache_key: [(round(us, 2), c) for us, c in ranked[:3]]})
     return ranked[0][1]
+
+
+def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """weight and clones of it, TUNE_BYTES in all: timed in turn, their reads come from HBM, not L2."""
+    return [weight] + [weight.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, weight.nbytes)) - 1)]
 
 
 def kernel_config(weight: torch.Tensor, tune: bool = False) -> GemvConfig:

@@ -272,8 +272,7 @@ def _dense_folds(consumer: nn.Module | None, x: torch.Tensor) -> bool:
     """Whether the add + RMSNorm before `consumer` folds into its GEMV on this step (DENSE_FOLD): a stacked fp16
     FusedDenseLinear on CUDA, one row."""
     return (DENSE_FOLD and isinstance(consumer, FusedDenseLinear) and x.device.type in DENSE_FOLD_DEVICES
-            and x.dtype == torch.float16
-            and x.dim() == 2 and x.shape[0] == 1 and consumer.weight.shape[0] % 2 == 0)
+            and x.dtype == torch.float16 and x.dim() == 2 and x.shape[0] == 1 and consumer.weight.shape[0] % 2 == 0)
 
 
 def _normed_row(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> NormedRow:
