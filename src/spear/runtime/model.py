@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
+from spear.kernels.l2_prefetch import prefetch_plan
 from spear.kernels.norm_fold import FoldedNorm, RowNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
@@ -334,9 +335,14 @@ class Attention(nn.Module):
                 v.view(T, self.n_kv_heads, self.head_dim))
 
     def project(self, x: torch.Tensor | FoldedNorm | NormedRow, inv_freq: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
-        return rope_write_kv(*self.qkv(x), positions, inv_freq, *kv, slots)
+                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                next_up: nn.Module | None = None) -> torch.Tensor:
+        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`. On
+        decode steps of few rows the RoPE launch also asks L2 for o's weight and a share of `next_up`'s (the gate|up
+        after attention: kernels.l2_prefetch), where SPEAR_L2_PREFETCH is on."""
+        q, k, v = self.qkv(x)
+        plan = prefetch_plan(self.wo, next_up, q, q.shape[0])
+        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots, prefetch=plan)
 
 
 
@@ -393,7 +399,7 @@ class Block(nn.Module):
                          kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (rotated queries [T, H, D], residual); this block's keys and values are cached."""
         h, residual = self.attention_input(x, residual)
-        return self.attention.project(h, inv_freq, positions, slots, kv), residual
+        return self.attention.project(h, inv_freq, positions, slots, kv, self.feed_forward.w_gate_up), residual
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
                         next_block: Block | None = None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
