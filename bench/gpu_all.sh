@@ -37,7 +37,8 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
-#   or, with S21B=1 (one H200), the RoPE launch asking L2 for o's weight and a share of gate|up's (SPEAR_L2_PREFETCH) A/B'd;
+#   or, with S21C=1 (one H200), o's weight and a share of gate|up's read into L2 beside attention (SPEAR_L2_PREFETCH) A/B'd;
+#   or, with S21B=1 (one H200, at 607c966), the RoPE launch's bulk L2 prefetches of the same bytes (since replaced);
 #   or, with S21A=1 (one H200), the float path's norm and SiLU·up folded into its GEMVs (SPEAR_DENSE_FOLD) A/B'd;
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #          with S19B=1 the GEMV's runs of row blocks, then the engine;
@@ -469,6 +470,23 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S21C:-0}" = 1 ]; then  # for session 21 (one H200): decode steps of one row read o's weight and the first
+  # NEXT of each gate|up row into L2 on a side stream beside attention (kernels.l2_prefetch): its GPU tests, then
+  # Llama-2-7B W4 / W4+EC38 at batch 1 over off / o only / o + 0.25, twice; fp16 and Llama-3-8B W4 off / on. The runs'
+  # JSON come back in one s21c_runs.tgz (at most 8 files come back)
+  export CUDA_VISIBLE_DEVICES=0 TAIL=12
+  runs=/tmp/s21c_runs; mkdir -p $runs
+  timeout 90 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_l2_prefetch.py > $log/1_tests.log 2>&1
+  i=0; for arm in "0 0.25" "1 0" "1 0.25" "0 0.25" "1 0" "1 0.25"; do set -- $arm; i=$((i + 1))
+    SPEAR_L2_PREFETCH=$1 SPEAR_L2_PREFETCH_NEXT=$2 timeout $([ $i = 1 ] && echo 150 || echo 70) python bench/decode.py --models llama2-7b \
+      --settings w4 w4+ec38 --batches 1 --json "$runs/decode_h200_warm$1_next$2_run$i.json" > $log/2_w4_warm${1}_$i.log 2>&1
+  done
+  for f in 0 1 0 1; do i=$((i + 1)); SPEAR_L2_PREFETCH=$f timeout 50 python bench/decode.py --models llama2-7b \
+    --settings fp16 --batches 1 --json "$runs/decode_h200_fp16_warm${f}_run$i.json" > $log/3_fp16_warm${f}_$i.log 2>&1; done
+  for f in 0 1; do i=$((i + 1)); SPEAR_L2_PREFETCH=$f timeout $((560 - SECONDS)) python bench/decode.py \
+    --models llama3-8b --settings w4 --batches 1 --json "$runs/decode_h200_8b_warm${f}_run$i.json" \
+    > $log/4_8b_warm${f}_$i.log 2>&1; done
+  tar czf "$out/s21c_runs.tgz" -C $runs .
 elif [ "${S21B:-0}" = 1 ]; then  # for session 21 (one H200): decode steps of one row, the RoPE launch asking L2 for
   # o's weight and the first NEXT of each gate|up row (kernels.l2_prefetch): its GPU tests, then Llama-2-7B W4 / W4+EC38
   # at batch 1 over off / o only / o + 0.25 / o + 0.5, twice; then fp16 (o cut to half the L2) and Llama-3-8B W4, off / on

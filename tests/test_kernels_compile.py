@@ -132,9 +132,3 @@ def _dot_loop(report, name: str) -> dict[str, int]:
 
 def _count(ops: dict[str, int], prefix: str) -> int:
     return sum(n for op, n in ops.items() if op.startswith(prefix))
-
-
-def test_rope_launch_asks_l2_for_weights_only_when_given_regions(report):
-    """kernels.l2_prefetch: one bulk L2 prefetch a region in the RoPE launch's code, none without regions."""
-    assert report["rope write_kv prefetch=2"]["l2_prefetches"] == 2
-    assert report["rope write_kv prefetch=0"]["l2_prefetches"] == 0

@@ -58,25 +58,58 @@ def test_nothing_is_asked_for_off_cuda_or_when_off(monkeypatch):
     assert l2_prefetch.prefetch_plan(o, gate_up, torch.zeros(1, 8, dtype=torch.float16), rows=1) == ()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetch runs compiled only (inline PTX)")
-def test_rope_launch_with_prefetch_computes_the_same():
-    from spear.runtime.ops import rope_write_kv
+def _words_sum(region) -> int:
+    """The int32 sum (wrapping) of the words a WeightRows region covers."""
+    flat = region.base.reshape(-1)[: region.rows * region.stride].view(region.rows, region.stride)
+    words = flat[:, : region.row_bytes].contiguous().view(torch.int32).long().sum().item()
+    return (words + (1 << 31)) % (1 << 32) - (1 << 31)
 
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or l2_prefetch.triton is not None), reason="needs triton")
+def test_warm_launch_reads_every_word_of_the_plan():
+    """The warm launch (one program an SM; 4 under the interpreter) reads each region's words: the per-program sums
+    it stores add up to the region's sum, for a whole weight in 64 KB pieces and for a share of every row."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    T, H, KV, D, blocks, block_size = 1, 8, 2, 64, 4, 16
-    q, k, v = (torch.randn(T, n, D, dtype=torch.float16, device=dev) for n in (H, KV, KV))
-    positions = torch.tensor([5], device=dev)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=dev).float() / D))
-    slots = torch.tensor([21], device=dev)
-    o, gate_up = nn.Linear(512, 512, bias=False).half().to(dev), nn.Linear(512, 2048, bias=False).half().to(dev)
-    plan = plan_within(o, gate_up, budget=1 << 20, next_fraction=0.25)
-    assert len(plan) == 2
-    results = []
-    for prefetch in ((), plan):
-        k_pool = torch.zeros(blocks, block_size, KV, D, dtype=torch.float16, device=dev)
-        v_pool = torch.zeros_like(k_pool)
-        q_out = rope_write_kv(q, k, v, positions, inv_freq, k_pool, v_pool, slots, prefetch=prefetch)
-        results.append((q_out, k_pool, v_pool))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    o = nn.Linear(256, 256, bias=False).half().to(dev)  # 128 KB: two 64 KB pieces
+    gate_up = nn.Linear(512, 96, bias=False).half().to(dev)
+    plan = plan_within(o, gate_up, budget=1 << 20, next_fraction=0.3)
+    assert (plan[0].rows, plan[0].row_bytes) == (2, 64 << 10) and plan[1].row_bytes == 304
+    sink = l2_prefetch.warm_l2(plan, dev)
+    l2_prefetch.join(dev)
+    programs = sink.numel() // 4
+    for i, region in enumerate(plan):
+        got = sink[i * programs:(i + 1) * programs].long().sum().item()
+        assert (got + (1 << 31)) % (1 << 32) - (1 << 31) == _words_sum(region), i
+    assert l2_prefetch.warm_l2((), dev) is None
+
+
+def test_decode_steps_warm_o_and_gate_up_and_keep_their_logits(monkeypatch):
+    """SPEAR_L2_PREFETCH: each one-row step's layers read o's weight and a share of the stacked gate|up's beside
+    attention (the interpreter here, a side stream on CUDA); the logits are those of the model without it, and the
+    prefill step (several rows) reads nothing ahead."""
+    from test_runtime_fuse import DEVICE, logits
+
+    from spear.runtime import model as model_module
+    from spear.runtime.model import ModelArgs, fuse_projections, random_model
+
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64)
+    model = random_model(args, dtype=torch.float16, device=DEVICE, kernels=False, seed=7)
+    assert fuse_projections(model) == 2 * args.n_layers
+    ids = torch.randint(0, args.vocab, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = logits(model, ids, prefill=5)
+    warmed = []
+    real = model_module.warm_l2
+
+    def counting(plan, device):
+        warmed.append(tuple(r.base.data_ptr() for r in plan))
+        return real(plan, device)
+
+    monkeypatch.setattr(model_module, "warm_l2", counting)
+    monkeypatch.setattr(l2_prefetch, "ENABLED", True)
+    monkeypatch.setattr(l2_prefetch, "WARM_DEVICES", ("cuda", "cpu"))
+    out = logits(model, ids, prefill=5)
+    assert torch.equal(out, ref)
+    layers = model.layers
+    expect = [(b.attention.wo.weight.data_ptr(), b.feed_forward.w_gate_up.weight.data_ptr()) for b in layers]
+    assert warmed == [()] * len(layers) + expect * (len(ids) - 5)  # the prefill step: nothing

@@ -1,16 +1,21 @@
-"""Weights asked into L2 ahead of their GEMV by the latency-bound launch before it (decode steps of few rows).
+"""Weights read into L2 ahead of their GEMV, beside the latency-bound launches before it (decode steps of few rows).
 
 At one decode row a Llama-2-7B layer's HBM is idle from the end of the q|k|v GEMV to the start of the o GEMV:
-RoPE + the K/V write, decode attention and its combine read a few MB in ~10 µs (BENCHMARKS §5's profiles). The
-RoPE launch (ops.rope_write_kv), before its PDL wait, asks L2 for the o projection's weight and the first part of
-each gate|up row, so that those GEMVs begin on L2 hits instead of HBM round trips. That keeps kernels.pdl's
-contract: before the wait a program reads only weights and writes nothing. A prefetch is a hint nothing waits for:
-a line evicted before its GEMV reads it comes from HBM as before, so results never depend on it.
+RoPE + the K/V write, decode attention and its combine read a few MB in ~10 µs (BENCHMARKS §5's profiles). A warm
+launch on a side stream reads the o projection's weight and the first part of each gate|up row meanwhile, so that
+those GEMVs find them in L2. Nothing on the main stream waits for it until the end of the step (join), and it reads
+weights only, so results never depend on it: a line evicted first comes from HBM as before.
+
+Session 21 first asked L2 for the same bytes by bulk prefetches (cp.async.bulk.prefetch.L2) from the RoPE launch,
+before its PDL wait (607c966, S21B). That made the step slower, not faster (Llama-2-7B W4 batch 1 2.04 ms off,
+2.27 with o alone, 2.50–2.60 with a share of gate|up too; Llama-3-8B 2.45 against 3.15): the RoPE launch did not
+complete before its prefetches had, and they moved about 1 TB/s, so attention waited for them. Here they are plain
+loads in a launch of their own, which only the step's end waits for.
 
 Knobs (read once a process): SPEAR_L2_PREFETCH ("1": on, "0": off), SPEAR_L2_PREFETCH_NEXT (the fraction of each
-gate|up row asked for as well, 0 to 1) and SPEAR_L2_PREFETCH_ROWS (the most step rows it is done for: with more,
-attention streams the KV cache and the prefetch would compete with it). At most half the L2 is asked for (a float
-7B o weight alone is 32 MB of the H200's 50): o's rows are cut first to fit, then gate|up's share.
+gate|up row read as well, 0 to 1) and SPEAR_L2_PREFETCH_ROWS (the most step rows it is done for: with more,
+attention streams the KV cache and the warm launch would compete with it). At most half the L2 is read ahead (a
+float 7B o weight alone is 32 MB of the H200's 50): o's rows are cut first to fit, then gate|up's share.
 """
 
 from __future__ import annotations
@@ -24,9 +29,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-
-    from spear.kernels.pdl import prefetch_l2, runs_compiled
-except ImportError:  # triton is a dev extra: without it nothing is prefetched (the runtime model imports this)
+except ImportError:  # triton is a dev extra: without it nothing is read ahead (the runtime model imports this)
     triton = None
 
 
@@ -44,6 +47,7 @@ def _fraction(name: str, default: str) -> float:
 ENABLED = os.environ.get("SPEAR_L2_PREFETCH", "0") == "1"
 NEXT_FRACTION = _fraction("SPEAR_L2_PREFETCH_NEXT", "0.25")
 MAX_ROWS = int(os.environ.get("SPEAR_L2_PREFETCH_ROWS", "1"))
+WARM_DEVICES = ("cuda",)  # where it is done (the tests add "cpu": the warm launch then runs in Triton's interpreter)
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,13 @@ class WeightRows:
         return self.rows * self.row_bytes
 
 
-CHUNK = 64 << 10  # a whole weight is asked for in pieces of this many bytes (a bulk prefetch each), not by rows
+CHUNK = 64 << 10  # a whole weight is read in pieces of this many bytes (rows of a WeightRows), not by its rows
 
 
 def weight_rows(module: torch.nn.Module | None, fraction: float = 1.0) -> WeightRows | None:
     """The first `fraction` of each row of what a decode launch of `module` streams from HBM: a packed W4 layer's
     codes (its scales and EC are small), else a float weight; None where there is none or nothing to ask for.
-    All of it (fraction 1) comes as CHUNK-byte pieces where the size divides, so that fewer prefetches are issued."""
+    All of it (fraction 1) comes as CHUNK-byte pieces where the size divides (long rows: wide loads a program)."""
     packed = getattr(module, "packed", None)
     weight = packed.qweight if packed is not None else getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_contiguous():
@@ -103,39 +107,71 @@ def plan_within(o_proj: torch.nn.Module, gate_up: torch.nn.Module | None, budget
 def prefetch_plan(o_proj: torch.nn.Module, gate_up: torch.nn.Module | None, x: torch.Tensor,
                   rows: int) -> tuple[WeightRows, ...]:
     """What a decode step of `rows` rows on x's device asks into L2 while attention runs (plan_within half the
-    L2). Empty when off, on steps of more than MAX_ROWS rows, or where the kernels run interpreted."""
-    if not ENABLED or rows > MAX_ROWS or triton is None or not runs_compiled(x):
+    L2; a CPU, as in tests: 1 MB). Empty when off, on steps of more than MAX_ROWS rows, or off WARM_DEVICES."""
+    if not ENABLED or rows > MAX_ROWS or triton is None or x.device.type not in WARM_DEVICES:
         return ()
-    return plan_within(o_proj, gate_up, _l2_bytes(x.device.index or 0) // 2)
+    l2 = _l2_bytes(x.device.index or 0) if x.device.type == "cuda" else 2 << 20
+    return plan_within(o_proj, gate_up, l2 // 2)
 
 
-def launch_args(plan: tuple[WeightRows, ...], like: torch.Tensor) -> dict:
-    """The keyword arguments of a launch that takes prefetch_regions' parameters (two regions at most)."""
-    assert len(plan) <= 2, f"at most two regions a launch, got {len(plan)}"
-    args: dict = {"PREFETCH": len(plan)}
-    for i in range(2):
-        region = plan[i] if i < len(plan) else None
-        args[f"pf{i}_ptr"] = region.base if region else like
-        args[f"pf{i}_rows"] = region.rows if region else 0
-        args[f"pf{i}_stride"] = region.stride if region else 0
-        args[f"pf{i}_bytes"] = region.row_bytes if region else 0
-    return args
+# int32 words a warm program loads a step (32 KB: 8 warps × 32 lanes × 8 16-byte loads), so that one program an SM
+# keeps ~4 MB in flight over the GPU, about what HBM's latency needs at full bandwidth
+WARM_TILE = 8192
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream | None] = {}
+_SINKS: dict[torch.device, torch.Tensor] = {}
+_PENDING: set[torch.device] = set()  # devices whose side stream has work the main stream has not joined
+
+
+def warm_l2(plan: tuple[WeightRows, ...], device: torch.device) -> torch.Tensor | None:
+    """Read the plan's bytes into L2 on the device's side stream, once the main stream's work so far is done; the
+    main stream goes on at once (join waits for it). One program an SM (4 on CPU). Returns the sink: each region's
+    per-program sums of the words read (so that nothing optimizes the loads away), or None for an empty plan."""
+    if not plan:
+        return None
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device) if device.type == "cuda" else None
+        _SINKS[device] = torch.zeros(4 * programs, dtype=torch.int32, device=device)
+    side, sink = _SIDE_STREAMS[device], _SINKS[device]
+    if side is None:  # CPU (the interpreter, in tests): the same launch, in order
+        _warm(plan, sink, programs)
+        return sink
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        _warm(plan, sink, programs)
+    _PENDING.add(device)
+    return sink
+
+
+def join(device: torch.device) -> None:
+    """Make the main stream wait for the side stream's warm launches (before a CUDA graph's capture ends)."""
+    if device in _PENDING:
+        torch.cuda.current_stream(device).wait_stream(_SIDE_STREAMS[device])
+        _PENDING.discard(device)
+
+
+def _warm(plan: tuple[WeightRows, ...], sink: torch.Tensor, programs: int) -> None:
+    assert len(plan) <= 2 and programs * 2 <= sink.numel(), (len(plan), programs)
+    for i, region in enumerate(plan):
+        words = region.row_bytes // 4
+        block_w = min(WARM_TILE, 1 << (words - 1).bit_length())
+        _warm_kernel[(programs,)](region.base.view(torch.int32), region.rows, region.stride // 4, words,
+                                  sink[i * programs:], BLOCK_R=max(1, WARM_TILE // block_w), BLOCK_W=block_w,
+                                  num_warps=8)
 
 
 if triton is not None:
 
     @triton.jit
-    def _prefetch_region(base_ptr, rows, stride, row_bytes, pid, programs, LANES: tl.constexpr):
-        """Program pid of `programs` asks for rows pid·LANES .. of every programs·LANES (the last rows repeated)."""
-        for r0 in range(pid * LANES, rows, programs * LANES):
-            r = tl.minimum(r0 + tl.arange(0, LANES), rows - 1).to(tl.int64)
-            prefetch_l2(base_ptr + r * stride, row_bytes)
-
-    @triton.jit
-    def prefetch_regions(pf0_ptr, pf0_rows, pf0_stride, pf0_bytes, pf1_ptr, pf1_rows, pf1_stride, pf1_bytes, pid,
-                         programs, PREFETCH: tl.constexpr):
-        """This program's share of up to two WeightRows regions (PREFETCH of them), asked into L2 (nothing waits)."""
-        if PREFETCH > 0:  # 32 rows at a time: one a lane of the first warp (prefetch_l2)
-            _prefetch_region(pf0_ptr, pf0_rows, pf0_stride, pf0_bytes, pid, programs, 32)
-        if PREFETCH > 1:
-            _prefetch_region(pf1_ptr, pf1_rows, pf1_stride, pf1_bytes, pid, programs, 32)
+    def _warm_kernel(base_ptr, rows, stride, words, sink_ptr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+        """Program pid reads rows pid·BLOCK_R .. of every programs·BLOCK_R, the first `words` int32 of each (stride
+        apart), through L2 (.cg: not kept in L1), and stores the sum of what it read at sink[pid]."""
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        total = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.int32)
+        for r0 in range(pid * BLOCK_R, rows, programs * BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            for c0 in range(0, words, BLOCK_W):
+                c = c0 + tl.arange(0, BLOCK_W)
+                total += tl.load(base_ptr + r[:, None].to(tl.int64) * stride + c[None, :],
+                                 mask=(r[:, None] < rows) & (c[None, :] < words), other=0, cache_modifier=".cg")
+        tl.store(sink_ptr + pid, tl.sum(tl.sum(total, axis=1), axis=0))

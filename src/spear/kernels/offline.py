@@ -234,12 +234,6 @@ def variants() -> dict[str, tuple]:
             ops._paged_decode_split_kernel, attention_ptrs,
             dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N, PRECISION="tf32",
                  ROPE=rope, FAST_TRIG=True, PDL=True), 4)
-    # RoPE + K/V write, alone and asking L2 for two weights' rows (kernels.l2_prefetch)
-    rope_ptrs = {**{n: F16 for n in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_pool_ptr", "v_pool_ptr")},
-                 **{n: I32 for n in ("pos_ptr", "slots_ptr")}, "inv_freq_ptr": F32, "pf0_ptr": "*u8", "pf1_ptr": "*u8"}
-    for regions in (0, 2):
-        out[f"rope write_kv prefetch={regions}"] = (ops._rope_write_kv_kernel, rope_ptrs,
-                                                    dict(HALF=64, BLOCK_HALF=64, PDL=True, PREFETCH=regions), 1)
     # the float model's one-row GEMV (kernels.f16_gemv): one row block, and runs of four with a masked K
     from spear.kernels import f16_gemv
 
@@ -262,8 +256,7 @@ def main() -> None:
         try:
             compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps)
             report[name] = {"ok": True, "warps": warps, "registers": registers(compiled),
-                            "loops": [vars(loop) for loop in loop_mix(sass(compiled))],
-                            "l2_prefetches": compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2")}
+                            "loops": [vars(loop) for loop in loop_mix(sass(compiled))]}
         except Exception as e:  # noqa: BLE001 — reported per variant
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
     print(json.dumps(report))

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
-from spear.kernels.l2_prefetch import prefetch_plan
+from spear.kernels.l2_prefetch import join as join_l2_warm
+from spear.kernels.l2_prefetch import prefetch_plan, warm_l2
 from spear.kernels.norm_fold import FoldedNorm, RowNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
@@ -54,8 +55,9 @@ FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
 # transformers layout, every linear through cuBLAS (to time the difference).
 DENSE_KERNELS = os.environ.get("SPEAR_DENSE_KERNELS", "1") == "1"
 # With it, a one-row fp16 step's add + RMSNorm folded into the stacked q|k|v and gate|up GEMVs after it, and SiLU·up
-# into gate|up's (kernels.f16_gemv's norm and swiglu; NormedRow): three launches a layer fewer. Untimed on the GPU:
-# off until an A/B in the engine says otherwise; SPEAR_DENSE_FOLD=1 turns it on.
+# into gate|up's (kernels.f16_gemv's norm and swiglu; NormedRow): three launches a layer fewer, but slower on the H200
+# (session 21, S21A: the folded GEMVs 0.89-0.92x the launches they replace; Llama-2-7B fp16 batch 1, off / on / off /
+# on, 4.14 / 4.17 / 4.14 / 4.31 ms). Off; SPEAR_DENSE_FOLD=1 turns it on.
 DENSE_FOLD = os.environ.get("SPEAR_DENSE_FOLD", "0") == "1"
 DENSE_FOLD_DEVICES = ("cuda",)  # where it folds (the tests add "cpu": the kernel then runs in Triton's interpreter)
 
@@ -335,14 +337,9 @@ class Attention(nn.Module):
                 v.view(T, self.n_kv_heads, self.head_dim))
 
     def project(self, x: torch.Tensor | FoldedNorm | NormedRow, inv_freq: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                next_up: nn.Module | None = None) -> torch.Tensor:
-        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`. On
-        decode steps of few rows the RoPE launch also asks L2 for o's weight and a share of `next_up`'s (the gate|up
-        after attention: kernels.l2_prefetch), where SPEAR_L2_PREFETCH is on."""
-        q, k, v = self.qkv(x)
-        plan = prefetch_plan(self.wo, next_up, q, q.shape[0])
-        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots, prefetch=plan)
+                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
+        return rope_write_kv(*self.qkv(x), positions, inv_freq, *kv, slots)
 
 
 
@@ -381,6 +378,8 @@ class Block(nn.Module):
                                           tile_rows=batch.tile_rows, new_kv=(k, v), inv_freq=inv_freq)
             return self.after_attention(attn.reshape(q.shape[0], -1), residual, next_block)
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
+        # on steps of few rows (SPEAR_L2_PREFETCH): o's weight and a share of gate|up's read into L2 beside attention
+        warm_l2(prefetch_plan(self.attention.wo, self.feed_forward.w_gate_up, q, q.shape[0]), q.device)
         return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
 
     def attention_input(self, x: torch.Tensor | FoldedNorm,
@@ -399,7 +398,7 @@ class Block(nn.Module):
                          kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (rotated queries [T, H, D], residual); this block's keys and values are cached."""
         h, residual = self.attention_input(x, residual)
-        return self.attention.project(h, inv_freq, positions, slots, kv, self.feed_forward.w_gate_up), residual
+        return self.attention.project(h, inv_freq, positions, slots, kv), residual
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
                         next_block: Block | None = None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
@@ -444,6 +443,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             next_block = self.layers[i + 1] if i + 1 < len(self.layers) else None
             x, residual = layer(x, residual, self.rope.inv_freq, batch, cache.layer(i), next_block)
+        join_l2_warm(self.device)  # the side stream's warm launches (Block.forward), before a graph capture ends
         return self.logits(x, residual, batch.last_index)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,6 @@ try:
     import triton
     import triton.language as tl
 
-    from spear.kernels.l2_prefetch import launch_args as prefetch_args
-    from spear.kernels.l2_prefetch import prefetch_regions
     from spear.kernels.pdl import launch_options, pdl_enter, runs_compiled
 except ImportError:  # triton is a dev extra: without it every op runs its reference
     triton = None
@@ -199,15 +197,11 @@ def _rope_row(src_ptr, dst_ptr, cos, sin, i, ok, HALF: tl.constexpr):
 @_jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
                           H, KV, block_size, stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
-                          pf0_ptr, pf0_rows, pf0_stride, pf0_bytes, pf1_ptr, pf1_rows, pf1_stride, pf1_bytes,
-                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): j < H rotates query head j of token t; j >= H rotates key head j - H and stores it,
     and the token's value head, at the token's slot. The step's positions and slots (written by the host, never by
-    a kernel) and the angles come before the PDL wait; the rows of q, k and v after it. First, with PREFETCH, the
-    programs ask L2 for the weights of the GEMVs after attention (kernels.l2_prefetch: weights, nothing written)."""
+    a kernel) and the angles come before the PDL wait; the rows of q, k and v after it."""
     t, j = tl.program_id(0), tl.program_id(1)
-    prefetch_regions(pf0_ptr, pf0_rows, pf0_stride, pf0_bytes, pf1_ptr, pf1_rows, pf1_stride, pf1_bytes,
-                     t * tl.num_programs(1) + j, tl.num_programs(0) * tl.num_programs(1), PREFETCH)
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
     theta = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=ok, other=0.0)  # [BLOCK_HALF]
@@ -228,10 +222,9 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, *,
-                  use_triton: bool | None = None, prefetch: tuple = ()) -> torch.Tensor:
+                  use_triton: bool | None = None) -> torch.Tensor:
     """q [T, H, D], k, v [T, KV, D], positions, slots [T], inv_freq [D / 2] float32, pools [N, block_size, KV, D]
-    -> rotated q [T, H, D]; rotated k and v land in the pools. One launch over (token, head). `prefetch`: weights
-    (kernels.l2_prefetch.WeightRows, at most two) the launch asks into L2 for the GEMVs after attention."""
+    -> rotated q [T, H, D]; rotated k and v land in the pools. One launch over (token, head)."""
     if not _triton(use_triton, q):
         return rope_write_kv_ref(q, k, v, positions, inv_freq, k_pool, v_pool, slots)
     T, H, D = q.shape
@@ -243,7 +236,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     _rope_write_kv_kernel[(T, H + KV)](
         q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, H, KV, k_pool.shape[1],
         k_pool.stride(0), k_pool.stride(1), q.stride(0), k.stride(0), v.stride(0),
-        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1, **launch_options(q), **prefetch_args(prefetch, q))
+        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1, **launch_options(q))
     return q_out
 
 
