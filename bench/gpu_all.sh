@@ -37,6 +37,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S21D=1 (one H200), S21C's read-ahead on Llama-3-8B W4 alone, off / on three times;
 #   or, with S21C=1 (one H200), o's weight and a share of gate|up's read into L2 beside attention (SPEAR_L2_PREFETCH) A/B'd;
 #   or, with S21B=1 (one H200, at 607c966), the RoPE launch's bulk L2 prefetches of the same bytes (since replaced);
 #   or, with S21A=1 (one H200), the float path's norm and SiLU·up folded into its GEMVs (SPEAR_DENSE_FOLD) A/B'd;
@@ -470,6 +471,14 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S21D:-0}" = 1 ]; then  # for session 21 (one H200): S21C's one Llama-3-8B pair (2.48 off, 2.35 on) again,
+  # off / on three times, W4 and W4+EC38 at batch 1 (the JSON in one s21d_runs.tgz)
+  export CUDA_VISIBLE_DEVICES=0 TAIL=8
+  runs=/tmp/s21d_runs; mkdir -p $runs
+  i=0; for f in 0 1 0 1 0 1; do i=$((i + 1)); SPEAR_L2_PREFETCH=$f timeout $([ $i = 1 ] && echo 150 || echo 75) \
+    python bench/decode.py --models llama3-8b --settings w4 w4+ec38 --batches 1 \
+    --json "$runs/decode_h200_8b_warm${f}_run$i.json" > $log/2_8b_warm${f}_$i.log 2>&1; done
+  tar czf "$out/s21d_runs.tgz" -C $runs .
 elif [ "${S21C:-0}" = 1 ]; then  # for session 21 (one H200): decode steps of one row read o's weight and the first
   # NEXT of each gate|up row into L2 on a side stream beside attention (kernels.l2_prefetch): its GPU tests, then
   # Llama-2-7B W4 / W4+EC38 at batch 1 over off / o only / o + 0.25, twice; fp16 and Llama-3-8B W4 off / on. The runs'
