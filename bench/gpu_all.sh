@@ -37,9 +37,8 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
-#   or, with S21D=1 (one H200), S21C's read-ahead on Llama-3-8B W4 alone, off / on three times;
-#   or, with S21C=1 (one H200), o's weight and a share of gate|up's read into L2 beside attention (SPEAR_L2_PREFETCH) A/B'd;
-#   or, with S21B=1 (one H200, at 607c966), the RoPE launch's bulk L2 prefetches of the same bytes (since replaced);
+#   or, with S21B=1 / S21C=1 / S21D=1 (one H200; run them at 607c966 / f846d72 / af0e5ad: the code was removed after),
+#          the L2 read-ahead of o's weight and a share of gate|up's while attention runs (SPEAR_L2_PREFETCH) A/B'd;
 #   or, with S21A=1 (one H200), the float path's norm and SiLU·up folded into its GEMVs (SPEAR_DENSE_FOLD) A/B'd;
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #          with S19B=1 the GEMV's runs of row blocks, then the engine;

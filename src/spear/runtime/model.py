@@ -23,8 +23,6 @@ from tqdm.auto import tqdm
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
-from spear.kernels.l2_prefetch import join as join_l2_warm
-from spear.kernels.l2_prefetch import prefetch_plan, warm_l2
 from spear.kernels.norm_fold import FoldedNorm, RowNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
@@ -378,8 +376,6 @@ class Block(nn.Module):
                                           tile_rows=batch.tile_rows, new_kv=(k, v), inv_freq=inv_freq)
             return self.after_attention(attn.reshape(q.shape[0], -1), residual, next_block)
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
-        # on steps of few rows (SPEAR_L2_PREFETCH): o's weight and a share of gate|up's read into L2 beside attention
-        warm_l2(prefetch_plan(self.attention.wo, self.feed_forward.w_gate_up, q, q.shape[0]), q.device)
         return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
 
     def attention_input(self, x: torch.Tensor | FoldedNorm,
@@ -443,7 +439,6 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             next_block = self.layers[i + 1] if i + 1 < len(self.layers) else None
             x, residual = layer(x, residual, self.rope.inv_freq, batch, cache.layer(i), next_block)
-        join_l2_warm(self.device)  # the side stream's warm launches (Block.forward), before a graph capture ends
         return self.logits(x, residual, batch.last_index)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
