@@ -37,6 +37,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S22A=1 (one H200), what one persistent launch a layer could save over four (bench/stream_lab.py --layer);
 #   or, with S21B=1 / S21C=1 / S21D=1 (one H200; run them at 607c966 / f846d72 / af0e5ad: the code was removed after),
 #          the L2 read-ahead of o's weight and a share of gate|up's while attention runs (SPEAR_L2_PREFETCH) A/B'd;
 #   or, with S21A=1 (one H200), the float path's norm and SiLU·up folded into its GEMVs (SPEAR_DENSE_FOLD) A/B'd;
@@ -470,6 +471,12 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S22A:-0}" = 1 ]; then  # for session 22 (one H200): a layer's four W4 weights streamed by persistent
+  # programs as four launches, four under PDL, one launch with grid barriers between them, one without
+  # (bench/stream_lab.py --layer; the stand-in's tests first)
+  export CUDA_VISIBLE_DEVICES=0 TAIL=80
+  timeout 90 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_stream_lab.py > $log/1_tests.log 2>&1
+  timeout 300 python bench/stream_lab.py --layer --json "$out/stream_lab_layer_h200.json" > $log/2_layer.log 2>&1
 elif [ "${S21D:-0}" = 1 ]; then  # for session 21 (one H200): S21C's one Llama-3-8B pair (2.48 off, 2.35 on) again,
   # off / on three times, W4 and W4+EC38 at batch 1 (the JSON in one s21d_runs.tgz)
   export CUDA_VISIBLE_DEVICES=0 TAIL=8

@@ -11,6 +11,16 @@ of (tile, step) pairs, loading ahead across tiles: no ramp and tail per tile; ti
 grid on the 7B MLP shapes: BENCHMARKS §4). WORK = 0 is the tiling's own streaming ceiling; the gap between
 WORK = 0 and WORK = 20 is what the arithmetic costs where it does not overlap the loads. Each figure is the median
 µs per launch of a CUDA graph over code copies larger than the L2 (bench/kernels.py's method).
+
+    python bench/stream_lab.py --layer --json bench/results/stream_lab_layer_h200.json   # H200, about a minute
+
+`--layer` (session 21) asks what a persistent decode launch could save at batch 1: a layer's four weights (q|k|v,
+o, gate|up, down) streamed by the same persistent programs (two an SM, a tile of BN rows over all of K at a time,
+the next step's codes loaded ahead) as four launches (`launches`), four launches under PDL (`launches_pdl`, each
+program waits for the launch before it and lets the next one start at once, as the engine's kernels do), one
+launch with a grid-wide barrier between the weights where the real layer has its dependencies (`persistent`), or
+one launch without them (`persistent_free`: the ceiling). The first minus the third is the ramp and tail that four
+launches a layer cost; the engine's W4 step pays that 32 times.
 """
 
 from __future__ import annotations
@@ -27,9 +37,14 @@ import triton
 import triton.language as tl
 from common import LAB_SHAPES
 
+from spear.kernels.timing import time_in_graph
+
 SHAPES = {name: LAB_SHAPES[name] for name in ("7b/qkvo", "7b/gate_up", "7b/down", "7b/gate_up_fused")}
 TILES = [(16, 256, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 8)]
 MODES = ["s1", "s3", "a1", "a2", "a3", "k2", "k4"]
+LAYERS = {"7b": ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)),  # [N, K] of q|k|v, o, gate|up, down
+          "8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
+LAYER_MODES = ["launches", "launches_pdl", "persistent", "persistent_free"]
 
 
 @triton.jit
@@ -119,6 +134,103 @@ def _stream_k_kernel(qw_ptr, out_ptr, N, KW, steps_per_tile, total, per_program,
         tile, step = next_tile, next_step
 
 
+@triton.jit
+def _grid_barrier(bar_ptr, programs):
+    """Every program of the launch waits here until all have arrived (they must all be resident): bar_ptr[0] counts
+    arrivals, bar_ptr[1] is the barrier's generation, which the last to arrive advances after resetting the count."""
+    tl.debug_barrier()
+    generation = tl.atomic_add(bar_ptr + 1, 0, sem="acquire")
+    if tl.atomic_add(bar_ptr, 1, sem="acq_rel") == programs - 1:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed")
+        tl.atomic_add(bar_ptr + 1, 1, sem="release")
+    else:
+        while tl.atomic_add(bar_ptr + 1, 0, sem="acquire") == generation:
+            pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _stream_tiles(qw_ptr, out_ptr, N, KW, BN: tl.constexpr, BKW: tl.constexpr, WORK: tl.constexpr):
+    """This program's tiles of one weight (tile pid, pid + programs, ...), each over all of K with the next step's
+    codes loaded ahead (a1), its row sums stored at out_ptr."""
+    col = tl.arange(0, BKW)[None, :]
+    for tile in range(tl.program_id(0), tl.cdiv(N, BN), tl.num_programs(0)):
+        offs_n = tile * BN + tl.arange(0, BN)
+        rows = qw_ptr + offs_n[:, None] * KW + col
+        mask_r = offs_n[:, None] < N
+        acc = tl.zeros((BN, BKW), dtype=tl.int32)
+        ahead = tl.load(rows, mask=mask_r & (col < KW))
+        for kw in tl.range(0, KW, BKW, num_stages=1):
+            cur = ahead
+            ahead = tl.load(rows + kw + BKW, mask=mask_r & (kw + BKW + col < KW))
+            acc = _work(acc, cur, WORK)
+        tl.store(out_ptr + offs_n, tl.sum(acc, axis=1), mask=offs_n < N)
+
+
+@triton.jit
+def _layer_kernel(q0, q1, q2, q3, out_ptr, bar_ptr, N0, KW0, N1, KW1, N2, KW2, N3, KW3, O1, O2, O3,
+                  FIRST: tl.constexpr, COUNT: tl.constexpr, BARRIER: tl.constexpr, PDL: tl.constexpr,
+                  BN: tl.constexpr, BKW: tl.constexpr, WORK: tl.constexpr):
+    """Weights FIRST .. FIRST + COUNT − 1 of a layer's four, streamed by persistent programs, with BARRIER a grid-wide
+    barrier between them; each weight's row sums at out_ptr + its offset (O1..O3)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for m in tl.static_range(FIRST, FIRST + COUNT):
+        if m == 0:
+            _stream_tiles(q0, out_ptr, N0, KW0, BN, BKW, WORK)
+        elif m == 1:
+            _stream_tiles(q1, out_ptr + O1, N1, KW1, BN, BKW, WORK)
+        elif m == 2:
+            _stream_tiles(q2, out_ptr + O2, N2, KW2, BN, BKW, WORK)
+        else:
+            _stream_tiles(q3, out_ptr + O3, N3, KW3, BN, BKW, WORK)
+        if BARRIER and m < FIRST + COUNT - 1:
+            _grid_barrier(bar_ptr, tl.num_programs(0))
+
+
+def launch_layer(weights: list[torch.Tensor], out: torch.Tensor, barrier: torch.Tensor, bn: int, bkw: int, warps: int,
+                 mode: str, work: int, programs: int) -> None:
+    """One layer's four [N, K / 8] code matrices streamed as `mode` says (LAYER_MODES), row sums into out (their N's
+    in order); barrier: two int32 zeros (kept zero between launches)."""
+    sizes = [w.shape for w in weights]
+    offsets = [sum(n for n, _ in sizes[:i]) for i in range(1, 4)]
+    args = [*weights, out, barrier, *(v for shape in sizes for v in shape), *offsets]
+    pdl = mode == "launches_pdl"
+    options = {"launch_pdl": True} if pdl else {}
+    if mode.startswith("launches"):
+        for first in range(4):
+            _layer_kernel[(programs,)](*args, FIRST=first, COUNT=1, BARRIER=False, PDL=pdl, BN=bn, BKW=bkw, WORK=work,
+                                       num_warps=warps, **options)
+    else:
+        _layer_kernel[(programs,)](*args, FIRST=0, COUNT=4, BARRIER=mode == "persistent", PDL=False, BN=bn, BKW=bkw,
+                                   WORK=work, num_warps=warps)
+
+
+def layer_lab(args, sms: int, bandwidth: dict) -> list[dict]:
+    """The --layer rows: every layer × tiling × mode × WORK, µs a layer against the layer's read floor."""
+    rows = []
+    for name in args.layers:
+        weights = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
+                   for n, k in LAYERS[name]]
+        layer_bytes = sum(w.numel() * 4 for w in weights)
+        extra = max(1, math.ceil((128 << 20) / layer_bytes)) - 1  # copies over more bytes than the L2 holds
+        copies = [weights] + [[w.clone() for w in weights] for _ in range(extra)]
+        out = torch.empty(sum(w.shape[0] for w in weights), device="cuda", dtype=torch.int32)
+        barrier = torch.zeros(2, device="cuda", dtype=torch.int32)
+        floor_us = layer_bytes / bandwidth["kernel_graph"] * 1e6
+        for bn, bkw, warps in (tuple(int(v) for v in t.split("/")) for t in args.tiles):
+            for mode in args.layer_modes:
+                for work in args.works:
+                    us = time_in_graph([lambda c=c: launch_layer(c, out, barrier, bn, bkw, warps, mode, work, 2 * sms)
+                                        for c in copies], reps=10)
+                    rows.append({"layer": name, "bn": bn, "bkw": bkw, "warps": warps, "mode": mode, "work": work,
+                                 "us": us, "floor_us": floor_us})
+                    print(f"{name} layer {bn:3d}/{bkw:3d}/{warps} {mode:15s} work {work:2d}: {us:6.2f} µs "
+                          f"({floor_us / us:4.0%} of the read floor {floor_us:.2f})", flush=True)
+    return rows
+
+
 def launch(codes: torch.Tensor, out: torch.Tensor, bn: int, bkw: int, warps: int, mode: str, work: int, sms: int):
     n, kw = codes.shape
     tiles = triton.cdiv(n, bn)
@@ -141,18 +253,23 @@ def launch(codes: torch.Tensor, out: torch.Tensor, bn: int, bkw: int, warps: int
 def main() -> None:
     from common import copy_bandwidth, write_json
 
-    from spear.kernels.timing import time_in_graph
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--works", type=int, nargs="+", default=[0, 20])
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    p.add_argument("--tiles", nargs="+", default=[f"{bn}/{bkw}/{w}" for bn, bkw, w in TILES],
-                   help="BN/BKW/warps of the tilings to time")
+    p.add_argument("--tiles", nargs="+", default=None, help="BN/BKW/warps of the tilings to time")
+    p.add_argument("--layer", action="store_true", help="a layer's four weights: launches or one persistent launch")
+    p.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    p.add_argument("--layer-modes", nargs="+", default=LAYER_MODES, choices=LAYER_MODES)
     args = p.parse_args()
+    if args.tiles is None:
+        args.tiles = ["16/256/4", "32/128/8"] if args.layer else [f"{bn}/{bkw}/{w}" for bn, bkw, w in TILES]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bandwidth = copy_bandwidth(torch.device("cuda"))
+    if args.layer:
+        write_json(args.json, {"copy_bandwidth": bandwidth, "rows": layer_lab(args, sms, bandwidth)})
+        return
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]

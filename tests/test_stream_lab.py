@@ -24,3 +24,17 @@ def test_every_mode_reads_each_word_once(mode):
     out = torch.zeros(64, n, dtype=torch.int32)
     stream_lab.launch(codes, out, 32, 32, 4, mode, 0, 3)  # 3 "SMs": 6 or 12 stream-K programs
     assert torch.equal(out.long().sum(0).add(2**31).remainder(2**32).sub(2**31), ref), mode
+
+
+@pytest.mark.parametrize("mode", ["launches", "persistent_free"])
+def test_layer_modes_read_each_weight_once(mode):
+    """--layer: the persistent programs stream each of a layer's four weights whole, as four launches or one, each
+    weight's row sums landing at its offset. (The barrier mode spins until every program has arrived, so it cannot
+    run in the interpreter, which runs programs one after another; the offline compile covers it.)"""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(48, 64), (16, 96), (80, 64), (16, 160)]  # partial tiles of 32 rows; K / 8 words not a step multiple
+    weights = [torch.randint(-2**31, 2**31 - 1, s, generator=gen, dtype=torch.int32) for s in shapes]
+    out = torch.zeros(sum(n for n, _ in shapes), dtype=torch.int32)
+    stream_lab.launch_layer(weights, out, torch.zeros(2, dtype=torch.int32), 32, 32, 4, mode, 0, 3)
+    ref = torch.cat([(w.long().sum(1) + 2**31) % 2**32 - 2**31 for w in weights])
+    assert torch.equal(out.long(), ref), mode
