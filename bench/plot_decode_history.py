@@ -32,8 +32,9 @@ def knob_defaults() -> dict[str, str]:
 
 
 def is_arm(env: dict[str, str], defaults: dict[str, str]) -> bool:
-    """Whether a run's knobs took a path other than today's defaults (a knob since removed counts as one)."""
-    return any(k.startswith("SPEAR_") and k not in NOT_KNOBS and defaults.get(k) != v for k, v in env.items())
+    """Whether a run's knobs took a path other than today's defaults. A knob since removed counts as one unless it
+    was set to "0": a lab switch turned off took the path that stayed (session 21's SPEAR_L2_PREFETCH=0 arms)."""
+    return any(k.startswith("SPEAR_") and k not in NOT_KNOBS and defaults.get(k, "0") != v for k, v in env.items())
 
 
 def runs(model: str = "llama2-7b", batch: int = 1) -> list[dict]:

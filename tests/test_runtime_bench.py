@@ -80,6 +80,7 @@ def test_decode_history_marks_runs_off_todays_defaults():
     assert not plot.is_arm({"SPEAR_DENSE_KERNELS": "1", "SPEAR_TUNE_CACHE": "/tmp/t.json"}, defaults)
     assert plot.is_arm({"SPEAR_DENSE_KERNELS": "0"}, defaults)
     assert plot.is_arm({"SPEAR_ATTN_COMBINE": "fused"}, defaults)  # a switch no longer in src/
+    assert not plot.is_arm({"SPEAR_L2_PREFETCH": "0"}, defaults)  # ... turned off: the path that stayed
 
 
 def test_prefill_lab_says_it_needs_a_gpu():
