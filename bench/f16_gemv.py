@@ -5,17 +5,15 @@ same call (issue 5's fp16 baseline, BENCHMARKS §5).
     python bench/f16_gemv.py --models 7b 8b 13b 70b --json bench/results/f16_gemv_h200.json
 
 Every candidate and cuBLAS are timed as tune_gemv times them (a CUDA graph over weight copies that overflow L2);
-the table gives cuBLAS, the fastest kernel config, and each one's share of the copy bandwidth. With --fold, the
-stacked shapes (q|k|v, gate|up) are also timed as the runtime model's SPEAR_DENSE_FOLD runs them (the add + RMSNorm,
-and for gate|up SiLU·up, inside the GEMV) against the launches it replaces (add + RMSNorm, the GEMV, SiLU·up), each
-sequence chained in one graph as a decode step chains it.
+the table gives cuBLAS, the fastest kernel config, and each one's share of the copy bandwidth. (Session 21's --fold,
+the add + RMSNorm and SiLU·up folded into the GEMV against the launches they replace, is at 3e55312; the fold was
+removed after it measured 0.89–0.92×.)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import sys
 from pathlib import Path
 
@@ -24,10 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from common import copy_bandwidth, provenance, write_json
 
-from spear.kernels.f16_gemv import CUBLAS, f16_gemv, tune_gemv, weight_copies
-from spear.kernels.norm_fold import RowNorm
-from spear.kernels.timing import time_in_graph
-from spear.runtime.ops import add_rms_norm, silu_mul
+from spear.kernels.f16_gemv import CUBLAS, f16_gemv, tune_gemv
 
 # (name, N = out, K = in) as the runtime model launches them at one row: q|k|v and gate|up stacked
 SHAPES = {
@@ -38,36 +33,9 @@ SHAPES = {
 }
 
 
-def fold_pair(w: torch.Tensor, cfg, swiglu: bool):
-    """(unfolded, folded): one decode step's launches on weight copy `weight` without the fold (add + RMSNorm, the GEMV
-    with `cfg`, SiLU·up where `swiglu`) and with it (the GEMV with RowNorm, and swiglu), over the same inputs."""
-    n, k = w.shape
-    x, r = (torch.randn(1, k, device=w.device, dtype=torch.float16) for _ in range(2))
-    nw = (1 + 0.1 * torch.randn(k, device=w.device)).half()
-    h = torch.empty_like(x)
-
-    def unfolded(weight):
-        normed, _ = add_rms_norm(x, nw, 1e-5, r)
-        y = f16_gemv(normed, weight, None, cfg)
-        return silu_mul(y[:, : n // 2], y[:, n // 2 :]) if swiglu else y
-
-    def folded(weight):
-        return f16_gemv(x, weight, None, cfg, norm=RowNorm(nw, 1e-5, r, h), swiglu=swiglu)
-
-    return unfolded, folded
-
-
-def fold_timings(w: torch.Tensor, cfg, swiglu: bool) -> dict[str, float]:
-    """µs a step of fold_pair's two sequences, each over weight copies that overflow L2, in one graph apiece."""
-    unfolded, folded = fold_pair(w, cfg, swiglu)
-    return {name: time_in_graph([functools.partial(fn, c) for c in weight_copies(w)], reps=5)
-            for name, fn in (("unfolded_us", unfolded), ("folded_us", folded))}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["7b"], choices=list(SHAPES))
-    p.add_argument("--fold", action="store_true", help="also time the folded norm / SiLU·up on q|k|v and gate|up")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -92,10 +60,6 @@ def main() -> None:
             print(f"{row['shape']:<12} {w.nbytes / 1e6:7.1f} MB  cuBLAS {cublas:7.1f} µs ({100 * w.nbytes / cublas * 1e6 / bandwidth:3.0f}%)"
                   f"  ours {best_us:7.1f} µs ({100 * w.nbytes / best_us * 1e6 / bandwidth:3.0f}%)  {cublas / best_us:5.2f}×"
                   f"  {best}  rel err {err:.1e}", flush=True)
-            if args.fold and name in ("qkv", "gate_up"):
-                row.update(fold_timings(w, best, swiglu=name == "gate_up"))
-                print(f"{'':<12} folded {row['folded_us']:7.1f} µs against {row['unfolded_us']:7.1f} µs unfolded "
-                      f"({row['unfolded_us'] / row['folded_us']:4.2f}×)", flush=True)
             write_json(args.json, {"provenance": provenance(), "copy_bandwidth_Bps": bandwidth, "rows": rows})
             del w
 

@@ -40,7 +40,7 @@
 #   or, with S22A=1 (one H200), what one persistent launch a layer could save over four (bench/stream_lab.py --layer);
 #   or, with S21B=1 / S21C=1 / S21D=1 (one H200; run them at 607c966 / f846d72 / af0e5ad: the code was removed after),
 #          the L2 read-ahead of o's weight and a share of gate|up's while attention runs (SPEAR_L2_PREFETCH) A/B'd;
-#   or, with S21A=1 (one H200), the float path's norm and SiLU·up folded into its GEMVs (SPEAR_DENSE_FOLD) A/B'd;
+#   or, with S21A=1 (one H200, at 3e55312: removed after), the float path's norm and SiLU·up folded into its GEMVs;
 #   or, with S19A=1 (one H200), session 19's: the float model's fused q/k/v, gate/up and fp16 GEMV (the block below);
 #          with S19B=1 the GEMV's runs of row blocks, then the engine;
 #   or, with TP=1 in the environment, only the tensor-parallel benchmarks on both (a call of its own): the

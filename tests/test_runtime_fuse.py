@@ -157,41 +157,6 @@ def test_fused_float_model_matches_separate_layers(rope_in, monkeypatch, gen):
     assert err < 1e-5, f"fused vs separate float logits: {err:.2e}; seed {SEED}"
 
 
-@pytest.mark.parametrize("rope_in", [False, True])
-def test_dense_fold_keeps_the_float_model_logits(rope_in, monkeypatch, gen):
-    """SPEAR_DENSE_FOLD: a one-row step's add + RMSNorm inside the stacked q|k|v and gate|up GEMVs, and SiLU·up inside
-    gate|up's (the fp16 GEMV kernel, here in Triton's interpreter): the decode steps' logits stay those of the
-    unfolded fp16 model, and each fold does run (the counting wrapper), the first layer's without a residual."""
-    from spear.kernels import f16_gemv as gemv_module
-    from spear.runtime import model as model_module
-
-    monkeypatch.setattr(model_module, "ROPE_IN_ATTENTION", rope_in)
-    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64)
-    model = random_model(args, dtype=torch.float16, device=DEVICE, kernels=False, seed=SEED % 1000)
-    assert fuse_projections(model) == 2 * args.n_layers
-    ids = torch.randint(0, args.vocab, (7,), generator=gen).tolist()
-    ref = logits(model, ids, prefill=5)
-
-    folds = []
-    real = gemv_module.f16_gemv
-
-    def counting(x, weight, bias, cfg, out=None, *, norm=None, swiglu=False):
-        folds.append((norm is not None and norm.residual is not None, swiglu))
-        return real(x, weight, bias, cfg, out, norm=norm, swiglu=swiglu)
-
-    monkeypatch.setattr(gemv_module, "f16_gemv", counting)
-    monkeypatch.setattr(model_module, "DENSE_FOLD", True)
-    monkeypatch.setattr(model_module, "DENSE_FOLD_DEVICES", ("cuda", "cpu"))
-    out = logits(model, ids, prefill=5)
-    decode_steps = len(ids) - 5
-    # each decode step: the first q|k|v without a residual, the other q|k|v and both gate|up with one
-    assert folds.count((False, False)) == decode_steps
-    assert folds.count((True, False)) == decode_steps * (args.n_layers - 1)
-    assert folds.count((True, True)) == decode_steps * args.n_layers and len(folds) == decode_steps * 2 * args.n_layers
-    err = ((out - ref).abs().max() / ref.abs().max()).item()
-    assert err < 1e-2, f"folded vs unfolded fp16 logits: {err:.2e}; seed {SEED}"
-
-
 def test_dense_fusion_skips_mixed_parts(gen):
     """Parts of different dtypes or kinds stay separate (a packed SpearLinear beside a float one: neither fusion)."""
     from spear.runtime.model import _dense

@@ -11,10 +11,9 @@ multiplies in float32, one accumulator an element, summed once a row block.
 `CUBLAS`); `dense_linear` then takes the tuned choice for one-row fp16 inputs on CUDA, cuBLAS for everything else.
 The reference is `torch.nn.functional.linear`.
 
-Two folds, for the runtime model's SPEAR_DENSE_FOLD: `norm` (norm_fold.RowNorm), the add + RMSNorm before the GEMV done
-on the fly (each program forms h = x + residual along K, sums h², multiplies h ⊙ w_norm, and scales its row sums by
-rstd at the end; program 0 stores h), and `swiglu`, a [gate; up] weight's tile holding gate rows and the matching up
-rows, stored as silu(gate) ⊙ up. The references are ops.add_rms_norm_ref and ops.silu_mul_ref.
+Session 21 timed the add + RMSNorm before the GEMV and SiLU·up after gate|up's folded into it (three launches a layer
+fewer; built at fb8a2ac, timed at 3e55312): the folded GEMV was 0.89–0.92× the launches it replaced on 7B shapes, and Llama-2-7B
+fp16 no faster through the engine (BENCHMARKS §5 "Session 21"), so the folds were removed.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import triton
 import triton.language as tl
 
 from spear.kernels import tune_cache
-from spear.kernels.norm_fold import RowNorm
 from spear.kernels.pdl import launch_options, pdl_enter, pdl_release, runs_compiled
 
 
@@ -62,102 +60,64 @@ USE_GEMV = GEMV_MODE != "0"
 EARLY_RELEASE = os.environ.get("SPEAR_F16_GEMV_RELEASE", "early") == "early"
 TUNE_BYTES = 256 << 20  # weight bytes per timed graph when tuning: five times the H200's 50 MB L2
 _TUNED: dict[tuple, GemvConfig] = {}
-_TUNED_KERNEL: dict[tuple, GemvConfig] = {}  # kernel_config's picks where tune_gemv's was cuBLAS
 
 
 @triton.jit
-def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, h_ptr, K, stride_w, up_row, eps,
+def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                     EVEN_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-                     EARLY_RELEASE: tl.constexpr, PDL: tl.constexpr):
-    # A program owns ROW_BLOCKS blocks of output rows (f16_gemv checks the division) and walks them as one run of
-    # (row block, K step) tiles, each loaded a tile ahead, across row blocks too. A tile has BLOCK_N weight rows:
-    # consecutive ones, or with SWIGLU half gate rows and the up rows up_row below them (one output row a pair).
-    # NORM (RowNorm): x is the norm's input; each step forms h = x + residual (HAS_RESIDUAL; program 0 stores it),
-    # sums h² and multiplies h ⊙ w_norm, and the row sums are scaled by rstd = 1 / sqrt(mean(h²) + eps) at the end:
-    # norm(h) Wᵀ = rstd ⊙ ((h ⊙ w_norm) Wᵀ).
+                     EVEN_K: tl.constexpr, EARLY_RELEASE: tl.constexpr, PDL: tl.constexpr):
+    # A program owns ROW_BLOCKS blocks of BLOCK_N output rows (f16_gemv checks the division) and walks them as one
+    # run of (row block, K step) tiles, each loaded a tile ahead, across row blocks too.
     rows = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
-    if SWIGLU:
-        block_rows: tl.constexpr = BLOCK_N // 2  # output rows a block
-        w_rows = (rows // block_rows) * up_row + rows % block_rows
-    else:
-        block_rows: tl.constexpr = BLOCK_N
-        w_rows = rows
-    first_row = tl.program_id(0) * (block_rows * ROW_BLOCKS)
-    w_base = w_ptr + (first_row + w_rows)[:, None].to(tl.int64) * stride_w + cols[None, :]
+    first_row = tl.program_id(0) * (BLOCK_N * ROW_BLOCKS)
+    w_base = w_ptr + (first_row + rows)[:, None].to(tl.int64) * stride_w + cols[None, :]
     if EVEN_K:
         w = tl.load(w_base, eviction_policy="evict_first")
     else:
         w = tl.load(w_base, mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
-    pdl_enter(PDL, LATE=not EARLY_RELEASE)  # x (and the residual) are the launches before's outputs
+    pdl_enter(PDL, LATE=not EARLY_RELEASE)  # x is the launch before's output
     for block in range(ROW_BLOCKS):
-        ptrs = w_base + block * (block_rows * stride_w)
+        ptrs = w_base + block * (BLOCK_N * stride_w)
         # the next row block's first tile (the last block's: the first block's again, not past the program's rows)
-        next_block = w_base + ((block + 1) % ROW_BLOCKS) * (block_rows * stride_w)
+        next_block = w_base + ((block + 1) % ROW_BLOCKS) * (BLOCK_N * stride_w)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             more = k + BLOCK_K < K
             after = tl.where(more, ptrs + (k + BLOCK_K), next_block)
-            in_k = k + cols < K
             if EVEN_K:
                 x = tl.load(x_ptr + k + cols)
                 w_next = tl.load(after, eviction_policy="evict_first")
             else:
-                x = tl.load(x_ptr + k + cols, mask=in_k, other=0.0)
+                x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
                 width = tl.where(more, K - k - BLOCK_K, K)  # the next tile's columns: this row's rest, or a new row's
                 w_next = tl.load(after, mask=cols[None, :] < width, other=0.0, eviction_policy="evict_first")
-            xf = x.to(tl.float32)
-            if NORM:
-                if HAS_RESIDUAL:  # h = x + residual, rounded to fp16 as the add + RMSNorm launch rounds it
-                    h = (xf + tl.load(r_ptr + k + cols, mask=in_k, other=0.0).to(tl.float32)).to(tl.float16)
-                    first_pass_of_program_0 = cols * 0 + tl.program_id(0) + block == 0
-                    tl.store(h_ptr + k + cols, h, mask=in_k & first_pass_of_program_0)
-                    xf = h.to(tl.float32)
-                squares += xf * xf
-                xf = xf * tl.load(nw_ptr + k + cols, mask=in_k, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * xf[None, :]  # y_r = Σ_k W_rk x_k, one float32 term an element
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # y_r = Σ_k W_rk x_k, one float32 term an element
             w = w_next
         y = tl.sum(acc, axis=1)
-        if NORM:
-            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if HAS_BIAS:
-            y += tl.load(b_ptr + first_row + block * block_rows + w_rows).to(tl.float32)
-        if SWIGLU:  # rows [gate_0 .. gate_{B-1}, up_0 .. up_{B-1}] -> silu(gate_i) * up_i
-            gate, up = tl.split(tl.permute(tl.reshape(y, [2, block_rows]), [1, 0]))
-            y = gate / (1 + tl.exp(-gate)) * up
-            tl.store(y_ptr + first_row + block * block_rows + tl.arange(0, block_rows), y.to(tl.float16))
-        else:
-            tl.store(y_ptr + first_row + block * block_rows + rows, y.to(tl.float16))
+            y += tl.load(b_ptr + first_row + block * BLOCK_N + rows).to(tl.float32)
+        tl.store(y_ptr + first_row + block * BLOCK_N + rows, y.to(tl.float16))
     if not EARLY_RELEASE:
         pdl_release(PDL)
 
 
 def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
-             out: torch.Tensor | None = None, *, norm: RowNorm | None = None, swiglu: bool = False) -> torch.Tensor:
-    """x [1, K] fp16 times weight [N, K]ᵀ (+ bias) through the Triton kernel: [1, N] fp16 (into `out` if given).
-    `norm`: x is first the input of that add + RMSNorm (RowNorm). `swiglu`: weight is [gate; up] (N / 2 rows each)
-    and the result silu(x gateᵀ) ⊙ (x upᵀ) [1, N / 2], as ops.silu_mul of the two halves."""
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] fp16 times weight [N, K]ᵀ (+ bias) through the Triton kernel: [1, N] fp16 (into `out` if given)."""
     n, k = weight.shape
     if x.shape != (1, k) or x.dtype != torch.float16 or weight.dtype != torch.float16:
         raise ValueError(f"f16_gemv takes x [1, {k}] and a weight [{n}, {k}] in fp16, got {tuple(x.shape)} "
                          f"{x.dtype} and {weight.dtype}")
     if cfg == CUBLAS or n % (cfg.block_n * cfg.row_blocks) or weight.stride(1) != 1:
         raise ValueError(f"f16_gemv cannot run {cfg} on a [{n}, {k}] weight with strides {weight.stride()}")
-    if norm is not None and norm.residual is not None and norm.h is None:
-        raise ValueError("f16_gemv: a RowNorm with a residual needs h, the buffer for x + residual")
     x = x.contiguous()
-    width = n // 2 if swiglu else n
-    y = torch.empty(1, width, dtype=torch.float16, device=x.device) if out is None else out
-    residual = norm.residual.contiguous() if norm is not None and norm.residual is not None else None
+    y = torch.empty(1, n, dtype=torch.float16, device=x.device) if out is None else out
     _f16_gemv_kernel[(n // (cfg.block_n * cfg.row_blocks),)](
-        x, weight, bias if bias is not None else weight, y,
-        residual if residual is not None else x, norm.weight if norm is not None else x,
-        norm.h if residual is not None else x, k, weight.stride(0), n // 2, norm.eps if norm is not None else 0.0,
+        x, weight, bias if bias is not None else weight, y, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
-        EVEN_K=k % cfg.block_k == 0, NORM=norm is not None, HAS_RESIDUAL=residual is not None, SWIGLU=swiglu,
-        EARLY_RELEASE=EARLY_RELEASE, num_warps=cfg.num_warps, num_stages=1, **launch_options(x))
+        EVEN_K=k % cfg.block_k == 0, EARLY_RELEASE=EARLY_RELEASE, num_warps=cfg.num_warps, num_stages=1,
+        **launch_options(x))
     return y
 
 
@@ -233,21 +193,3 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
 def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     """weight and clones of it, TUNE_BYTES in all: timed in turn, their reads come from HBM, not L2."""
     return [weight] + [weight.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, weight.nbytes)) - 1)]
-
-
-def kernel_config(weight: torch.Tensor, tune: bool = False) -> GemvConfig:
-    """A kernel config (never cuBLAS) for one fp16 row on this weight, for launches that only the kernel can run
-    (a folded norm or SwiGLU): tune_gemv's pick where it is a kernel config, else with `tune` (CUDA, outside graph
-    capture) the fastest kernel config timed, else the first candidate the shape divides."""
-    cfg = _TUNED_KERNEL.get(_key(weight)) or _TUNED.get(_key(weight))
-    if cfg is not None and cfg != CUBLAS:
-        return cfg
-    n = weight.shape[0]
-    if tune and runs_compiled(weight):
-        timings: list[tuple[float, GemvConfig]] = []
-        tune_gemv(weight, timings=timings)
-        cfg = next(c for _, c in timings if c != CUBLAS)
-    else:
-        cfg = next(c for c in CANDIDATES if c != CUBLAS and n % (c.block_n * c.row_blocks) == 0)
-    _TUNED_KERNEL[_key(weight)] = cfg
-    return cfg

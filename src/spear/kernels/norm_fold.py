@@ -1,8 +1,7 @@
-"""An RMSNorm folded into the launches around it. FoldedNorm: into the W4 decode launches on either side of it
-(kernels.w4: w4_decode_add_norm makes one, w4_decode's `rms` takes one; runtime.model folds the norms between o and
-gate/up and between down and the next layer's q/k/v on decode steps). RowNorm: into the fp16 GEMV after it
-(kernels.f16_gemv's `norm`, a float model's one-row steps). Kept apart from the kernels so that the runtime model
-can name them without Triton."""
+"""An RMSNorm folded into the W4 decode launches on either side of it (FoldedNorm; kernels.w4: w4_decode_add_norm
+makes one, w4_decode's `rms` takes one; runtime.model folds the norms between o and gate/up and between down and the
+next layer's q/k/v on decode steps). Kept apart from the kernels so that the runtime model can name it without
+Triton."""
 
 from __future__ import annotations
 
@@ -23,15 +22,3 @@ class FoldedNorm:
     hw: torch.Tensor  # [M, K] fp16: h ⊙ w_norm, the consumer's x
     ssq: torch.Tensor  # [M, P] float32: Σ h² over the producer's P output tiles
     eps: float
-
-
-@dataclass(frozen=True)
-class RowNorm:
-    """The add + RMSNorm before a one-row fp16 GEMV, folded into it (kernels.f16_gemv's `norm`). The GEMV's x is the
-    norm's input. It forms h = x + residual (x itself without a residual), stores h in `h` (the new residual stream),
-    and multiplies norm(h) = weight ⊙ h / sqrt(mean(h²) + eps): one add + RMSNorm launch fewer."""
-
-    weight: torch.Tensor  # [K] the norm's weight
-    eps: float
-    residual: torch.Tensor | None = None  # [1, K]
-    h: torch.Tensor | None = None  # [1, K], written with h (needed with a residual)

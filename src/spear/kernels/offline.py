@@ -237,16 +237,13 @@ def variants() -> dict[str, tuple]:
     # the float model's one-row GEMV (kernels.f16_gemv): one row block, and runs of four with a masked K
     from spear.kernels import f16_gemv
 
-    gemv_ptrs = {**{n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr", "h_ptr")}, "eps": "fp32"}
-    # (block_n, block_k, warps, row_blocks, even K, early release, the add + RMSNorm and SwiGLU folded in)
-    for block_n, block_k, warps, row_blocks, even, early, fold in ((2, 1024, 4, 1, True, False, False),
-                                                                    (4, 1024, 4, 4, False, True, False),
-                                                                    (2, 1024, 4, 1, True, True, True)):
-        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even} early={early}"
-            + " norm+swiglu" * fold] = (
+    gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    # (block_n, block_k, warps, row_blocks, even K, early release)
+    for block_n, block_k, warps, row_blocks, even, early in ((2, 1024, 4, 1, True, False), (4, 1024, 4, 4, False, True)):
+        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even} early={early}"] = (
             f16_gemv._f16_gemv_kernel, gemv_ptrs,
-            dict(HAS_BIAS=not fold, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even,
-                 NORM=fold, HAS_RESIDUAL=fold, SWIGLU=fold, EARLY_RELEASE=early, PDL=True), warps)
+            dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even,
+                 EARLY_RELEASE=early, PDL=True), warps)
     return out
 
 

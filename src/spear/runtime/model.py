@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
-from spear.kernels.norm_fold import FoldedNorm, RowNorm
+from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
 from spear.layer import SpearLinear
@@ -52,12 +52,8 @@ FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
 # the fp16 GEMV kernel where it beats cuBLAS on the shape (DenseLinear, kernels.f16_gemv). SPEAR_DENSE_KERNELS=0: the
 # transformers layout, every linear through cuBLAS (to time the difference).
 DENSE_KERNELS = os.environ.get("SPEAR_DENSE_KERNELS", "1") == "1"
-# With it, a one-row fp16 step's add + RMSNorm folded into the stacked q|k|v and gate|up GEMVs after it, and SiLU·up
-# into gate|up's (kernels.f16_gemv's norm and swiglu; NormedRow): three launches a layer fewer, but slower on the H200
-# (session 21, S21A: the folded GEMVs 0.89-0.92x the launches they replace; Llama-2-7B fp16 batch 1, off / on / off /
-# on, 4.14 / 4.17 / 4.14 / 4.31 ms). Off; SPEAR_DENSE_FOLD=1 turns it on.
-DENSE_FOLD = os.environ.get("SPEAR_DENSE_FOLD", "0") == "1"
-DENSE_FOLD_DEVICES = ("cuda",)  # where it folds (the tests add "cpu": the kernel then runs in Triton's interpreter)
+# (The add + RMSNorm and SiLU·up folded into those one-row GEMVs were slower on the H200 and removed: session 21, S21A,
+# BENCHMARKS §5.)
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -248,37 +244,8 @@ class FusedDenseLinear(DenseLinear):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return super().forward(x).split(self.sizes, dim=-1)
 
-    def normed(self, row: NormedRow, swiglu: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The parts' outputs for a one-row step whose add + RMSNorm is folded into this GEMV (row.norm.h is written
-        too); with `swiglu` (gate|up) silu(gate) ⊙ up instead. One fp16 GEMV launch (kernels.f16_gemv)."""
-        from spear.kernels.f16_gemv import f16_gemv, kernel_config
-
-        y = f16_gemv(row.x, self.weight, self.bias, kernel_config(self.weight), norm=row.norm, swiglu=swiglu)
-        return y if swiglu else y.split(self.sizes, dim=-1)
-
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={'+'.join(map(str, self.sizes))}, dtype={self.weight.dtype}"
-
-
-@dataclass(frozen=True)
-class NormedRow:
-    """A one-row decode step's add + RMSNorm, left to the fp16 GEMV that consumes it (DENSE_FOLD): x is the norm's
-    input, and that GEMV writes norm.h (the new residual stream; x itself without a residual)."""
-
-    x: torch.Tensor  # [1, dim]
-    norm: RowNorm
-
-
-def _dense_folds(consumer: nn.Module | None, x: torch.Tensor) -> bool:
-    """Whether the add + RMSNorm before `consumer` folds into its GEMV on this step (DENSE_FOLD): a stacked fp16
-    FusedDenseLinear on CUDA, one row."""
-    return (DENSE_FOLD and isinstance(consumer, FusedDenseLinear) and x.device.type in DENSE_FOLD_DEVICES
-            and x.dtype == torch.float16 and x.dim() == 2 and x.shape[0] == 1 and consumer.weight.shape[0] % 2 == 0)
-
-
-def _normed_row(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> NormedRow:
-    h = None if residual is None else torch.empty_like(x)
-    return NormedRow(x, RowNorm(norm.weight, norm.eps, residual, h))
 
 
 def _decode_launch(x: torch.Tensor) -> bool:
@@ -320,21 +287,18 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.wqkv: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
 
-    def qkv(self, x: torch.Tensor | FoldedNorm | NormedRow) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor | FoldedNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections q [T, H, D], k and v [T, KV, D], unrotated (views of one q|k|v output where fused)."""
         if isinstance(x, FoldedNorm):  # this layer's attention norm, folded into the launch before (Block)
             T = x.h.shape[0]
             q, k, v = self.wqkv(x.hw, rms=x)
-        elif isinstance(x, NormedRow):  # this layer's attention norm, folded into the q|k|v GEMV (DENSE_FOLD)
-            T = 1
-            q, k, v = self.wqkv.normed(x)
         else:
             T = x.shape[0]
             q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         return (q.view(T, self.n_heads, self.head_dim), k.view(T, self.n_kv_heads, self.head_dim),
                 v.view(T, self.n_kv_heads, self.head_dim))
 
-    def project(self, x: torch.Tensor | FoldedNorm | NormedRow, inv_freq: torch.Tensor, positions: torch.Tensor,
+    def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
         return rope_write_kv(*self.qkv(x), positions, inv_freq, *kv, slots)
@@ -347,9 +311,7 @@ class FeedForward(nn.Module):
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
         self.w_gate_up: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
 
-    def forward(self, x: torch.Tensor | NormedRow) -> torch.Tensor:
-        if isinstance(x, NormedRow):  # the FFN norm and SiLU·up folded into the gate|up GEMV (DENSE_FOLD)
-            return self.w_down(self.w_gate_up.normed(x, swiglu=True))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if FUSE_SWIGLU and isinstance(self.w_gate_up, FusedLinear) and _decode_launch(x):
             return self.w_down(self.w_gate_up.swiglu(x))
         gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
@@ -379,13 +341,10 @@ class Block(nn.Module):
         return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
 
     def attention_input(self, x: torch.Tensor | FoldedNorm,
-                        residual: torch.Tensor | None) -> tuple[torch.Tensor | FoldedNorm | NormedRow, torch.Tensor]:
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
         """(x, residual) -> (the attention norm's output, or x itself where that norm is folded in; residual)."""
         if isinstance(x, FoldedNorm):  # the norm is done: x.h is the stream
             return x, x.h
-        if _dense_folds(self.attention.wqkv, x):  # the norm is left to the q|k|v GEMV, which writes the stream
-            row = _normed_row(self.attention_norm, x, residual)
-            return row, x if residual is None else row.norm.h
         return self.attention_norm(x, residual)
 
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
@@ -406,11 +365,7 @@ class Block(nn.Module):
             if next_block is not None and _folds_norm(ff.w_down, next_block.attention.wqkv, act):
                 return _add_norm(ff.w_down, act, normed.h, next_block.attention_norm), normed.h
             return ff.w_down(act), normed.h
-        o = self.attention.wo(attn)
-        if _dense_folds(ff.w_gate_up, o):  # the norm and SiLU·up left to the gate|up GEMV, which writes the stream
-            row = _normed_row(self.ffn_norm, o, residual)
-            return ff(row), row.norm.h
-        h, residual = self.ffn_norm(o, residual)
+        h, residual = self.ffn_norm(self.attention.wo(attn), residual)
         return ff(h), residual
 
 
@@ -573,12 +528,10 @@ def use_dense_kernels(model: Transformer, tune: bool = True) -> int:
         if isinstance(m, DenseLinear) and m.weight.dtype == torch.float16 and m.weight.is_cuda:
             weights.setdefault(tuple(m.weight.shape), m)
     if tune and weights:
-        from spear.kernels.f16_gemv import kernel_config, tune_gemv
+        from spear.kernels.f16_gemv import tune_gemv
 
         for m in tqdm(weights.values(), desc="tuning the fp16 GEMV", unit="shape", leave=False):
             tune_gemv(m.weight, m.bias)
-            if DENSE_FOLD and isinstance(m, FusedDenseLinear):  # folded launches run the kernel even where cuBLAS won
-                kernel_config(m.weight, tune=True)
     return count
 
 
