@@ -20,7 +20,9 @@ the next step's codes loaded ahead) as four launches (`launches`), four launches
 program waits for the launch before it and lets the next one start at once, as the engine's kernels do), one
 launch with a grid-wide barrier between the weights where the real layer has its dependencies (`persistent`), or
 one launch without them (`persistent_free`: the ceiling). The first minus the third is the ramp and tail that four
-launches a layer cost; the engine's W4 step pays that 32 times.
+launches a layer cost; the engine's W4 step pays that 32 times. The same call also times the W4 kernel's own four
+launches of the layer (`w4_kernel`: per-channel codes, tuned configs, PDL as in the engine), the yardstick that
+says how close the stand-in's WORK = 20 rows come to the real loop.
 """
 
 from __future__ import annotations
@@ -207,6 +209,31 @@ def launch_layer(weights: list[torch.Tensor], out: torch.Tensor, barrier: torch.
                                    WORK=work, num_warps=warps)
 
 
+def w4_layer_calls(shapes, device: torch.device) -> tuple[list, list, list]:
+    """(calls, weights, xs): one call a copy of a layer's four W4 weights (per-channel RTN codes of random weights,
+    tuned at one row on CUDA; copies enough to overflow the L2 when timed in turn), each making the W4 decode kernel's
+    four one-row launches in the engine's order: q|k|v, o, gate|up with SiLU·up in its epilogue, down. The weights
+    are the first copy's."""
+    from spear.kernels.pack import pack_w4
+    from spear.kernels.w4 import decode_config, tune_w4, w4_decode
+    from spear.quant.record import QuantConfig, rtn_quantize
+
+    packed = [pack_w4(rtn_quantize(torch.randn(n, k, device=device, dtype=torch.float16), QuantConfig(4, -1)))
+              for n, k in shapes]
+    if device.type == "cuda":
+        for w in packed:
+            tune_w4(w, (1,))
+    extra = max(1, math.ceil((128 << 20) / sum(w.nbytes() for w in packed))) - 1
+    copies = [packed] + [[w.clone() for w in packed] for _ in range(extra if device.type == "cuda" else 0)]
+    xs = [torch.randn(1, k, device=device, dtype=torch.float16) for _, k in shapes]
+
+    def layer(ws) -> list[torch.Tensor]:
+        return [w4_decode(x, w, cfg=decode_config(w, 1), swiglu=i == 2)
+                for i, (w, x) in enumerate(zip(ws, xs, strict=True))]
+
+    return [lambda ws=ws: layer(ws) for ws in copies], packed, xs
+
+
 def layer_lab(args, sms: int, bandwidth: dict) -> list[dict]:
     """The --layer rows: every layer × tiling × mode × WORK, µs a layer against the layer's read floor."""
     rows = []
@@ -219,6 +246,10 @@ def layer_lab(args, sms: int, bandwidth: dict) -> list[dict]:
         out = torch.empty(sum(w.shape[0] for w in weights), device="cuda", dtype=torch.int32)
         barrier = torch.zeros(2, device="cuda", dtype=torch.int32)
         floor_us = layer_bytes / bandwidth["kernel_graph"] * 1e6
+        us = time_in_graph(w4_layer_calls(LAYERS[name], torch.device("cuda"))[0], reps=10)  # the engine's launches
+        rows.append({"layer": name, "mode": "w4_kernel", "us": us, "floor_us": floor_us})
+        print(f"{name} layer the W4 kernel's four launches: {us:6.2f} µs ({floor_us / us:4.0%} of the read floor "
+              f"{floor_us:.2f})", flush=True)
         for bn, bkw, warps in (tuple(int(v) for v in t.split("/")) for t in args.tiles):
             for mode in args.layer_modes:
                 for work in args.works:

@@ -38,3 +38,19 @@ def test_layer_modes_read_each_weight_once(mode):
     stream_lab.launch_layer(weights, out, torch.zeros(2, dtype=torch.int32), 32, 32, 4, mode, 0, 3)
     ref = torch.cat([(w.long().sum(1) + 2**31) % 2**32 - 2**31 for w in weights])
     assert torch.equal(out.long(), ref), mode
+
+
+def test_w4_layer_yardstick_makes_the_engines_four_launches():
+    """--layer's yardstick: the W4 kernel's own launches of a layer (here in the interpreter, untuned), q|k|v, o,
+    gate|up with SiLU·up, down, against the dequantized weights."""
+    from spear.kernels.reference import w4_linear_ref
+
+    torch.manual_seed(0)
+    shapes = [(192, 128), (128, 128), (256, 128), (128, 128)]
+    (call,), weights, xs = stream_lab.w4_layer_calls(shapes, torch.device("cpu"))
+    outs = call()
+    assert [tuple(o.shape) for o in outs] == [(1, 192), (1, 128), (1, 128), (1, 128)]  # gate|up: SiLU·up, N / 2
+    refs = [w4_linear_ref(x, w).float() for x, w in zip(xs, weights, strict=True)]
+    refs[2] = torch.nn.functional.silu(refs[2][:, :128]) * refs[2][:, 128:]
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, i
