@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if "fused" not in s], choices=list(SHAPES))
     p.add_argument("--split-ks", type=int, nargs="+", default=[0],
                    help="split-K of the dot-loop candidates (0: the launch's own choice, ≥ 2 programs an SM)")
+    p.add_argument("--gemv-split-ks", type=int, nargs="+", default=[0],
+                   help="split-K of the GEMV-loop candidates (M ≤ 4; 0: the launch's own choice), e.g. 0 1 2 4 8")
     p.add_argument("--group-size", type=int, default=-1, choices=[-1, 32, 64, 128],
                    help="quantization groups of the random weights (default -1: per-channel)")
     p.add_argument("--extra-dot", nargs="+", default=[], metavar="BN:WARPS:STAGES",
@@ -79,7 +81,7 @@ def main() -> None:
             # every decode candidate for this M, with and without the EC: is W4's tuned config also W4+EC's best?
             per_config = []
             configs = [dataclasses.replace(c, split_k=k) for c in w4mod.DECODE_CANDIDATES + extra
-                       for k in (args.split_ks if c.gemv_rows == 0 else [0])]
+                       for k in (args.split_ks if c.gemv_rows == 0 else args.gemv_split_ks)]
             for cfg in configs:
                 if cfg.gemv_rows and m > cfg.gemv_rows:
                     continue

@@ -473,10 +473,15 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
     > $log/3_gemvlate${l}_$i.log 2>&1; done
 elif [ "${S22A:-0}" = 1 ]; then  # for session 22 (one H200): a layer's four W4 weights streamed by persistent
   # programs as four launches, four under PDL, one launch with grid barriers between them, one without
-  # (bench/stream_lab.py --layer; the stand-in's tests first)
+  # (bench/stream_lab.py --layer; the stand-in's tests first); then the GEMV loop's split of K at one row
   export CUDA_VISIBLE_DEVICES=0 TAIL=80
   timeout 90 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_stream_lab.py > $log/1_tests.log 2>&1
   timeout 300 python bench/stream_lab.py --layer --json "$out/stream_lab_layer_h200.json" > $log/2_layer.log 2>&1
+  # the GEMV loop's split of K at one row, fixed against the automatic one (never timed apart): each candidate as W4
+  # and W4+EC32 on the 7B shapes the engine launches
+  timeout $((570 - SECONDS)) python bench/ec_ablation.py --configs-only --ms 1 --gemv-split-ks 0 1 2 4 8 \
+    --shapes 7b/qkv_fused 7b/qkvo 7b/gate_up_fused 7b/down --json "$out/ec_ablation_h200_gemv_splits.json" \
+    > $log/3_gemv_splits.log 2>&1
 elif [ "${S21D:-0}" = 1 ]; then  # for session 21 (one H200): S21C's one Llama-3-8B pair (2.48 off, 2.35 on) again,
   # off / on three times, W4 and W4+EC38 at batch 1 (the JSON in one s21d_runs.tgz)
   export CUDA_VISIBLE_DEVICES=0 TAIL=8
