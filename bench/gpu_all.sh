@@ -475,7 +475,7 @@ elif [ "${S22A:-0}" = 1 ]; then  # for session 22 (one H200): a layer's four W4 
   # programs as four launches, four under PDL, one launch with grid barriers between them, one without
   # (bench/stream_lab.py --layer; the stand-in's tests first); then the GEMV loop's split of K at one row
   export CUDA_VISIBLE_DEVICES=0 TAIL=80
-  timeout 90 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_stream_lab.py > $log/1_tests.log 2>&1
+  timeout 150 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_stream_lab.py > $log/1_tests.log 2>&1
   timeout 300 python bench/stream_lab.py --layer --json "$out/stream_lab_layer_h200.json" > $log/2_layer.log 2>&1
   # the GEMV loop's split of K at one row, fixed against the automatic one (never timed apart): each candidate as W4
   # and W4+EC32 on the 7B shapes the engine launches

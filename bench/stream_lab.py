@@ -209,9 +209,9 @@ def launch_layer(weights: list[torch.Tensor], out: torch.Tensor, barrier: torch.
                                    WORK=work, num_warps=warps)
 
 
-def w4_layer_calls(shapes, device: torch.device) -> tuple[list, list, list]:
+def w4_layer_calls(shapes, device: torch.device, tune: bool = True) -> tuple[list, list, list]:
     """(calls, weights, xs): one call a copy of a layer's four W4 weights (per-channel RTN codes of random weights,
-    tuned at one row on CUDA; copies enough to overflow the L2 when timed in turn), each making the W4 decode kernel's
+    tuned at one row on CUDA unless not `tune`; copies enough to overflow the L2 when timed in turn), each making the W4 decode kernel's
     four one-row launches in the engine's order: q|k|v, o, gate|up with SiLU·up in its epilogue, down. The weights
     are the first copy's."""
     from spear.kernels.pack import pack_w4
@@ -220,7 +220,7 @@ def w4_layer_calls(shapes, device: torch.device) -> tuple[list, list, list]:
 
     packed = [pack_w4(rtn_quantize(torch.randn(n, k, device=device, dtype=torch.float16), QuantConfig(4, -1)))
               for n, k in shapes]
-    if device.type == "cuda":
+    if tune and device.type == "cuda":
         for w in packed:
             tune_w4(w, (1,))
     extra = max(1, math.ceil((128 << 20) / sum(w.nbytes() for w in packed))) - 1
