@@ -49,11 +49,27 @@ LAYERS = {"7b": ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)),  # 
 LAYER_MODES = ["launches", "launches_pdl", "persistent", "persistent_free"]
 
 
+def extra_copies(nbytes: int) -> int:
+    """Copies beyond the first of `nbytes` of data that make the timed set exceed the L2 (128 MB in all)."""
+    return max(1, math.ceil((128 << 20) / nbytes)) - 1
+
+
 @triton.jit
 def _work(acc, words, WORK: tl.constexpr):
     acc += words  # WORK = 0: every mode's row sums are the matrix's (mod 2^32), whatever its order
     for i in tl.static_range(WORK):
         acc = acc * words + i  # one IMAD a word, dependent on the last
+    return acc
+
+
+@triton.jit
+def _stream_ahead1(acc, rows, mask_r, col, lo, hi, BKW: tl.constexpr, WORK: tl.constexpr):
+    """acc after the words lo .. hi of a tile's rows, each step's loaded one step ahead (a1)."""
+    ahead = tl.load(rows + lo, mask=mask_r & (lo + col < hi))
+    for kw in tl.range(lo, hi, BKW, num_stages=1):
+        cur = ahead
+        ahead = tl.load(rows + kw + BKW, mask=mask_r & (kw + BKW + col < hi))
+        acc = _work(acc, cur, WORK)
     return acc
 
 
@@ -74,11 +90,7 @@ def _stream_kernel(qw_ptr, out_ptr, N, KW, kw_per_split, BN: tl.constexpr, BKW: 
         for kw in tl.range(lo, hi, BKW, num_stages=STAGES):
             acc = _work(acc, tl.load(rows + kw, mask=mask_r & (kw + col < hi)), WORK)
     elif AHEAD == 1:
-        a1 = tl.load(rows + lo, mask=mask_r & (lo + col < hi))
-        for kw in tl.range(lo, hi, BKW, num_stages=1):
-            cur = a1
-            a1 = tl.load(rows + kw + BKW, mask=mask_r & (kw + BKW + col < hi))
-            acc = _work(acc, cur, WORK)
+        acc = _stream_ahead1(acc, rows, mask_r, col, lo, hi, BKW, WORK)
     elif AHEAD == 2:
         a1 = tl.load(rows + lo, mask=mask_r & (lo + col < hi))
         a2 = tl.load(rows + lo + BKW, mask=mask_r & (lo + BKW + col < hi))
@@ -160,12 +172,7 @@ def _stream_tiles(qw_ptr, out_ptr, N, KW, BN: tl.constexpr, BKW: tl.constexpr, W
         offs_n = tile * BN + tl.arange(0, BN)
         rows = qw_ptr + offs_n[:, None] * KW + col
         mask_r = offs_n[:, None] < N
-        acc = tl.zeros((BN, BKW), dtype=tl.int32)
-        ahead = tl.load(rows, mask=mask_r & (col < KW))
-        for kw in tl.range(0, KW, BKW, num_stages=1):
-            cur = ahead
-            ahead = tl.load(rows + kw + BKW, mask=mask_r & (kw + BKW + col < KW))
-            acc = _work(acc, cur, WORK)
+        acc = _stream_ahead1(tl.zeros((BN, BKW), dtype=tl.int32), rows, mask_r, col, 0, KW, BKW, WORK)
         tl.store(out_ptr + offs_n, tl.sum(acc, axis=1), mask=offs_n < N)
 
 
@@ -211,9 +218,9 @@ def launch_layer(weights: list[torch.Tensor], out: torch.Tensor, barrier: torch.
 
 def w4_layer_calls(shapes, device: torch.device, tune: bool = True) -> tuple[list, list, list]:
     """(calls, weights, xs): one call a copy of a layer's four W4 weights (per-channel RTN codes of random weights,
-    tuned at one row on CUDA unless not `tune`; copies enough to overflow the L2 when timed in turn), each making the W4 decode kernel's
-    four one-row launches in the engine's order: q|k|v, o, gate|up with SiLU·up in its epilogue, down. The weights
-    are the first copy's."""
+    tuned at one row on CUDA unless not `tune`; on CUDA copies enough to overflow the L2 when timed in turn), each
+    making the W4 decode kernel's four one-row launches in the engine's order: q|k|v, o, gate|up with SiLU·up in its
+    epilogue, down. The weights are the first copy's."""
     from spear.kernels.pack import pack_w4
     from spear.kernels.w4 import decode_config, tune_w4, w4_decode
     from spear.quant.record import QuantConfig, rtn_quantize
@@ -223,8 +230,8 @@ def w4_layer_calls(shapes, device: torch.device, tune: bool = True) -> tuple[lis
     if tune and device.type == "cuda":
         for w in packed:
             tune_w4(w, (1,))
-    extra = max(1, math.ceil((128 << 20) / sum(w.nbytes() for w in packed))) - 1
-    copies = [packed] + [[w.clone() for w in packed] for _ in range(extra if device.type == "cuda" else 0)]
+    extra = extra_copies(sum(w.nbytes() for w in packed)) if device.type == "cuda" else 0
+    copies = [packed] + [[w.clone() for w in packed] for _ in range(extra)]
     xs = [torch.randn(1, k, device=device, dtype=torch.float16) for _, k in shapes]
 
     def layer(ws) -> list[torch.Tensor]:
@@ -241,8 +248,7 @@ def layer_lab(args, sms: int, bandwidth: dict) -> list[dict]:
         weights = [torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
                    for n, k in LAYERS[name]]
         layer_bytes = sum(w.numel() * 4 for w in weights)
-        extra = max(1, math.ceil((128 << 20) / layer_bytes)) - 1  # copies over more bytes than the L2 holds
-        copies = [weights] + [[w.clone() for w in weights] for _ in range(extra)]
+        copies = [weights] + [[w.clone() for w in weights] for _ in range(extra_copies(layer_bytes))]
         out = torch.empty(sum(w.shape[0] for w in weights), device="cuda", dtype=torch.int32)
         barrier = torch.zeros(2, device="cuda", dtype=torch.int32)
         floor_us = layer_bytes / bandwidth["kernel_graph"] * 1e6
@@ -305,7 +311,7 @@ def main() -> None:
     for name in args.shapes:
         n, k = SHAPES[name]
         codes = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32)
-        copies = [codes] + [codes.clone() for _ in range(max(1, math.ceil((128 << 20) / (codes.numel() * 4))) - 1)]
+        copies = [codes] + [codes.clone() for _ in range(extra_copies(codes.numel() * 4))]
         out = torch.empty(64, n, device="cuda", dtype=torch.int32)
         floor_us = codes.numel() * 4 / bandwidth["kernel_graph"] * 1e6  # the copy's DRAM rate (read + write bytes)
         for bn, bkw, warps in (tuple(int(v) for v in t.split("/")) for t in args.tiles):

@@ -31,7 +31,7 @@ def test_every_mode_reads_each_word_once(mode):
 @pytest.mark.parametrize("mode", stream_lab.LAYER_MODES)
 def test_layer_modes_read_each_weight_once(mode):
     """--layer: the persistent programs stream each of a layer's four weights whole, as four launches or one, each
-X
+    weight's row sums landing at its offset; the barrier's arrival count is back at zero after each launch. The
     barrier mode spins until every program has arrived and PDL is compiled code, so on CPU (the interpreter runs
     programs one after another) only the others run; the offline compile covers the barrier there."""
     if DEVICE.type == "cpu" and mode in ("persistent", "launches_pdl"):

@@ -12,8 +12,8 @@ multiplies in float32, one accumulator an element, summed once a row block.
 The reference is `torch.nn.functional.linear`.
 
 Session 21 timed the add + RMSNorm before the GEMV and SiLU·up after gate|up's folded into it (three launches a layer
-fewer; built at fb8a2ac, timed at 3e55312): the folded GEMV was 0.89–0.92× the launches it replaced on 7B shapes, and Llama-2-7B
-fp16 no faster through the engine (BENCHMARKS §5 "Session 21"), so the folds were removed.
+fewer; built at fb8a2ac, timed at 3e55312): the folded GEMV was 0.89–0.92× the launches it replaced on 7B shapes,
+and Llama-2-7B fp16 no faster through the engine (BENCHMARKS §5 "Session 21"), so the folds were removed.
 """
 
 from __future__ import annotations
@@ -95,9 +95,10 @@ def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # y_r = Σ_k W_rk x_k, one float32 term an element
             w = w_next
         y = tl.sum(acc, axis=1)
+        out_rows = first_row + block * BLOCK_N + rows
         if HAS_BIAS:
-            y += tl.load(b_ptr + first_row + block * BLOCK_N + rows).to(tl.float32)
-        tl.store(y_ptr + first_row + block * BLOCK_N + rows, y.to(tl.float16))
+            y += tl.load(b_ptr + out_rows).to(tl.float32)
+        tl.store(y_ptr + out_rows, y.to(tl.float16))
     if not EARLY_RELEASE:
         pdl_release(PDL)
 
@@ -167,7 +168,7 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
         if cached is not None:
             _TUNED[_key(weight)] = cached
             return cached
-    copies = weight_copies(weight)
+    copies = [weight] + [weight.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, weight.nbytes)) - 1)]
     x = torch.randn(1, k, dtype=torch.float16, device=weight.device)
     measured = []
     for cfg in CANDIDATES:
@@ -189,7 +190,3 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
         tune_cache.write(cache, {cache_key: ranked[0][1]}, {cache_key: [(round(us, 2), c) for us, c in ranked[:3]]})
     return ranked[0][1]
 
-
-def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    """weight and clones of it, TUNE_BYTES in all: timed in turn, their reads come from HBM, not L2."""
-    return [weight] + [weight.clone() for _ in range(max(1, triton.cdiv(TUNE_BYTES, weight.nbytes)) - 1)]
