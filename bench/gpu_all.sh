@@ -37,6 +37,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S22B=1 (one H200), the tuner's fixed splits of K at one row A/B'd through the engine;
 #   or, with S22A=1 (one H200), what one persistent launch a layer could save over four (bench/stream_lab.py --layer);
 #   or, with S21B=1 / S21C=1 / S21D=1 (one H200; run them at 607c966 / f846d72 / af0e5ad: the code was removed after),
 #          the L2 read-ahead of o's weight and a share of gate|up's while attention runs (SPEAR_L2_PREFETCH) A/B'd;
@@ -471,6 +472,24 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S22B:-0}" = 1 ]; then  # for session 22 (one H200): the tuner at one row with the GEMV loop's K also split
+  # 1, 2 and 4 ways (SPEAR_W4_GEMV_SPLITS, default) against the automatic split alone (""), each arm with a tuning
+  # cache of its own; Llama-2-7B W4 / W4+EC38 at batch 1, off / on / off / on, then Llama-3-8B off / on while time
+  # lasts (the JSON and both caches in one s22b_runs.tgz)
+  export CUDA_VISIBLE_DEVICES=0 TAIL=12
+  runs=/tmp/s22b_runs; mkdir -p $runs
+  timeout 120 python -m pytest -p no:cacheprovider -o addopts= -q tests/test_kernels.py -k "tune or one_row" \
+    > $log/1_tests.log 2>&1
+  for arm in auto fixed; do cp .gpu_cache/w4_tuning.json $runs/w4_tuning_$arm.json; done
+  i=0; for arm in auto fixed auto fixed; do i=$((i + 1)); splits=$([ $arm = fixed ] && echo "1 2 4")
+    SPEAR_W4_GEMV_SPLITS=$splits SPEAR_TUNE_CACHE=$runs/w4_tuning_$arm.json timeout $([ $i -le 2 ] && echo 170 || echo 80) \
+      python bench/decode.py --models llama2-7b --settings w4 w4+ec38 --batches 1 \
+      --json "$runs/decode_h200_${arm}_run$i.json" > $log/2_7b_${arm}_$i.log 2>&1; done
+  for arm in auto fixed; do i=$((i + 1)); splits=$([ $arm = fixed ] && echo "1 2 4")
+    [ $SECONDS -lt 440 ] && SPEAR_W4_GEMV_SPLITS=$splits SPEAR_TUNE_CACHE=$runs/w4_tuning_$arm.json \
+      timeout $((575 - SECONDS)) python bench/decode.py --models llama3-8b --settings w4 w4+ec38 --batches 1 \
+      --json "$runs/decode_h200_8b_${arm}_run$i.json" > $log/3_8b_${arm}_$i.log 2>&1; done
+  tar czf "$out/s22b_runs.tgz" -C $runs .
 elif [ "${S22A:-0}" = 1 ]; then  # for session 22 (one H200): a layer's four W4 weights streamed by persistent
   # programs as four launches, four under PDL, one launch with grid barriers between them, one without
   # (bench/stream_lab.py --layer; the stand-in's tests first); then the GEMV loop's split of K at one row

@@ -117,6 +117,19 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
         assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
 
 
+def test_one_row_tuning_also_times_the_gemv_loop_split_fixed_ways():
+    """At one row the tuner times each GEMV-loop candidate with the automatic split and with K split each of
+    GEMV_SPLITS ways (session 22: fixed splits won on 7B o and down); at 2–4 rows the automatic split alone, above 4
+    the dot loop alone."""
+    from spear.kernels.w4 import GEMV_SPLITS, _tune_candidates
+
+    gemv = [c for c in DECODE_CANDIDATES if c.gemv_rows]
+    one, four, sixteen = _tune_candidates(1), _tune_candidates(4), _tune_candidates(16)
+    assert GEMV_SPLITS and all(c.split_k == 0 for c in four) and not any(c.gemv_rows for c in sixteen)
+    fixed = [dataclasses.replace(c, split_k=s) for c in gemv for s in GEMV_SPLITS]
+    assert one == four + fixed and len(set(one)) == len(one)
+
+
 def test_dot_loop_split_for_more_programs_an_sm_matches_reference(gen):
     """DecodeConfig.fill (the dot-loop candidates split for 4 and 8 programs an SM): more splits, same result."""
     from spear.kernels.w4 import DOT_FILLS, split_count
@@ -571,9 +584,9 @@ def test_tune_w4_with_an_ec_times_the_ec_launch_and_keeps_w4_s_pick(gen, monkeyp
     monkeypatch.setattr(w4_module, "TUNE_BYTES", 1)
     monkeypatch.setattr(w4_module, "_TUNED", {w4_module._tune_key(packed, 1): w4_pick})
     chosen = w4_module.tune_w4(packed, (1, 256), ec=ec)
-    best = min(w4_module.DECODE_CANDIDATES, key=lambda c: c.block_n + c.num_warps / 100)
+    best = min(w4_module._tune_candidates(1), key=lambda c: c.block_n + c.num_warps / 100)
     assert list(chosen) == [1] and chosen[1] == best  # 256 rows is not a decode launch: not tuned with the EC
-    assert all(e is ec for e in launched) and len(launched) == len(w4_module.DECODE_CANDIDATES)
+    assert all(e is ec for e in launched) and len(launched) == len(w4_module._tune_candidates(1))
     assert w4_module.decode_config(packed, 1, ec) == best and w4_module.decode_config(packed, 1) == w4_pick
 
 
@@ -582,10 +595,10 @@ def test_tune_w4_reuses_the_choices_of_an_earlier_process(gen, monkeypatch, tune
     packed = pack_w4(random_w4(128, 256, -1, gen)).to(DEVICE)
     timed = fake_timer(monkeypatch)
     first = w4_module.tune_w4(packed, (1, 256))  # a decode bucket and a prefill one
-    assert first == {1: min(w4_module.DECODE_CANDIDATES, key=tune_score),
+    assert first == {1: min(w4_module._tune_candidates(1), key=tune_score),
                      256: min(w4_module.PREFILL_CANDIDATES, key=tune_score)}
     assert first[1] != DecodeConfig() and first[256] != PrefillConfig()  # not what an untuned launch would take
-    assert len(timed) == len(w4_module.DECODE_CANDIDATES) + len(w4_module.PREFILL_CANDIDATES)
+    assert len(timed) == len(w4_module._tune_candidates(1)) + len(w4_module.PREFILL_CANDIDATES)
     entries = json.loads(tune_cache.read_text())
     written = sorted(entries.values(), key=lambda e: e["kind"])
     assert [{k: e[k] for k in ("kind", "fields")} for e in written] == [
@@ -602,12 +615,12 @@ def test_tune_w4_reuses_the_choices_of_an_earlier_process(gen, monkeypatch, tune
     assert w4_module.tune_w4(packed, (1, 256)) == first and timed == []
     assert w4_module.decode_config(packed, 1) == first[1]
     assert w4_module.tune_w4(packed, (1,), timings={}) == {1: first[1]}  # an explicit timing request re-times
-    assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+    assert len(timed) == len(w4_module._tune_candidates(1))
     monkeypatch.setattr(w4_module, "_TUNED", {})  # a new process with changed kernels: the old choices do not apply
     monkeypatch.setattr(tune_cache_module, "_kernel_hash", lambda: "changed")
     timed.clear()
     w4_module.tune_w4(packed, (1,))
-    assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+    assert len(timed) == len(w4_module._tune_candidates(1))
 
 
 def test_a_corrupt_or_stale_tune_cache_is_timed_again_and_rewritten(gen, monkeypatch, tune_cache):
@@ -619,7 +632,7 @@ def test_a_corrupt_or_stale_tune_cache_is_timed_again_and_rewritten(gen, monkeyp
     tune_cache.parent.mkdir()
     tune_cache.write_text('{"truncated": ')
     chosen = w4_module.tune_w4(packed, (1,))
-    assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+    assert len(timed) == len(w4_module._tune_candidates(1))
     (key, entry), = json.loads(tune_cache.read_text()).items()
     assert {k: entry[k] for k in ("kind", "fields")} == {"kind": "DecodeConfig", "fields": dataclasses.asdict(chosen[1])}
 
@@ -635,7 +648,7 @@ def test_a_corrupt_or_stale_tune_cache_is_timed_again_and_rewritten(gen, monkeyp
         monkeypatch.setattr(w4_module, "_TUNED", {})
         timed.clear()
         assert w4_module.tune_w4(packed, (1,)) == chosen, bad
-        assert len(timed) == len(w4_module.DECODE_CANDIDATES), f"{bad} was taken from the cache"
+        assert len(timed) == len(w4_module._tune_candidates(1)), f"{bad} was taken from the cache"
         assert json.loads(tune_cache.read_text()) == {key: entry}
 
 
@@ -653,7 +666,7 @@ def test_tune_cache_off_or_unwritable(gen, monkeypatch, tmp_path):
         monkeypatch.setattr(w4_module, "_TUNED", {})
         timed.clear()
         assert w4_module.tune_w4(packed, (1,)) == {1: min(w4_module.DECODE_CANDIDATES, key=tune_score)}
-        assert len(timed) == len(w4_module.DECODE_CANDIDATES)
+        assert len(timed) == len(w4_module._tune_candidates(1))
     assert list(tmp_path.rglob("*")) == []
 
     (tmp_path / "a_file").write_text("")

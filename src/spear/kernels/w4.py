@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -1260,6 +1261,11 @@ DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M
 # (16, 4, 2, 256) in float32 and the 4-stage BN 128 dot loop. Tuning a shape times 10 candidates instead of 16.
 # Session 14 added the 4-stage BN 64 dot loop (3–6% faster than 3 stages on 7B gate/up and down at 16–32 rows, slower
 # at 64: `ec_ablation_h200_extra_77e62e7.json`; the tuner decides per bucket); 8 warps and 5 stages never won.
+# At one row the GEMV loop's candidates are timed with K split a fixed number of ways too, beside the automatic split
+# (fill 2 programs an SM). Session 22 (S22A, `ec_ablation_h200_gemv_splits_82ce0f1.json`, one timing each): fixed
+# splits beat it on 7B o (6.1 µs split once against 6.7) and down (10.7 split twice against 11.8), not on q|k|v or
+# gate|up. SPEAR_W4_GEMV_SPLITS="" times the automatic split alone (the A/B's other arm).
+GEMV_SPLITS = tuple(int(s) for s in os.environ.get("SPEAR_W4_GEMV_SPLITS", "1 2 4").split())
 PREFILL_CANDIDATES = [
     PrefillConfig(128, 128, 8, 8, 3), PrefillConfig(128, 128, 8, 4, 4), PrefillConfig(64, 128, 8, 4, 4),
     PrefillConfig(128, 64, 8, 4, 4), PrefillConfig(64, 64, 8, 4, 4), PrefillConfig(128, 256, 8, 8, 3),
@@ -1736,10 +1742,14 @@ def w4_linear(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
 
 
 def _tune_candidates(m: int) -> list[DecodeConfig] | list[PrefillConfig]:
-    """The configs tune_w4 times at m rows: the decode kernel's (the GEMV loop only where m ≤ 4), else prefill's."""
-    if m <= DECODE_KERNEL_MAX_M:
-        return [c for c in DECODE_CANDIDATES if m <= 4 or c.gemv_rows == 0]
-    return PREFILL_CANDIDATES
+    """The configs tune_w4 times at m rows: the decode kernel's (the GEMV loop only where m ≤ 4; at one row each GEMV
+    config also with K split GEMV_SPLITS ways), else prefill's."""
+    if m > DECODE_KERNEL_MAX_M:
+        return PREFILL_CANDIDATES
+    candidates = [c for c in DECODE_CANDIDATES if m <= 4 or c.gemv_rows == 0]
+    if m == 1:
+        candidates += [dataclasses.replace(c, split_k=s) for c in candidates if c.gemv_rows for s in GEMV_SPLITS]
+    return candidates
 
 
 def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings: dict | None = None,
