@@ -37,6 +37,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S22C=1 (one H200), the 7B decode table, its W4 profile and issue 4's grid at one row;
 #   or, with S22B=1 (one H200), the tuner's fixed splits of K at one row A/B'd through the engine;
 #   or, with S22A=1 (one H200), what one persistent launch a layer could save over four (bench/stream_lab.py --layer);
 #   or, with S21B=1 / S21C=1 / S21D=1 (one H200; run them at 607c966 / f846d72 / af0e5ad: the code was removed after),
@@ -472,6 +473,15 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S22C:-0}" = 1 ]; then  # for session 22 (one H200): the state after the tuner's fixed splits at one row: the
+  # Llama-2-7B decode table, the batch-1 W4 profile, then issue 4's grid at one row on every model while time lasts
+  export CUDA_VISIBLE_DEVICES=0 TAIL=40
+  timeout 280 python bench/decode.py --models llama2-7b --json "$out/decode_h200.json" > $log/2_decode.log 2>&1
+  timeout 60 python bench/profile_step.py --model llama2-7b --setting w4 --batch 1 --json "$out/profile_b1.json" \
+    > $log/3_profile.log 2>&1
+  left=$((575 - SECONDS))
+  timeout $left python bench/kernels.py --json "$out/kernels_h200_m1.json" --models 7b 8b 13b 70b --ms 1 \
+    --time-limit $((left - 45)) > $log/4_kernels.log 2>&1
 elif [ "${S22B:-0}" = 1 ]; then  # for session 22 (one H200): the tuner at one row with the GEMV loop's K also split
   # 1, 2 and 4 ways (SPEAR_W4_GEMV_SPLITS, default) against the automatic split alone (""), each arm with a tuning
   # cache of its own; Llama-2-7B W4 / W4+EC38 at batch 1, off / on / off / on, then Llama-3-8B off / on while time
