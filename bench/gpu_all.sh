@@ -37,6 +37,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S22D=1 (one H200), the Llama-3-8B decode table alone;
 #   or, with S22C=1 (one H200), the 7B decode table, its W4 profile and issue 4's grid at one row;
 #   or, with S22B=1 (one H200), the tuner's fixed splits of K at one row A/B'd through the engine;
 #   or, with S22A=1 (one H200), what one persistent launch a layer could save over four (bench/stream_lab.py --layer);
@@ -473,6 +474,10 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S22D:-0}" = 1 ]; then  # for session 22 (one H200, the session's last minutes): the Llama-3-8B decode table
+  export CUDA_VISIBLE_DEVICES=0 TAIL=20
+  timeout 300 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
+    --json "$out/decode_h200_llama3.json" > $log/2_decode_llama3.log 2>&1
 elif [ "${S22C:-0}" = 1 ]; then  # for session 22 (one H200): the state after the tuner's fixed splits at one row: the
   # Llama-2-7B decode table, the batch-1 W4 profile, then issue 4's grid at one row on every model while time lasts
   export CUDA_VISIBLE_DEVICES=0 TAIL=40
