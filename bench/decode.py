@@ -38,7 +38,6 @@ from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.kernels.w4 import decode_tune_rows
-from spear.runtime import model as runtime_model
 from spear.runtime.model import ModelArgs, Transformer, random_model
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
@@ -53,9 +52,6 @@ MODELS = {
     "tiny": ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256),
 }
 EC_FRACTIONS = {"w4": 0.0, "w4+ec15": 0.15, "w4+ec38": 0.38, "w4+ec60": 0.60}
-# Decode attention with RoPE and the K/V write in a launch of their own ("separate") or inside its split launch
-# ("rope-in", model.ROPE_IN_ATTENTION)
-ATTENTION_VARIANTS = {"separate": False, "rope-in": True}
 
 
 class NoText:
@@ -149,10 +145,6 @@ def main() -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the engine's host work with the GPU step, as spear serve does (EngineConfig.overlap; "
                         "default: on, off with --tp, where it is not supported)")
-    p.add_argument("--attention", nargs="+", choices=sorted(ATTENTION_VARIANTS), default=None,
-                   help="decode attention's variants, each batch once per variant on one built model, in this order: "
-                        "separate (RoPE + K/V write in a launch of their own), rope-in (inside the split launch); "
-                        "default: as $SPEAR_ROPE_IN_ATTENTION sets it")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
     if args.tp < 1:
@@ -161,8 +153,6 @@ def main() -> None:
         p.error("--overlap is not supported with --tp")
     if args.overlap is None:
         args.overlap = args.tp == 1
-    if args.attention is None:
-        args.attention = ["rope-in" if runtime_model.ROPE_IN_ATTENTION else "separate"]
     if args.tp == 1:
         run(args)
     else:
@@ -208,18 +198,15 @@ def run(args: argparse.Namespace) -> None:
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)
             label = setting if fraction is not None or dtype == torch.float16 else "fp32"
-            for batch, attention in ((b, a) for b in batches for a in args.attention):
-                runtime_model.ROPE_IN_ATTENTION = ATTENTION_VARIANTS[attention]  # read as the graphs are captured
+            for batch in batches:
                 measured = measure(model, batch, prompt_tokens, new_tokens, not args.no_cuda_graphs, channel, args.overlap)
                 if measured is None:
                     continue
                 row = {"model": name, "setting": label, "weight_bytes": nbytes, "build_s": build_seconds,
-                       "floor_ms_per_token": 1e3 * nbytes / bandwidth, "attention": attention,
-                       **measured}
+                       "floor_ms_per_token": 1e3 * nbytes / bandwidth, **measured}
                 rows.append(row)
-                arm = "" if len(args.attention) == 1 else f"  attention {attention}"
                 print(f"{name:<10} {label:<8} B={batch:<3} {row['ms_per_token']:8.2f} ms/token "
-                      f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_ms_per_token']:6.2f} ms{arm}", flush=True)
+                      f"{row['tokens_per_s']:9.1f} tok/s  floor {row['floor_ms_per_token']:6.2f} ms", flush=True)
                 save()  # after every row, so a cut-short run keeps what it measured
             del model
             if device.type == "cuda":
@@ -227,11 +214,10 @@ def run(args: argparse.Namespace) -> None:
     if rank > 0:
         return
     save()
-    print(f"\n{'model':<10} {'setting':<8} {'batch':>5} {'ms/token':>9} {'tok/s':>9} {'floor ms':>9} {'GB read':>8}"
-          f" {'attention':>9}")
+    print(f"\n{'model':<10} {'setting':<8} {'batch':>5} {'ms/token':>9} {'tok/s':>9} {'floor ms':>9} {'GB read':>8}")
     for r in rows:
         print(f"{r['model']:<10} {r['setting']:<8} {r['batch']:>5} {r['ms_per_token']:>9.2f} {r['tokens_per_s']:>9.1f} "
-              f"{r['floor_ms_per_token']:>9.3f} {r['weight_bytes'] / 1e9:>8.3f} {r['attention']:>9}")
+              f"{r['floor_ms_per_token']:>9.3f} {r['weight_bytes'] / 1e9:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@
 #          prefill grid; with S17D=1 the GPU tests and the prefill grid on every model's shapes; with S17E=1 the narrow
 #          weights' GEMM first, the prefill grid (7B, 8B, 70B), 8B and 13B at 1 and 16 rows; with S17F=1 the wave rule
 #          on 13B at 1024 and 2048 rows, the prefill GPU tests, the runtime ops' and engine's;
-#   or, with S18A=1 (one H200), session 18's: the GPU tests of decode attention with RoPE and the K/V write inside,
+#   or, with S18A=1 (one H200, at d17d481: the fold was removed in session 22), session 18's: the GPU tests of decode
+#          attention with RoPE and the K/V write inside,
 #          then Llama-2-7B W4 and fp16 at batch 1 and 8 with and without (bench/decode.py --attention), then the
 #          eager batch-1 W4 profile with it on;
 #   or, with S20A=1 (one H200), session 20's: the fp16 GEMV on / off under the float fusion, fp16's profile, the full
@@ -401,7 +402,7 @@ elif [ "${S17F:-0}" = 1 ]; then  # session 17's last call, one H200: the dispatc
     --time-limit 80 > $log/3_kernels_13b.log 2>&1
   timeout $((300 - SECONDS)) python -m pytest -p no:cacheprovider -o addopts= -q tests/test_runtime_ops.py \
     tests/test_runtime_engine.py > $log/2_tests_runtime.log 2>&1
-elif [ "${S18A:-0}" = 1 ]; then  # built in session 18 (no device time left then), for the next call on one H200:
+elif [ "${S18A:-0}" = 1 ]; then  # built in session 18, timed in 19 (run it at d17d481; removed in session 22):
   # the GPU tests of decode attention with RoPE and the K/V write inside, then both attention variants on one built
   # model each (separate, rope-in, separate again: the order's drift shows), batch 1 and 8, W4 then fp16
   export CUDA_VISIBLE_DEVICES=0

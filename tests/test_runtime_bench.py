@@ -76,7 +76,7 @@ def test_decode_history_marks_runs_off_todays_defaults():
     finally:
         sys.path.pop(0)
     defaults = plot.knob_defaults()
-    assert defaults["SPEAR_DENSE_KERNELS"] == "1" and defaults["SPEAR_ROPE_IN_ATTENTION"] == "0"
+    assert defaults["SPEAR_DENSE_KERNELS"] == "1" and defaults["SPEAR_FOLD_NORM_TP"] == "0"
     assert not plot.is_arm({"SPEAR_DENSE_KERNELS": "1", "SPEAR_TUNE_CACHE": "/tmp/t.json"}, defaults)
     assert plot.is_arm({"SPEAR_DENSE_KERNELS": "0"}, defaults)
     assert plot.is_arm({"SPEAR_ATTN_COMBINE": "fused"}, defaults)  # a switch no longer in src/

@@ -124,14 +124,11 @@ def test_fused_model_matches_separate_layers(gen):
     assert err < 1e-2, f"fused vs separate logits: {err:.2e}; seed {SEED}"
 
 
-@pytest.mark.parametrize("rope_in", [False, True])
-def test_fused_float_model_matches_separate_layers(rope_in, monkeypatch, gen):
+def test_fused_float_model_matches_separate_layers(gen):
     """A float model's q/k/v and gate/up as one GEMM each (FusedDenseLinear): the same logits as the separate
-    linears, through prefill and decode steps (with the RoPE fold too: it takes q/k/v from the fused output)."""
-    from spear.runtime import model as model_module
+    linears, through prefill and decode steps."""
     from spear.runtime.model import DenseLinear, FusedDenseLinear, use_dense_kernels
 
-    monkeypatch.setattr(model_module, "ROPE_IN_ATTENTION", rope_in)
     args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64,
                      attention_bias=True)
     model = random_model(args, dtype=torch.float32, device=DEVICE, kernels=False, seed=SEED % 1000)

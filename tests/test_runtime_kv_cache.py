@@ -133,11 +133,10 @@ def test_attention_tiles_group_one_sequence_at_consecutive_positions():
     a, b = [3, 1, 7], [2, 5]
     rows = [Chunk([0], p, a) for p in (5, 6, 7, 8, 9)] + [Chunk([0], 4, b), Chunk([0], 6, b)] + [Chunk([0], 0, [])] * 3
     batch = Batch.build(rows, 4, CPU, table_width=3, tile_rows=3, tile_slots=8)
-    # (first row, row count, first fresh row): a's second tile continues the run of rows that began at row 0
-    assert batch.tiles.tolist() == [[0, 3, 0], [3, 2, 0], [5, 1, 5], [6, 1, 6], [7, 3, 7]] + [[0, 0, 0]] * 3
+    assert batch.tiles.tolist() == [[0, 3], [3, 2], [5, 1], [6, 1], [7, 3]] + [[0, 0]] * 3
     assert batch.tile_rows == 3 and Batch.build(rows, 4, CPU).tiles is None  # no tiles: a row each
     one_row_tiles = Batch.build(rows, 4, CPU, table_width=3, tile_rows=1, tile_slots=10).tiles  # static shapes: tiles
-    assert one_row_tiles[:, 2].tolist() == [0, 0, 0, 0, 0, 5, 6, 7, 8, 9]
+    assert one_row_tiles.tolist() == [[row, 1] for row in range(10)]
     ones = [(i, [1], p, p + 1) for i, p in enumerate(range(4))]
     with pytest.raises(ValueError, match="2 attention tiles do not fit the 1 slots"):
         attention_tiles(ones, 2, 1)

@@ -132,47 +132,10 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
     seq_lens = [48, 9, 30]
     kv_heads, dtype = 2, torch.float16
     tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
-    q = randn(len(seq_lens), 8, head_dim, gen=gen, dtype=dtype)
+    q = randn(len(seq_lens), 8 + 3, head_dim, gen=gen, dtype=dtype)[:, :8]  # rows strided, as a q|k|v output's q
     lens = torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32)
     out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, use_triton=True, splits=4, block_n=16)
     assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA and GQA 3
-def test_decode_attention_with_rope_and_kv_write_folded_in_matches_reference(dtype, heads, kv_heads, gen):
-    """new_kv: q, k, v unrotated as row-strided views of a q|k|v output; the kernel rotates q and k by position
-    seq_len - 1, writes k and v to that slot (only there: the pools are NaN elsewhere) and attends to the new key
-    from registers. Lengths 1 (the new key alone), a block boundary, several steps; 1, 3 and 16 splits (empty
-    ones), and the default."""
-    block_size, width, head_dim = 16, 5, 32
-    seq_lens = [1, 17, 37, 80]
-    tables, (k_pool0, v_pool0), (k_ref0, v_ref0) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype,
-                                                                gen)
-    B = len(seq_lens)
-    lens = torch.tensor(seq_lens, device=DEVICE)
-    slots = ops.decode_slots(tables, lens - 1, block_size)
-    written = torch.zeros(k_pool0.shape[:2], dtype=torch.bool, device=DEVICE).view(-1)
-    written[slots] = True
-    written = written.view(k_pool0.shape[:2])  # [N, block_size]: this step's slots, not written yet (NaN)
-    for pool in (k_pool0, v_pool0):
-        pool[written] = float("nan")
-    qkv = randn(B, (heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype)
-    q, k, v = (part.view(B, -1, head_dim) for part in qkv.split([heads * head_dim, kv_heads * head_dim,
-                                                                  kv_heads * head_dim], dim=-1))
-    inv_freq = rope_inv_freq(ModelArgs(dim=heads * head_dim, intermediate=1, n_heads=heads, n_kv_heads=kv_heads,
-                                       head_dim=head_dim, n_layers=1, vocab=1)).to(DEVICE)
-    k_ref, v_ref = k_ref0.clone(), v_ref0.clone()
-    ref = ops.paged_decode_attention(q, k_ref, v_ref, tables, lens, new_kv=(k, v), inv_freq=inv_freq, use_triton=False)
-    for splits in (1, 3, 16, None):
-        k_pool, v_pool = k_pool0.clone(), v_pool0.clone()
-        out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, new_kv=(k, v), inv_freq=inv_freq,
-                                         use_triton=True, splits=splits, block_n=16)
-        what = f"decode attention with RoPE folded H={heads} KV={kv_heads} {dtype} splits={splits}"
-        assert_close(out, ref, what)
-        assert_close(k_pool[written], k_ref[written], what + " (k written)")
-        assert_close(v_pool[written], v_ref[written], what + " (v written)", tol=0.0)
-        assert torch.equal(k_pool[~written].isnan(), k_pool0[~written].isnan()), what + ": a slot written by mistake"
 
 
 @pytest.mark.parametrize("splits", [1, 3])  # 1: the split kernel writes the output, no combine launch
@@ -204,18 +167,15 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads} splits={splits}")
 
 
-@pytest.mark.parametrize("rope_in_attention", [False, True])
-def test_model_steps_with_kernels_match_references(monkeypatch, gen, rope_in_attention):
+def test_model_steps_with_kernels_match_references(monkeypatch, gen):
     """The ops as the model wires them: prefill, mixed steps (a one-token prefill piece among decodes, then a longer
-    chunk beside them), then a decode step, with every op forced to Triton or to PyTorch; the Triton run's decode steps
-    with RoPE and the K/V write in their own launch or inside decode attention, the references' in their own."""
+    chunk beside them), then a decode step, with every op forced to Triton or to PyTorch."""
     args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=100)
     model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
     prompts, tables = [[5, 17, 3, 9, 11], [42, 7], [8, 6, 2]], [[3, 1], [2, 4], [5, 6]]
 
     def run(triton: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(ops, "_triton", lambda use_triton, x: triton)
-        monkeypatch.setattr(model_module, "ROPE_IN_ATTENTION", triton and rope_in_attention)
         cache = KVCache(args.n_layers, 7, 4, args.n_kv_heads, args.head_dim, torch.float32, DEVICE)
         decodes = [[Chunk([1 + i], len(p) + i, t) for p, t in zip(prompts[:2], tables)] for i in range(3)]
         steps = [[Chunk(p, 0, t) for p, t in zip(prompts[:2], tables)],
@@ -230,15 +190,12 @@ def test_model_steps_with_kernels_match_references(monkeypatch, gen, rope_in_att
         assert_close(got, ref, f"model logits of step {i}, kernels vs references", tol=1e-4)
 
 
-@pytest.mark.parametrize("rope_in_attention", [False, True])
-def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, gen, rope_in_attention):
+def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, gen):
     """runner.token_rows with attention tiles: a mixed step (a decode, a prompt's later chunk crossing a block
     boundary, a new prompt) as one-token rows in padded static shapes, through the Triton kernels, gives the
-    logits and the cached K/V of the chunked step through the references. With RoPE inside decode attention, the
-    chunk's second tile takes the first tile's keys from the projection (its first fresh row), not the pool."""
+    logits and the cached K/V of the chunked step through the references."""
     from spear.runtime.runner import token_rows
 
-    monkeypatch.setattr(model_module, "ROPE_IN_ATTENTION", rope_in_attention)
     args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=4, head_dim=16, n_layers=2, vocab=100)
     model = random_model(args, dtype=torch.float32, device=DEVICE, seed=SEED % 1000)
     tables = [[3, 1, 7, 4], [2], [5, 6]]

@@ -226,14 +226,14 @@ def variants() -> dict[str, tuple]:
     # decode attention (runtime.ops), rows alone or tiled
     from spear.runtime import ops
 
-    attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr", "new_k_ptr", "new_v_ptr")},
+    attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")},
                       **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},
-                      **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr", "inv_freq_ptr")}, "scale": "fp32"}
-    for tiles, rope in ((False, False), (True, False), (False, True), (True, True)):  # rope: RoPE + K/V write in
-        out[f"decode attention tiles={tiles}" + " rope" * rope] = (
+                      **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr")}, "scale": "fp32"}
+    for tiles in (False, True):
+        out[f"decode attention tiles={tiles}"] = (
             ops._paged_decode_split_kernel, attention_ptrs,
             dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N, PRECISION="tf32",
-                 ROPE=rope, FAST_TRIG=True, PDL=True), 4)
+                 PDL=True), 4)
     # the float model's one-row GEMV (kernels.f16_gemv): one row block, and runs of four with a masked K
     from spear.kernels import f16_gemv
 

@@ -108,11 +108,9 @@ class Batch:
     query_pos: torch.Tensor  # [Bp, S] position of each query; padding queries get 0 and are discarded
     padded_index: torch.Tensor  # [Bp, S] index into T of each query (padding: 0)
     out_index: torch.Tensor  # [T] index into the Bd decode outputs then the Bp * S padded ones, per token
-    # [NT, 3] (first row, row count, first fresh row) of the one-token chunks grouped into tiles of up to
-    # `tile_rows` rows of one sequence at consecutive positions (a prefill chunk's tokens as rows,
-    # runner.token_rows), which the attention kernel serves with one pass over their keys; padding tiles have
-    # count 0. The first fresh row holds the sequence's first token of this step (where decode attention with
-    # RoPE folded in starts reading keys from the projection, not the pool). None: a row a tile, each a sequence.
+    # [NT, 2] (first row, row count) of the one-token chunks grouped into tiles of up to `tile_rows` rows of one
+    # sequence at consecutive positions (a prefill chunk's tokens as rows, runner.token_rows), which the
+    # attention kernel serves with one pass over their keys; padding tiles have count 0. None: a row a tile.
     tiles: torch.Tensor | None = None
     tile_rows: int = 1
     mask: torch.Tensor | None = None  # [Bp, 1, S, M * block_size] key position <= query position (None: decode)
@@ -159,7 +157,7 @@ class Batch:
         B, T, Bd, Bp = len(chunks), len(tokens), len(ones), len(longs)
         parts = (tokens, positions, slots, last_index, tables, seq_lens, decode_index, prefill_tables, query_pos,
                  padded_index, out_index, tiles)
-        shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,), (len(tiles) // 3, 3))
+        shapes = ((T,), (T,), (T,), (B,), (Bd, W), (Bd,), (Bd,), (Bp, M), (Bp, S), (Bp, S), (T,), (len(tiles) // 2, 2))
         sizes = [math.prod(shape) for shape in shapes]
         # Each field starts 16-byte aligned (an even number of int64s before it): Triton specializes a kernel on
         # whether its pointers are, so a field whose alignment changed from step to step compiled a second
@@ -201,28 +199,24 @@ class Batch:
 
 
 def attention_tiles(ones: list[tuple[int, list[int], int, int]], tile_rows: int, tile_slots: int | None) -> list[int]:
-    """The one-token chunks (first, table, start, end), in order, as flat (first row, row count, first fresh row)
-    tiles: a row joins the tile before it while that holds fewer than `tile_rows` rows of the same table at the
-    position before (padding rows, all at position 0 of the null block, group among themselves); then (0, 0, 0)
-    up to `tile_slots` tiles. The attention kernel reads a tile's table from its last row (the longest). The
-    first fresh row is where the run of rows of the tile's sequence at consecutive positions began (its first
-    token of this step; a padding tile's own first row)."""
+    """The one-token chunks (first, table, start, end), in order, as flat (first row, row count) tiles: a row
+    joins the tile before it while that holds fewer than `tile_rows` rows of the same table at the position
+    before (padding rows, all at position 0 of the null block, group among themselves); then (0, 0) up to
+    `tile_slots` tiles. The attention kernel reads a tile's table from its last row (the longest)."""
     tiles: list[list[int]] = []
-    run_start = 0
     for row, (_, table, start, _) in enumerate(ones):
         _, before, before_start, _ = ones[row - 1] if row else (0, None, 0, 0)
         # the same sequence: the next position, and the table before it a prefix of this one's (which may
         # have a block more); tables of distinct live sequences share no block
         same_sequence = row > 0 and start == before_start + 1 and table[:len(before)] == before
-        run_start = run_start if same_sequence else row
         if tiles and tiles[-1][1] < tile_rows and (same_sequence or table == before == [NULL_BLOCK]):
             tiles[-1][1] += 1
         else:
-            tiles.append([row, 1, run_start])
+            tiles.append([row, 1])
     if tile_slots is not None:
         if len(tiles) > tile_slots:
             raise ValueError(f"{len(tiles)} attention tiles do not fit the {tile_slots} slots of the batch")
-        tiles += [[0, 0, 0]] * (tile_slots - len(tiles))
+        tiles += [[0, 0]] * (tile_slots - len(tiles))
     return [x for tile in tiles for x in tile]
 
 

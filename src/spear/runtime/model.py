@@ -29,7 +29,7 @@ from spear.kernels.reference import w4_linear_ref
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
-from spear.runtime.ops import add_rms_norm, paged_decode_attention, rope_write_kv, silu_mul
+from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
 
 # silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
 # launch a layer fewer. Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused, 2.40 / 4.31 not
@@ -39,12 +39,6 @@ FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
 # The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those W4 decode
 # launches (kernels.norm_fold.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
 FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
-# RoPE and the K/V write inside decode attention (ops.paged_decode_attention's new_kv) on decode steps: rope_write_kv's
-# launch a layer fewer, and attention reads q and the new key straight from the q|k|v output. Slower on the H200
-# (session 19, decode_h200_attention_d17d481.json; Llama-2-7B ms/token, separate / rope-in / separate): W4 batch 1
-# 2.02 / 2.04 / 2.01, batch 8 2.85 / 3.15 / 2.84; fp16 4.85 / 4.90 / 4.85 and 5.34 / 5.63 / 5.34. The split kernel
-# takes 247 registers with tiles (208 without the fold). Off; SPEAR_ROPE_IN_ATTENTION=1 turns it on.
-ROPE_IN_ATTENTION = os.environ.get("SPEAR_ROPE_IN_ATTENTION", "0") == "1"
 # The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): exact
 # on an H200 pair but level in time (session 14, BENCHMARKS §7: ±1.5% at TP 2), so off unless SPEAR_FOLD_NORM_TP=1.
 FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
@@ -331,12 +325,6 @@ class Block(nn.Module):
         block's output, formed by the next norm. The first block gets residual None (x is the stream).
         On decode steps the next block's attention norm may be folded into this block's down launch: the
         output is then that norm's FoldedNorm (and the residual its h)."""
-        if ROPE_IN_ATTENTION and batch.decode:  # one launch fewer: RoPE and the K/V write inside decode attention
-            h, residual = self.attention_input(x, residual)
-            q, k, v = self.attention.qkv(h)
-            attn = paged_decode_attention(q, *kv, batch.block_tables, batch.seq_lens, tiles=batch.tiles,
-                                          tile_rows=batch.tile_rows, new_kv=(k, v), inv_freq=inv_freq)
-            return self.after_attention(attn.reshape(q.shape[0], -1), residual, next_block)
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
         return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
 

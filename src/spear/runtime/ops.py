@@ -11,8 +11,7 @@ each layer launches ~40 of them. Fused here, one launch each:
   paged_decode_attention  one-token queries over their sequences' cached blocks (flash-decoding:
                           splits of the context in parallel, then a small combine kernel); with
                           `tiles`, up to 16 rows of one sequence at consecutive positions (a prefill
-                          chunk's tokens as rows) share one pass over the keys; on decode steps
-                          with `new_kv`, rope_write_kv's work too (one launch fewer a layer)
+                          chunk's tokens as rows) share one pass over the keys
 
 The references (`*_ref`) are the specification and what runs off CUDA; every public op takes
 `use_triton` (None: Triton when the input is on CUDA, else the reference; tests force True
@@ -32,7 +31,7 @@ try:
     import triton
     import triton.language as tl
 
-    from spear.kernels.pdl import launch_options, pdl_enter, runs_compiled
+    from spear.kernels.pdl import launch_options, pdl_enter
 except ImportError:  # triton is a dev extra: without it every op runs its reference
     triton = None
 
@@ -289,94 +288,15 @@ def _attention_step(q, m, l, acc, block, t, end, visible, k_pool_ptr, v_pool_ptr
     return _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION)
 
 
-@_jit
-def _fast_cos_sin(theta):
-    """cos θ and sin θ through the SFU (cos.approx / sin.approx, about 2^-21 absolute error on [-π, π]) after a
-    Cody–Waite reduction by 2π = C1 + C2 + C3 (C1 = 6.28125 has 8 significant bits: n C1 is exact for |θ| up to
-    about 2^15 · 2π). Branch-free and without libdevice's slow path for huge arguments, whose local-memory array
-    made a tile of angles spill (offline SASS: 596 local stores a kernel)."""
-    n = tl.floor(theta * 0.15915494309189535 + 0.5)
-    r = theta - n * 6.28125 - n * 0.0019353071693331003 - n * 1.0253131677018246e-11
-    cos = tl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1)
-    sin = tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1)
-    return cos, sin
-
-
-@_jit
-def _rope_angles(positions, inv_freq_ptr, d, D: tl.constexpr, FAST: tl.constexpr):
-    """cos and sin of θ = position * inv_freq[d mod D/2] [R, D] for positions [R], and d's rotate-half partner
-    (d + D/2) mod D [D]. FAST: through _fast_cos_sin (compiled code only), else libdevice's (or NumPy's)."""
-    HALF: tl.constexpr = D // 2
-    theta = positions.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + d % HALF)[None, :]
-    if FAST:
-        cos, sin = _fast_cos_sin(theta)
-    else:
-        cos, sin = tl.cos(theta), tl.sin(theta)
-    return cos, sin, (d + HALF) % D
-
-
-@_jit
-def _rotate(x, x_partner, d, cos, sin, D: tl.constexpr):
-    """x cos θ + rotate_half(x) sin θ (float32; x_partner: x at the partner lanes), rope_ref's convention
-    (rotate_half([x1, x2]) = [-x2, x1]), as _rope_row computes it."""
-    return tl.where(d[None, :] < D // 2, x * cos - x_partner * sin, x * cos + x_partner * sin)
-
-
-@_jit
-def _rotated(rows_ptr, d, partner, cos, sin, mask, D: tl.constexpr):
-    """_rotate of the rows at rows_ptr [R, 1]."""
-    x = tl.load(rows_ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(rows_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    return _rotate(x, x_partner, d, cos, sin, D)
-
-
-@_jit
-def _own_key_step(q, m, l, acc, k, k_partner, v, slot, cos, sin, kv, d, scale, k_pool_ptr, v_pool_ptr,
-                  D: tl.constexpr):
-    """_fresh_step for a decode row's one new key, loaded before the pool's keys (k and its rotate-half partner
-    lanes, v [1, D]; `slot`: its pool offset), rotated by the row's own angles, without a dot: stored with its value
-    for later steps, and attended to by the query rows q."""
-    k = _rotate(k, k_partner, d, cos, sin, D).to(k_pool_ptr.dtype.element_ty)  # [1, D], as stored
-    tl.store(k_pool_ptr + slot + kv * D + d[None, :], k)
-    tl.store(v_pool_ptr + slot + kv * D + d[None, :], v)
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale  # [BLOCK_Q]
-    m_new = tl.maximum(m, s)
-    alpha = tl.exp(m - m_new)  # m may be -inf (no cached key in this split): alpha 0
-    prob = tl.exp(s - m_new)
-    return m_new, l * alpha + prob, acc * alpha[:, None] + prob[:, None] * v.to(tl.float32)
-
-
-@_jit
-def _fresh_step(q, m, l, acc, t, end, visible, fresh_row, fresh_pos, own_pos, table_ptr, new_k_ptr, new_v_ptr,
-                stride_new_k, stride_new_v, inv_freq_ptr, k_pool_ptr, v_pool_ptr, kv, d, scale, block_size,
-                stride_pool_block, stride_pool_offset, D: tl.constexpr, PRECISION: tl.constexpr,
-                FAST_TRIG: tl.constexpr):
-    """A step over keys written this step, at positions t [BLOCK_N] (< end): key t is projection row
-    fresh_row + t - fresh_pos, rotated here by t (and rounded to the pool's dtype, as stored); the keys of the
-    tile's own rows (t >= own_pos) go into the pools with their values, for later steps."""
-    t_ok = t < end
-    src = fresh_row + t - fresh_pos  # [BLOCK_N] projection rows
-    cos, sin, partner = _rope_angles(t, inv_freq_ptr, d, D, FAST_TRIG)
-    k = _rotated(new_k_ptr + (src * stride_new_k + kv * D)[:, None], d, partner, cos, sin, t_ok[:, None], D)
-    k = k.to(k_pool_ptr.dtype.element_ty)  # [BLOCK_N, D]
-    v = tl.load(new_v_ptr + (src * stride_new_v + kv * D)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-    own = t_ok & (t >= own_pos)
-    block = tl.load(table_ptr + t // block_size, mask=own, other=0)
-    dst = (block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D)[:, None] + d[None, :]
-    tl.store(k_pool_ptr + dst, k, mask=own[:, None])
-    tl.store(v_pool_ptr + dst, v, mask=own[:, None])
-    return _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION)
-
-
 @_jit(do_not_specialize=("stride_table",))
 def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_lens_ptr, tiles_ptr,
-                               m_ptr, l_ptr, acc_ptr, out_ptr, new_k_ptr, new_v_ptr, inv_freq_ptr,
-                               scale, H, block_size, stride_table, stride_tiles, stride_qt, stride_new_k, stride_new_v,
+                               m_ptr, l_ptr, acc_ptr, out_ptr,
+                               scale, H, block_size, stride_table, stride_tiles, stride_qt,
                                stride_pool_block, stride_pool_offset,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                HAS_TILES: tl.constexpr, D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                               ROPE: tl.constexpr, FAST_TRIG: tl.constexpr, PDL: tl.constexpr):
+                               PDL: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over split p of the tile's keys by online
@@ -387,14 +307,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
     acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step).
     The step's tiles, lengths and block tables (written by the host, never by a kernel) are read before the PDL
-    wait, the first step's table entries included; q and the keys after it.
-
-    ROPE: RoPE and the K/V write folded in. q, new_k and new_v are this step's projections, unrotated; q is
-    rotated here by each row's position. The keys of the tile's sequence from its first position written this
-    step (fresh_pos: the position of row fresh_row, the tile's third field, or the row itself without tiles)
-    are not in the pool yet: the split holding fresh_pos takes them all from new_k, rotated (_fresh_step),
-    and stores the tile's own rows' keys and values for later steps (one writer per key; no program reads
-    those slots this step); every split's pool steps stop at fresh_pos."""
+    wait, the first step's table entries included; q and the keys after it."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if HAS_TILES:
         first = tl.load(tiles_ptr + stride_tiles * tile)  # the tile's first row and its row count (0: a padding tile)
@@ -409,19 +322,6 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     t = start + tl.arange(0, BLOCK_N)  # the first step's key positions
     block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
     d = tl.arange(0, D)
-    if ROPE:  # the pool holds the sequence's keys before fresh_pos
-        fresh_row = tl.load(tiles_ptr + stride_tiles * tile + 2) if HAS_TILES else first
-        fresh_pos = tl.load(seq_lens_ptr + fresh_row, mask=count > 0, other=1) - 1
-        end_cached = tl.minimum(end, fresh_pos)
-        # a decode row (the tile's one row, its sequence's one new token): one angle a lane, its q's and its new
-        # key's; a tile of a prefill chunk's rows takes one a row and lane, its fresh keys one a key and lane
-        one_row = (count == 1) & (fresh_row == first)
-        owns_new_key = one_row & (start <= fresh_pos) & (fresh_pos < end)  # this split stores and reads it
-        cos1, sin1, partner = _rope_angles(seq_len - 1 + tl.zeros([1], tl.int32), inv_freq_ptr, d, D, False)
-        slot = tl.load(tables_ptr + last * stride_table + fresh_pos // block_size, mask=owns_new_key, other=0)
-        slot = slot * stride_pool_block + (fresh_pos % block_size) * stride_pool_offset
-    else:
-        end_cached = end
     pdl_enter(PDL)
     if count > 0:
         i = tl.arange(0, BLOCK_Q)  # dot row i: query row first + i // BLOCK_G, head kv * GROUP + i % BLOCK_G
@@ -430,50 +330,19 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         row = first + r
         head = kv * GROUP + g
         row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
-        q_rows = q_ptr + (row * stride_qt + head * D)[:, None]
-        if ROPE:
-            # the new key and value, loaded before the pool's keys, so that their latency hides behind those
-            new_k_row = new_k_ptr + first * stride_new_k + kv * D
-            new_v_row = new_v_ptr + first * stride_new_v + kv * D
-            mine = d[None, :] < tl.where(owns_new_key, D, 0)  # [1, D]
-            k_new = tl.load(new_k_row + d[None, :], mask=mine, other=0.0).to(tl.float32)
-            k_partner = tl.load(new_k_row + partner[None, :], mask=mine, other=0.0).to(tl.float32)
-            v_new = tl.load(new_v_row + d[None, :], mask=mine, other=0.0)
-            if one_row:
-                q = _rotated(q_rows, d, partner, cos1, sin1, ok[:, None], D).to(q_ptr.dtype.element_ty)
-            else:
-                cos, sin, _ = _rope_angles(row_len - 1, inv_freq_ptr, d, D, FAST_TRIG)  # [BLOCK_Q, D]
-                q = _rotated(q_rows, d, partner, cos, sin, ok[:, None], D).to(q_ptr.dtype.element_ty)
-        else:
-            q = tl.load(q_rows + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_Q, D]
-        visible = tl.minimum(row_len, end_cached)  # of the pool's keys
+        q = tl.load(q_ptr + (row * stride_qt + head * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
 
         m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
-        if start < end_cached:  # the first step, its table entries read before the wait
-            m, l, acc = _attention_step(q, m, l, acc, block, t, end_cached, visible, k_pool_ptr, v_pool_ptr, kv, d,
-                                        scale, block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
-        for n0 in range(start + BLOCK_N, end_cached, BLOCK_N):  # none past the end: an empty split writes (-inf, 0)
+        if start < end:  # the first step, its table entries read before the wait
+            m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
+                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):  # no steps past the end: an empty split writes (-inf, 0)
             t = n0 + tl.arange(0, BLOCK_N)  # key positions
             block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
-            m, l, acc = _attention_step(q, m, l, acc, block, t, end_cached, visible, k_pool_ptr, v_pool_ptr, kv, d,
-                                        scale, block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
-        if ROPE:
-            if owns_new_key:
-                m, l, acc = _own_key_step(q, m, l, acc, k_new, k_partner, v_new, slot, cos1, sin1, kv, d, scale,
-                                          k_pool_ptr, v_pool_ptr, D)
-            elif (start <= fresh_pos) & (fresh_pos < end):  # this split takes the keys written this step
-                # 16 keys a step, fewer than BLOCK_N: each key lane carries its angle's cos and sin too (offline
-                # SASS at BLOCK_N = 32 keys a step: 27 more spills)
-                FRESH_N: tl.constexpr = 16
-                for n0 in range(fresh_pos, seq_len, FRESH_N):
-                    fresh = n0 + tl.arange(0, FRESH_N)  # key positions
-                    m, l, acc = _fresh_step(q, m, l, acc, fresh, seq_len, row_len, fresh_row, fresh_pos, seq_len - count,
-                                            tables_ptr + last * stride_table, new_k_ptr, new_v_ptr, stride_new_k,
-                                            stride_new_v, inv_freq_ptr, k_pool_ptr, v_pool_ptr, kv, d, scale,
-                                            block_size, stride_pool_block, stride_pool_offset, D, PRECISION,
-                                            FAST_TRIG)
+            m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
+                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
 
         if SPLITS == 1:  # every key in this program: the output
             out = (row * H + head)[:, None] * D + d[None, :]
@@ -510,44 +379,28 @@ def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, *, use_triton: bool | None = None,
                            splits: int | None = None, block_n: int = BLOCK_N, tiles: torch.Tensor | None = None,
-                           tile_rows: int = 1, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1), pools
-    [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
-    dtype. `tiles` [NT, 2 or 3] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
+                           tile_rows: int = 1) -> torch.Tensor:
+    """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1; rows may be strided),
+    pools [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
+    dtype. `tiles` [NT, 2] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
     a mixed step's prefill tokens as rows); None: every row alone.
-
-    `new_kv` (k, v [B, KV, D], with `inv_freq`): RoPE and the K/V write folded in. q, k and v are this step's
-    projections, unrotated (row-strided views of a q|k|v output may be passed); row b's q and k are rotated by
-    its position seq_len_b - 1 and k, v stored at that position's slot, as rope_write_kv does before an unfolded
-    call (session 13's profile: its launch was 80 µs of a 2.03 ms Llama-2-7B W4 step). Tiles then carry a third
-    field, the row of the tile's sequence's first key written this step (kv_cache.attention_tiles): rows of
-    one sequence in one step must be consecutive rows at consecutive positions. Without tiles every row is a
-    sequence of its own.
 
     Triton: grid (NT or B, KV, splits), then with more than one split a combine launch, grid (B, H); `splits`
     None: decode_splits's pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace,
     so the launch can be captured in a CUDA graph.
     """
-    assert new_kv is None or (inv_freq is not None and (tiles is None or tiles.shape[1] == 3)), \
-        "new_kv needs inv_freq, and tiles of three fields (first row, row count, first fresh row)"
     if not _triton(use_triton, q):
-        if new_kv is not None:
-            positions = seq_lens - 1
-            slots = decode_slots(block_tables, positions, k_pool.shape[1])
-            q = rope_write_kv_ref(q, *new_kv, positions, inv_freq, k_pool, v_pool, slots)
         return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
     B, H, D = q.shape
     _, block_size, KV, _ = k_pool.shape
     assert D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16, got {D}"
     _check_pools(k_pool, v_pool, D)
-    new_k, new_v = (_dense_heads(x) for x in new_kv) if new_kv is not None else (k_pool, v_pool)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
     num_tiles = tiles.shape[0] if tiles is not None else B
     if splits is None:
         splits = decode_splits(num_tiles * KV, block_tables.shape[1] * block_size, block_n, q.device)
-    q = _dense_heads(q)  # rows may be strided (a q|k|v output's q)
+    q = _dense_heads(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if splits > 1:
         m = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
@@ -560,23 +413,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     rows = tile_rows if tiles is not None else 1
     _paged_decode_split_kernel[(num_tiles, KV, splits)](
         q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out,
-        new_k, new_v, inv_freq if new_kv is not None else seq_lens,
         D**-0.5 if scale is None else scale, H, block_size, block_tables.stride(0),
-        tiles.stride(0) if tiles is not None else 0, q.stride(0), new_k.stride(0), new_v.stride(0),
-        k_pool.stride(0), k_pool.stride(1),
+        tiles.stride(0) if tiles is not None else 0, q.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        ROPE=new_kv is not None, FAST_TRIG=runs_compiled(q), **launch_options(q))
+        **launch_options(q))
     if splits > 1:
         _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
                                              num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
     return out
-
-
-def decode_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot (block * block_size + offset) of each row's `positions` [B] through its table [B, W]."""
-    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
-    return blocks * block_size + positions % block_size
 
 
 def _dense_heads(x: torch.Tensor) -> torch.Tensor:
