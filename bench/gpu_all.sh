@@ -38,6 +38,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S23A=1 (one H200), issue 4's grid at one row on 8B, 13B and 70B;
 #   or, with S22D=1 (one H200), the Llama-3-8B decode table alone;
 #   or, with S22C=1 (one H200), the 7B decode table, its W4 profile and issue 4's grid at one row;
 #   or, with S22B=1 (one H200), the tuner's fixed splits of K at one row A/B'd through the engine;
@@ -475,6 +476,11 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S23A:-0}" = 1 ]; then  # for session 23 (one H200): issue 4's grid at one row on the shapes S22C's time left
+  # out (8B, 13B, 70B), with the tuner's fixed splits; the 7B row is kernels_h200_m1_2bc3f9a.json
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout 575 python bench/kernels.py --json "$out/kernels_h200_m1.json" --models 8b 13b 70b --ms 1 \
+    --time-limit 500 > $log/2_kernels.log 2>&1
 elif [ "${S22D:-0}" = 1 ]; then  # for session 22 (one H200, the session's last minutes): the Llama-3-8B decode table
   export CUDA_VISIBLE_DEVICES=0 TAIL=20
   timeout 300 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
