@@ -41,9 +41,9 @@ Two regimes behind `w4_linear`, picked by the number of rows M:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -1263,7 +1263,7 @@ DECODE_CANDIDATES = [  # the tensor-core dot loop (any M ≤ DECODE_KERNEL_MAX_M
 # at 64: `ec_ablation_h200_extra_77e62e7.json`; the tuner decides per bucket); 8 warps and 5 stages never won.
 # At one row the GEMV loop's candidates are timed with K split a fixed number of ways too, beside the automatic split
 # (fill 2 programs an SM). Session 22 (S22A, `ec_ablation_h200_gemv_splits_82ce0f1.json`, one timing each): fixed
-# splits beat it on 7B o (6.1 µs split once against 6.7) and down (10.7 split twice against 11.8), not on q|k|v or
+# splits beat it on 7B o (6.1 µs split once against 6.7) and down (10.7 split twice against 12.0), not on q|k|v or
 # gate|up. SPEAR_W4_GEMV_SPLITS="" times the automatic split alone (the A/B's other arm).
 GEMV_SPLITS = tuple(int(s) for s in os.environ.get("SPEAR_W4_GEMV_SPLITS", "1 2 4").split())
 PREFILL_CANDIDATES = [

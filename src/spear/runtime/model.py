@@ -281,22 +281,19 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.wqkv: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
 
-    def qkv(self, x: torch.Tensor | FoldedNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The projections q [T, H, D], k and v [T, KV, D], unrotated (views of one q|k|v output where fused)."""
+    def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
         if isinstance(x, FoldedNorm):  # this layer's attention norm, folded into the launch before (Block)
             T = x.h.shape[0]
             q, k, v = self.wqkv(x.hw, rms=x)
         else:
             T = x.shape[0]
             q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
-        return (q.view(T, self.n_heads, self.head_dim), k.view(T, self.n_kv_heads, self.head_dim),
-                v.view(T, self.n_kv_heads, self.head_dim))
-
-    def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
-        return rope_write_kv(*self.qkv(x), positions, inv_freq, *kv, slots)
-
+        q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots)
 
 
 class FeedForward(nn.Module):
@@ -328,19 +325,14 @@ class Block(nn.Module):
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
         return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
 
-    def attention_input(self, x: torch.Tensor | FoldedNorm,
-                        residual: torch.Tensor | None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
-        """(x, residual) -> (the attention norm's output, or x itself where that norm is folded in; residual)."""
-        if isinstance(x, FoldedNorm):  # the norm is done: x.h is the stream
-            return x, x.h
-        return self.attention_norm(x, residual)
-
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,
                          positions: torch.Tensor, slots: torch.Tensor,
                          kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (rotated queries [T, H, D], residual); this block's keys and values are cached."""
-        h, residual = self.attention_input(x, residual)
+        if isinstance(x, FoldedNorm):  # the norm is done: x.h is the stream
+            return self.attention.project(x, inv_freq, positions, slots, kv), x.h
+        h, residual = self.attention_norm(x, residual)
         return self.attention.project(h, inv_freq, positions, slots, kv), residual
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
