@@ -38,7 +38,8 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
-#   or, with S23A=1 (one H200), issue 4's grid at one row on 8B, 13B and 70B;
+#   or, with S23B=1 / S23C=1 (one H200 each), session 23's: the full Llama-2-7B / Llama-3-8B decode table (every
+#          setting, batch 1, 8, 32), then issue 4's grid at one row on $KMODELS (default 70b 13b 8b) while time lasts;
 #   or, with S22D=1 (one H200), the Llama-3-8B decode table alone;
 #   or, with S22C=1 (one H200), the 7B decode table, its W4 profile and issue 4's grid at one row;
 #   or, with S22B=1 (one H200), the tuner's fixed splits of K at one row A/B'd through the engine;
@@ -476,11 +477,16 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
-elif [ "${S23A:-0}" = 1 ]; then  # for session 23 (one H200): issue 4's grid at one row on the shapes S22C's time left
-  # out (8B, 13B, 70B), with the tuner's fixed splits; the 7B row is kernels_h200_m1_2bc3f9a.json
+elif [ "${S23B:-0}" = 1 ] || [ "${S23C:-0}" = 1 ]; then  # for session 23 (one H200 each): the decode tables that close
+  # issue 5 (every setting in one call, so that the ratios are side by side), then issue 4's one-row grid on the shapes
+  # S22C's time left out, with the tuner's fixed splits (the 7B row is kernels_h200_m1_2bc3f9a.json)
   export CUDA_VISIBLE_DEVICES=0 TAIL=60
-  timeout 575 python bench/kernels.py --json "$out/kernels_h200_m1.json" --models 8b 13b 70b --ms 1 \
-    --time-limit 500 > $log/2_kernels.log 2>&1
+  model=$([ "${S23B:-0}" = 1 ] && echo llama2-7b || echo llama3-8b)
+  timeout 420 python bench/decode.py --models $model --settings fp16 w4 w4+ec15 w4+ec38 w4+ec60 --batches 1 8 32 \
+    --json "$out/decode_h200_$model.json" > $log/2_decode.log 2>&1
+  left=$((575 - SECONDS))
+  timeout $left python bench/kernels.py --json "$out/kernels_h200_m1.json" --models ${KMODELS:-70b 13b 8b} --ms 1 \
+    --time-limit $((left - 60)) > $log/3_kernels.log 2>&1
 elif [ "${S22D:-0}" = 1 ]; then  # for session 22 (one H200, the session's last minutes): the Llama-3-8B decode table
   export CUDA_VISIBLE_DEVICES=0 TAIL=20
   timeout 300 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \
