@@ -39,7 +39,8 @@
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
 #   or, with S23B=1 / S23C=1 (one H200 each), session 23's: the full Llama-2-7B / Llama-3-8B decode table (every
-#          setting, batch 1, 8, 32), then issue 4's grid at one row on $KMODELS (default 70b 13b 8b) while time lasts;
+#          setting, batch 1, 8, 32), then issue 4's grid at one row on $KMODELS (default 70b 13b 8b; with $KSHAPES
+#          only those shapes) while time lasts;
 #   or, with S22D=1 (one H200), the Llama-3-8B decode table alone;
 #   or, with S22C=1 (one H200), the 7B decode table, its W4 profile and issue 4's grid at one row;
 #   or, with S22B=1 (one H200), the tuner's fixed splits of K at one row A/B'd through the engine;
@@ -485,8 +486,8 @@ elif [ "${S23B:-0}" = 1 ] || [ "${S23C:-0}" = 1 ]; then  # for session 23 (one H
   timeout 420 python bench/decode.py --models $model --settings fp16 w4 w4+ec15 w4+ec38 w4+ec60 --batches 1 8 32 \
     --json "$out/decode_h200_$model.json" > $log/2_decode.log 2>&1
   left=$((575 - SECONDS))
-  timeout $left python bench/kernels.py --json "$out/kernels_h200_m1.json" --models ${KMODELS:-70b 13b 8b} --ms 1 \
-    --time-limit $((left - 60)) > $log/3_kernels.log 2>&1
+  timeout $left python bench/kernels.py --json "$out/kernels_h200_m1.json" --models ${KMODELS:-70b 13b 8b} \
+    ${KSHAPES:+--shapes $KSHAPES} --ms 1 --time-limit $((left - 60)) > $log/3_kernels.log 2>&1
 elif [ "${S22D:-0}" = 1 ]; then  # for session 22 (one H200, the session's last minutes): the Llama-3-8B decode table
   export CUDA_VISIBLE_DEVICES=0 TAIL=20
   timeout 300 python bench/decode.py --models llama3-8b --settings fp16 w4 w4+ec38 \

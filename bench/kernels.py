@@ -162,6 +162,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", required=True)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--shapes", nargs="+", default=None, help="only these of the models' shapes, e.g. 8b/gate_up")
     p.add_argument("--ms", nargs="+", type=int, default=MS)
     p.add_argument("--group-size", type=int, default=-1, help="W4 group size for ours (-1: per-channel)")
     p.add_argument("--time-limit", type=float, default=480, help="stop starting new shapes after this many seconds")
@@ -183,6 +184,8 @@ def main() -> None:
               "ranks": RANKS, "shapes": {}}
     for model in args.models:
         for name, n, k in MODELS[model]:
+            if args.shapes is not None and f"{model}/{name}" not in args.shapes:
+                continue
             if time.perf_counter() - start > args.time_limit:
                 log(f"time limit: skipping {model} {name}")
                 continue

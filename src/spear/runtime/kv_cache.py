@@ -123,7 +123,8 @@ class Batch:
         """`table_width`: W, the one-token chunks' table width (CUDA graphs' static shape); default the most
         blocks one of them uses. The longer chunks' tables are cut to the blocks they use. `tile_rows` > 1 or
         `tile_slots` given: group the one-token chunks into attention tiles (`tiles`), padded to `tile_slots` (a
-        static shape)."""
+        static shape). A CUDA graph's batch gives `tile_slots`, so it carries tiles, one row each where
+        `tile_rows` is 1 (16-way GQA and wider): every graph has the same fields, whatever the model."""
         tokens, positions, slots, last_index = [], [], [], []
         ones, longs = [], []  # (first token's index into T, table, start, end) per chunk
         for c in chunks:
