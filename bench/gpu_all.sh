@@ -38,6 +38,7 @@
 #          Llama-2-7B table; with S20B=1 (.gpu_cache carried) the full Llama-3-8B table; with S20C=1 the fp16 GEMV's
 #          early PDL release A/B'd (the kernel on 7B, then the engine); with S20D=1 the W4 kernel's (SPEAR_PDL_LATE);
 #          with S20E=1 the W4 GEMV loop's alone (SPEAR_PDL_LATE_GEMV), W4 and W4+EC38;
+#   or, with S23D=1 (one H200), issue 4's grid on the 7B shapes at 2, 4, 8, 16, 64 and 256 rows;
 #   or, with S23B=1 / S23C=1 (one H200 each), session 23's: the full Llama-2-7B / Llama-3-8B decode table (every
 #          setting, batch 1, 8, 32), then issue 4's grid at one row on $KMODELS (default 70b 13b 8b; with $KSHAPES
 #          only those shapes) while time lasts;
@@ -478,6 +479,11 @@ elif [ "${S20E:-0}" = 1 ]; then  # session 20's last call (one H200, .gpu_cache 
   i=0; for l in 0 1 0 1; do i=$((i + 1)); SPEAR_PDL_LATE_GEMV=$l timeout $((585 - SECONDS)) python bench/decode.py \
     --models llama2-7b --settings w4 w4+ec38 --batches 1 8 --json "$out/decode_h200_gemvlate${l}_run$i.json" \
     > $log/3_gemvlate${l}_$i.log 2>&1; done
+elif [ "${S23D:-0}" = 1 ]; then  # for session 23 (one H200, the session's last minutes): issue 4's grid on the 7B shapes
+  # at the row counts no call has timed since session 2's first kernels (2, 8, 64, 256), with 4 and 16 beside them
+  export CUDA_VISIBLE_DEVICES=0 TAIL=60
+  timeout ${S23D_LIMIT:-400} python bench/kernels.py --json "$out/kernels_h200_rows.json" --models 7b \
+    --ms 2 4 8 16 64 256 --time-limit $((${S23D_LIMIT:-400} - 90)) > $log/2_kernels.log 2>&1
 elif [ "${S23B:-0}" = 1 ] || [ "${S23C:-0}" = 1 ]; then  # for session 23 (one H200 each): the decode tables that close
   # issue 5 (every setting in one call, so that the ratios are side by side), then issue 4's one-row grid on the shapes
   # S22C's time left out, with the tuner's fixed splits (the 7B row is kernels_h200_m1_2bc3f9a.json)
