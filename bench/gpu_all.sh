@@ -126,7 +126,7 @@ elif [ "${PDLAB:-0}" = 2 ]; then  # session 10's last call: PDL on and off in th
   (export CUDA_VISIBLE_DEVICES=1
    run 0 1 100 "w4 w4+ec38"; run 1 1 170 "fp16 w4 w4+ec38") &
   wait
-elif [ "${PDLAB:-0}" = 1 ]; then  # session 10: how the W4 decode kernel uses PDL (kernels.pdl.W4Launch), a call of its own
+elif [ "${PDLAB:-0}" = 1 ]; then  # session 10 (run at 3a42402: SPEAR_PDL_PREFETCH went in session 23): PDL knobs
   settings="0:0:0 1:1:1024 1:1:0 1:0:0 1:0:1024"  # SPEAR_PDL:SPEAR_PDL_LATE:SPEAR_PDL_PREFETCH
   mkdir -p "$out/pdl"
   (export CUDA_VISIBLE_DEVICES=0

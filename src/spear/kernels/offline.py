@@ -97,7 +97,7 @@ def variants() -> dict[str, tuple]:
                    "reads_ptr": I64}
     out = {}
     lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True,  # GEMV loop unpipelined
-                   PDL=False, PDL_LATE=False, PREFETCH_BYTES=0, PRELOAD=False)
+                   PDL=False, PDL_LATE=False, PRELOAD=False)
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
@@ -150,10 +150,10 @@ def variants() -> dict[str, tuple]:
         out[f"decode rows={rows} ec=True spg={spg} per_channel={per_channel} f16x2"] = (
             w4._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True, "GEMV_ROWS": rows, "SPG": spg,
                                                 "PER_CHANNEL": per_channel, "BKW": 64, "BK": 128}, 4)
-    # launched dependent on the launch before (kernels.pdl): codes prefetched into L2, then griddepcontrol
-    out["decode rows=1 ec=True f16x2 pdl"] = (w4._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True,
-                                                                                 "BKW": 64, "BK": 128, "PDL": True, "PDL_LATE": True,
-                                                                                 "PREFETCH_BYTES": 1024}, 4)
+    # launched dependent on the launch before (kernels.pdl): griddepcontrol.wait first, the release after the loop
+    out["decode rows=1 ec=True f16x2 pdl"] = (w4._w4_decode_kernel, decode_ptrs,
+                                              {**f16x2, "HAS_EC": True, "GATED": True, "BKW": 64, "BK": 128,
+                                               "PDL": True, "PDL_LATE": True}, 4)
     # each step's codes loaded a step ahead, the first before griddepcontrol.wait (PRELOAD: W4Launch.preload), as the
     # tuner's single-stage GEMV candidates run under PDL: 8 warps, float32 and fp16x2; 4 warps, 64 words, fp16x2, EC
     for name, extra, warps in (("decode rows=1 ec=False warps=8 preload", {**const, "HAS_EC": False, "GATED": False}, 8),
@@ -173,7 +173,7 @@ def variants() -> dict[str, tuple]:
             {**fold, "SWIGLU": True, "GEMV_ROWS": rows, "RMS_IN": True, "SSQ_BLOCK": 128}, 4)
     out["decode rows=dot ec=True swiglu pdl"] = (w4._w4_decode_kernel, decode_ptrs,
                                                  {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
-                                                  "GEMV_ROWS": 0, "PDL": True, "PREFETCH_BYTES": 4096}, 4)
+                                                  "GEMV_ROWS": 0, "PDL": True}, 4)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                  BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)

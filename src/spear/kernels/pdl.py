@@ -58,16 +58,15 @@ def launch_options(x: torch.Tensor) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class W4Launch:
-    """How the W4 decode kernel uses PDL (lab knobs SPEAR_PDL_PREFETCH, SPEAR_PDL_LATE, SPEAR_W4_PRELOAD): prefetch_bytes, codes of each
-    tile row prefetched into L2 before the wait (0: none); late, let the next launch start after the main loops
-    (else right after the wait) on launches of the dot loop; late_gemv, the same on launches of the GEMV loop (a few
-    rows). Measured in session 10 (bench/NOTES-kernels.md): prefetching 4 KB a row thrashed L2 on the 7B MLP shapes
-    and 1 KB slowed W4+EC38 and batch 8 in the engine, so the default prefetches nothing. Both release late by
-    default. Session 20 timed early releases twice on Llama-2-7B W4, each arm twice in alternating order, and the
-    two calls disagree. S20D (every launch early): 1.97 ms at batch 1 against 2.04 late, but 2.92-3.00 at batch 8
-    against 2.87. S20E (the GEMV loop alone early): 2.01 against 1.96-1.97 late. So there is no default change."""
+    """How the W4 decode kernel uses PDL (lab knobs SPEAR_PDL_LATE, SPEAR_PDL_LATE_GEMV, SPEAR_W4_PRELOAD): late, let
+    the next launch start after the main loops (else right after the wait) on launches of the dot loop; late_gemv,
+    the same on launches of the GEMV loop (a few rows). Both release late by default. Session 20 timed early
+    releases twice on Llama-2-7B W4, each arm twice in alternating order, and the two calls disagree. S20D (every
+    launch early): 1.97 ms at batch 1 against 2.04 late, but 2.92-3.00 at batch 8 against 2.87. S20E (the GEMV loop
+    alone early): 2.01 against 1.96-1.97 late. So there is no default change. An L2 prefetch of each tile's first
+    codes before the wait (session 10) and of the next weights while attention runs (session 21) were refuted and
+    removed (bench/NOTES-kernels.md; the code is at 3a42402)."""
 
-    prefetch_bytes: int
     late: bool
     preload: bool  # the single-stage GEMV loops load each step's codes a step ahead, the first before the wait
     late_gemv: bool = True
@@ -75,8 +74,8 @@ class W4Launch:
 
 def w4_launch() -> W4Launch:
     env = os.environ.get
-    return W4Launch(int(env("SPEAR_PDL_PREFETCH", "0")), env("SPEAR_PDL_LATE", "1") == "1",
-                    env("SPEAR_W4_PRELOAD", "1") == "1", env("SPEAR_PDL_LATE_GEMV", "1") == "1")
+    return W4Launch(env("SPEAR_PDL_LATE", "1") == "1", env("SPEAR_W4_PRELOAD", "1") == "1",
+                    env("SPEAR_PDL_LATE_GEMV", "1") == "1")
 
 
 @triton.jit
@@ -94,12 +93,3 @@ def pdl_release(PDL: tl.constexpr):
     """Let the next launch start (it may once every program has called this or exited)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Start copying nbytes (a multiple of 16, ptr 16-byte aligned) from HBM into L2; nothing waits for it. A
-    tensor of pointers prefetches each, from the first warp only (the other warps hold copies of its elements)."""
-    tl.inline_asm_elementwise("{ .reg .pred first; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 first, t, 32;\n\t"
-                              "@first cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
-                              [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)

@@ -57,7 +57,6 @@ from spear.kernels.pdl import (
     launch_options,
     pdl_enter,
     pdl_release,
-    prefetch_l2,
     runs_compiled,
     uses_pdl,
     w4_launch,
@@ -889,16 +888,6 @@ def _a_tile(a_ptr, offs_r, k0, k_hi, K, BK: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_codes(qw_ptr, gid, split_k, k_per_split, N, KW, BN: tl.constexpr, SWIGLU: tl.constexpr,
-                    PREFETCH_BYTES: tl.constexpr):
-    """L2 prefetch of the first PREFETCH_BYTES of each of the tile's code rows in its split of K."""
-    offs_n, _ = _tile_rows(gid // split_k, N, BN, SWIGLU)
-    w0 = (gid % split_k) * k_per_split // 8
-    nbytes = tl.minimum((tl.minimum(w0 + k_per_split // 8, KW) - w0) * 4, PREFETCH_BYTES)
-    prefetch_l2(qw_ptr + tl.minimum(offs_n, N - 1) * KW + w0, nbytes)
-
-
-@triton.jit
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
@@ -912,7 +901,7 @@ def _w4_decode_kernel(
     GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr, F16X2_ASM: tl.constexpr,
     BKW: tl.constexpr, PER_CHANNEL: tl.constexpr, PEERS: tl.constexpr, U_CHUNK: tl.constexpr,
     EC_ABLATE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-    PREFETCH_BYTES: tl.constexpr, PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
+    PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
     ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1, WIDE: tl.constexpr = 1,
     DOT_ASM: tl.constexpr = False,
 ):
@@ -929,17 +918,14 @@ def _w4_decode_kernel(
     # PEERS > 0 (tensor parallelism, row-parallel layers: w4_decode_to_peers): no output here; the float32
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
-    # PDL (kernels.pdl): a tile may first have HBM stream the start of its codes into L2 (PREFETCH_BYTES) and load B
-    # and its first code step (PRELOAD: the single-stage GEMV loops then load each step's codes one step ahead, two
-    # steps in flight), then waits for the launch before it; the next launch may start after this one's main loops
+    # PDL (kernels.pdl): a tile may first load B and its first code step (PRELOAD: the single-stage GEMV loops then
+    # load each step's codes one step ahead, two steps in flight), then waits for the launch before it; the next launch may start after this one's main loops
     # (PDL_LATE) or at once.
     # An RMSNorm folded across two launches (FoldedNorm): ADD_NORM, this launch's epilogue stores h = y + residual
     # (res_ptr) at y_ptr, hw = h ⊙ w_norm (nw_ptr) at hw_ptr and the tile's Σ h² per row at ssq_ptr[m, tile];
     # RMS_IN, x is such an hw and the tiles' acc and the u-sum are scaled by rstd = 1 / sqrt(Σ_tiles ssq / K + eps)
     # (num_ssq tiles): norm(h) Wᵀ = rstd ⊙ (hw Wᵀ), exact up to rounding.
     pid = tl.program_id(0)
-    if PDL and pid >= num_ax and PREFETCH_BYTES > 0:
-        _prefetch_codes(qw_ptr, pid - num_ax, split_k, k_per_split, N, KW, BN, SWIGLU, PREFETCH_BYTES)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
@@ -1532,7 +1518,6 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         EC_ABLATE=EC_ABLATE, SWIGLU=swiglu, PDL_LATE=pdl.late_gemv if gemv_rows else pdl.late,
-        PREFETCH_BYTES=pdl.prefetch_bytes,
         PRELOAD=pdl.preload, WORD_CHAIN=f16x2_word_chain(), EVEN=even, ADD_NORM=add_norm is not None,
         RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), WIDE=DOT_WIDE,
         DOT_ASM=DOT_ASM and runs_compiled(x), **launch_options(x),
