@@ -154,3 +154,19 @@ def test_bad_arguments_exit_2_one_line(capsys):
 def test_console_script_installed():
     proc = subprocess.run([sys.executable, "-m", "spear.cli", "eval", "/no/such/model"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("spear: error: model not found")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_benchmark_without_a_gpu_exits_2_one_line(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "bench", "kernels", "--models", "7b", "--ms", "1", "--json", tmp_path / "k.json")
+    assert_clean_error(rc, err, "needs a CUDA GPU")
+    assert not (tmp_path / "k.json").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_decode_benchmark_of_a_real_shape_on_cpu_exits_2_one_line(capsys):
+    with pytest.raises(SystemExit) as e:  # one line, exit 2, before any model is built
+        main(["bench", "decode", "--models", "llama2-7b", "--settings", "w4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "decode.py: error: llama2-7b need a CUDA GPU; on CPU run --tiny"

@@ -264,7 +264,12 @@ def cmd_bench(args) -> int:
     if not script.exists():
         raise SpearError(f"spear bench runs the scripts of a source checkout; {script} does not exist")
     sys.argv = [str(script), *args.options]
-    runpy.run_path(str(script), run_name="__main__")
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):  # the script's own one-line refusal (e.g. no CUDA GPU): exit 2, as every CLI error
+            raise SpearError(e.code) from None
+        raise
     return 0
 
 
