@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,3 +88,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) 
 
         ways["kernel_graph"] = 2 * nbytes / (time_in_graph([lambda: torch.mul(src, 1, out=dst)], reps=reps) * 1e-6)
     return ways
+
+
+def refuse_real_shapes_on_cpu(script: str, models: list[str]) -> None:
+    """Exit 2 with one line when real model shapes are asked for on a machine without a CUDA GPU: built in float32
+    there, a 7B model alone would pass a CPU machine's memory. The scripts' --tiny runs anywhere."""
+    big = [m for m in models if m != "tiny"]
+    if big and not torch.cuda.is_available():
+        need = "need" if len(big) > 1 else "needs"
+        print(f"{script}: error: {' and '.join(big)} {need} a CUDA GPU; on CPU run --tiny", file=sys.stderr)
+        raise SystemExit(2)

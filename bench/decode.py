@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from common import copy_bandwidth, write_json
+from common import copy_bandwidth, refuse_real_shapes_on_cpu, write_json
 
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
@@ -147,10 +147,7 @@ def main() -> None:
                         "default: on, off with --tp, where it is not supported)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
-    big = [m for m in (args.models or ([] if args.tiny else ["llama2-7b", "llama3-8b"])) if m != "tiny"]
-    if big and not torch.cuda.is_available():  # a 7B model in float32 would not fit a CPU machine's memory
-        print(f"decode.py: error: {' and '.join(big)} need a CUDA GPU; on CPU run --tiny", file=sys.stderr)
-        raise SystemExit(2)
+    refuse_real_shapes_on_cpu("decode.py", args.models or ([] if args.tiny else ["llama2-7b", "llama3-8b"]))
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
     if args.overlap and args.tp > 1:

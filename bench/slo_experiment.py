@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from common import write_json
+from common import refuse_real_shapes_on_cpu, write_json
 from decode import MODELS, NoText, synchronize
 from serve import RequestRecord, percentiles, sample_lengths, summarize
 
@@ -187,6 +187,7 @@ def main() -> None:
     p.add_argument("--json", default="bench/results/slo_experiment.json")
     args = p.parse_args()
     tiny = args.tiny
+    refuse_real_shapes_on_cpu("slo_experiment.py", ["tiny" if tiny else "llama2-7b"])
     defaults = {"static_chunks": [64, 32, 16] if tiny else [512, 256, 128, 64],
                 "itl_slos_ms": [12.0, 20.0] if tiny else [16.0, 22.0], "num_requests": 12 if tiny else 48,
                 "rate": 40.0 if tiny else 16.0, "input_median": 24 if tiny else 160,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from common import write_json
+from common import refuse_real_shapes_on_cpu, write_json
 from torch.multiprocessing.spawn import ProcessException
 
 from spear.quant.record import QuantConfig
@@ -223,6 +223,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny model with short runs (CPU end-to-end check)")
     p.add_argument("--json", default="bench/results/tp_decode.json")
     a = p.parse_args()
+    if a.layers is None:  # with --layers a few layers of a real shape fit a CPU machine (smoke tests)
+        refuse_real_shapes_on_cpu("tp_decode.py", a.models or ([] if a.tiny else ["llama2-13b", "llama2-7b"]))
     opts = {"models": a.models or (["tiny"] if a.tiny else ["llama2-13b", "llama2-7b"]),
             "batches": a.batches or ([1, 2] if a.tiny else [1, 16]), "layers": a.layers,
             "context": a.context or (8 if a.tiny else 128), "iters": a.iters or (3 if a.tiny else 50),

@@ -169,4 +169,4 @@ def test_decode_benchmark_of_a_real_shape_on_cpu_exits_2_one_line(capsys):
         main(["bench", "decode", "--models", "llama2-7b", "--settings", "w4"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "decode.py: error: llama2-7b need a CUDA GPU; on CPU run --tiny"
+    assert err == "decode.py: error: llama2-7b needs a CUDA GPU; on CPU run --tiny"
