@@ -147,7 +147,8 @@ def main() -> None:
                         "default: on, off with --tp, where it is not supported)")
     p.add_argument("--json", default="bench/results/decode.json")
     args = p.parse_args()
-    refuse_real_shapes_on_cpu("decode.py", args.models or ([] if args.tiny else ["llama2-7b", "llama3-8b"]))
+    args.models = args.models or (["tiny"] if args.tiny else ["llama2-7b", "llama3-8b"])
+    refuse_real_shapes_on_cpu("decode.py", args.models)
     if args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
     if args.overlap and args.tp > 1:
@@ -165,7 +166,6 @@ def run(args: argparse.Namespace) -> None:
     channel = StepChannel() if args.tp > 1 else None
     rank = 0 if channel is None else dist.get_rank()
     small = args.tiny
-    models = args.models or (["tiny"] if small else ["llama2-7b", "llama3-8b"])
     batches = args.batches or ([1, 4] if small else [1, 8, 32])
     prompt_tokens = args.prompt_tokens or (16 if small else 128)
     new_tokens = args.new_tokens or (16 if small else 256)
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> None:
             "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows,
         })
 
-    for name in models:
+    for name in args.models:
         for setting in args.settings:
             start = time.perf_counter()
             fraction = EC_FRACTIONS.get(setting)

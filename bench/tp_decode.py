@@ -223,13 +223,13 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny model with short runs (CPU end-to-end check)")
     p.add_argument("--json", default="bench/results/tp_decode.json")
     a = p.parse_args()
-    if a.layers is None:  # with --layers a few layers of a real shape fit a CPU machine (smoke tests)
-        refuse_real_shapes_on_cpu("tp_decode.py", a.models or ([] if a.tiny else ["llama2-13b", "llama2-7b"]))
     opts = {"models": a.models or (["tiny"] if a.tiny else ["llama2-13b", "llama2-7b"]),
             "batches": a.batches or ([1, 2] if a.tiny else [1, 16]), "layers": a.layers,
             "context": a.context or (8 if a.tiny else 128), "iters": a.iters or (3 if a.tiny else 50),
             "eager": a.eager, "settings": a.settings, "reductions": a.reductions,
             "deadline": time.time() + a.time_limit, "json": a.json}
+    if a.layers is None:  # with --layers a few layers of a real shape fit a CPU machine (smoke tests)
+        refuse_real_shapes_on_cpu("tp_decode.py", opts["models"])
     header = {"quant": QuantConfig(bits=4, group_size=-1).to_dict(),
               "ec": {"fraction": EC_FRACTION, "rank": EC_RANK, "gate_hidden": 8},
               **{k: opts[k] for k in ("context", "iters", "layers")}, "time_limit_s": a.time_limit,

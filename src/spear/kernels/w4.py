@@ -919,8 +919,8 @@ def _w4_decode_kernel(
     # partials y_r and (with HAS_EC) the ungated u_r go to the [y | u] rows at peer_rows_ptr[p] of every rank p
     # (stride_ym apart), and the last of the tiles and the u-sum to finish signals every rank (_signal_peers).
     # PDL (kernels.pdl): a tile may first load B and its first code step (PRELOAD: the single-stage GEMV loops then
-    # load each step's codes one step ahead, two steps in flight), then waits for the launch before it; the next launch may start after this one's main loops
-    # (PDL_LATE) or at once.
+    # load each step's codes one step ahead, two steps in flight), then waits for the launch before it; the next
+    # launch may start after this one's main loops (PDL_LATE) or at once.
     # An RMSNorm folded across two launches (FoldedNorm): ADD_NORM, this launch's epilogue stores h = y + residual
     # (res_ptr) at y_ptr, hw = h ⊙ w_norm (nw_ptr) at hw_ptr and the tile's Σ h² per row at ssq_ptr[m, tile];
     # RMS_IN, x is such an hw and the tiles' acc and the u-sum are scaled by rstd = 1 / sqrt(Σ_tiles ssq / K + eps)
