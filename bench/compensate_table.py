@@ -15,7 +15,7 @@ import argparse
 import copy
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from common import write_json  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
+from spear.compensate.calibrate import gate_spread  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402
@@ -35,16 +36,27 @@ from spear.run import gap_closed  # noqa: E402
 
 
 def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, CompensateConfig]]:
+    """Every row: the static baselines (same allocator as SPEAR), SPEAR, and its ablations."""
     base = CompensateConfig()
     rows = []
     for budget in budgets:
         for kind in ("lorc", "lqer", "qera"):
             rows.append((f"+{kind.upper()} {100 * budget:g}%", replace(base, kind=kind, budget=budget)))
     spear = replace(base, budget=spear_budget)
+    planner, calibrate = spear.planner, spear.calibrate
     rows.append((f"+SPEAR {100 * spear_budget:g}%", spear))
     rows.append(("ablation: gate off (static EC, KL-trained)", replace(spear, kind="qera", train_static=True)))
+    rows.append(("ablation: closed form rank 1 on every linear (QERA)",
+                 replace(spear, kind="qera", budget=0.99, planner=replace(planner, max_rank=1))))
+    for h in (2, 32):
+        rows.append((f"ablation: gate hidden {h}", replace(spear, planner=replace(planner, gate_hidden=h))))
+    for lam in (0.1, 1.0):
+        rows.append((f"ablation: hidden-state term {lam:g}", replace(spear, calibrate=replace(calibrate, hidden_weight=lam))))
+    rows.append(("ablation: hidden-state term 1, gate off", replace(spear, kind="qera", train_static=True,
+                                                                    calibrate=replace(calibrate, hidden_weight=1.0))))
+    rows.append(("ablation: A, B learning rate 3e-3", replace(spear, calibrate=replace(calibrate, lr_ab=3e-3))))
     for mode in ("uniform", "concentrate", "spread"):
-        rows.append((f"ablation: placement {mode}", replace(spear, planner=replace(spear.planner, mode=mode))))
+        rows.append((f"ablation: placement {mode}", replace(spear, planner=replace(planner, mode=mode))))
     return rows
 
 
@@ -59,6 +71,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="KL calibration steps")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--calib-first-token", default="bos", choices=["bos", "random"])
+    p.add_argument("--calib-temperature", type=float, default=1.0)
+    p.add_argument("--calib-top-p", type=float, default=1.0)
+    p.add_argument("--calib-file", default=None, help="real text instead of self-samples (an upper-bound row, not SPEAR)")
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--only", nargs="*", default=None, help="run only rows whose label contains one of these")
@@ -66,7 +82,8 @@ def main() -> None:
     args = p.parse_args()
 
     lm = load_float_model(args.model)
-    calib = CalibConfig(args.calib_samples, args.calib_len)
+    calib = CalibConfig(args.calib_samples, args.calib_len, text_file=args.calib_file,
+                        temperature=args.calib_temperature, top_p=args.calib_top_p, first_token=args.calib_first_token)
     ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(args.model))
     settings = QuantSettings(args.method, QuantConfig(args.bits, args.group_size))
     datasets = ("wikitext2", "ptb")
@@ -78,8 +95,8 @@ def main() -> None:
 
     def save() -> None:
         write_json(args.json, {"model": args.model, "setting": {"method": args.method, **settings.quant.to_dict()},
-                               "calibration": {"num_sequences": calib.num_sequences, "seq_len": calib.seq_len,
-                                               "source": "self-sampled"},
+                               "calibration": {**asdict(calib),
+                                               "source": "text file" if calib.text_file else "self-sampled"},
                                "max_windows": args.max_windows, "steps": args.steps, "rows": rows})
 
     fp = evaluate(lm.model)
@@ -100,7 +117,10 @@ def main() -> None:
         t = time.perf_counter()
         report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity)
         ppl = evaluate(student)
-        row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode,
+        gates = gate_spread(student, ids[:8])
+        row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,
+               "heldout_kl": None if report.calibration is None else report.calibration.final_heldout_kl,
+               "gate": gates,
                "modules": len(report.plan.entries), "ranks": sorted({e.rank for e in report.plan.entries}),
                "gap_closed": {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in datasets},
                "seconds": time.perf_counter() - t}

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Every compensation table of issue 3 in one GPU call (BENCHMARKS.md §2): the four settings run
-# as parallel processes on one H200 (a 135M model leaves the GPU mostly idle per process).
-#   bash bench/compensate_tables.sh MODEL OUTDIR
-# Warm-up first, so the GGUF conversion and the self-sampled calibration ids are cached once.
+# The compensation tables (BENCHMARKS.md §2) in one GPU call, rows as parallel processes on one H200
+# (a 135M model leaves the GPU mostly idle per process). JSON lands in OUTDIR, logs beside it.
+#   bash bench/compensate_tables.sh MODEL OUTDIR tables      the four settings: baselines, SPEAR, gate off
+#   bash bench/compensate_tables.sh MODEL OUTDIR ablations   the hard case (W4 RTN per-channel): every ablation
+# Warm-up first, so the GGUF conversion and the default self-sampled calibration ids are cached once.
 set -u
-model=${1:-smollm2}; out=${2:-bench/results}; mkdir -p "$out"
+model=${1:-smollm2}; out=${2:-bench/results}; suite=${3:-tables}; mkdir -p "$out"
 limit=${LIMIT_S:-540}
 python - "$model" <<'PY'
 import sys
@@ -14,13 +15,29 @@ from spear.models import load_float_model
 lm = load_float_model(sys.argv[1])
 calibration_ids(lm.model, lm.tokenizer, CalibConfig(128, 512), model_key(sys.argv[1]))
 PY
-table() { name=$1; shift; timeout "$limit" python bench/compensate_table.py --model "$model" --json "$out/$name.json" "$@" > "/tmp/$name.log" 2>&1; }
-table compensate_rtn_w4pc --method rtn --bits 4 --group-size -1 --only LORC LQER QERA SPEAR &
-table compensate_rtn_w4pc_ablations --method rtn --bits 4 --group-size -1 --only ablation &
-table compensate_gptq_w4pc --method gptq --bits 4 --group-size -1 --only LORC LQER QERA SPEAR &
-table compensate_rtn_w4g64 --method rtn --bits 4 --group-size 64 --only LORC LQER QERA SPEAR &
-table compensate_gptq_w3g64 --method gptq --bits 3 --group-size 64 --only LORC LQER QERA SPEAR &
-table compensate_rtn_w4pc_steps600 --method rtn --bits 4 --group-size -1 --only SPEAR --steps 600 &
-timeout "$limit" python bench/quant_table.py --model "$model" --bits 4 --only "GPTQ act-order" --json "$out/smollm2_quant_table_actorder.json" > /tmp/compensate_quant_actorder.log 2>&1 &
+table() { name=$1; shift; timeout "$limit" python bench/compensate_table.py --model "$model" --json "$out/$name.json" "$@" > "$out/$name.log" 2>&1; }
+pc="--method rtn --bits 4 --group-size -1"
+case "$suite" in
+  tables)
+    table compensate_rtn_w4pc $pc --only LORC LQER QERA SPEAR "gate off (static" &
+    table compensate_gptq_w4pc --method gptq --bits 4 --group-size -1 --only LORC LQER QERA SPEAR "gate off (static" &
+    table compensate_rtn_w4g64 --method rtn --bits 4 --group-size 64 --only LORC LQER QERA SPEAR "gate off (static" &
+    table compensate_gptq_w3g64 --method gptq --bits 3 --group-size 64 --only LORC LQER QERA SPEAR "gate off (static" &
+    ;;
+  ablations)
+    table abl_default $pc --budgets 0.01 --only "+SPEAR" "gate off (static" &
+    table abl_static $pc --budgets 0.01 --only LORC LQER QERA "rank 1" &
+    table abl_gate $pc --only "gate hidden" &
+    table abl_hidden01 $pc --only "hidden-state term 0.1" &
+    table abl_hidden1 $pc --only "hidden-state term 1" &
+    table abl_placement $pc --only "placement spread" "placement concentrate" &
+    table abl_lr $pc --only "learning rate" &
+    table abl_data_random $pc --calib-first-token random --only "+SPEAR" "gate off (static" &
+    table abl_data_top_p $pc --calib-first-token random --calib-temperature 0.9 --calib-top-p 0.95 --only "+SPEAR" &
+    table abl_data_512 $pc --calib-samples 512 --only "+SPEAR" &
+    table abl_data_wikivalid $pc --calib-file "$SPEAR_DATA/wikitext-2-raw/wiki.valid.tokens.txt" --only "+SPEAR" &
+    ;;
+  *) echo "unknown suite $suite: tables or ablations" >&2; exit 2 ;;
+esac
 wait
-for f in /tmp/compensate_*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -n 14; done | tee "$out/compensate_tables.log"
+for f in "$out"/*.log; do echo "== $f"; grep -E "wiki .* ptb" "$f"; grep -E "Error|error" "$f" | tail -n 3; done | tee "$out/summary.log"

@@ -145,3 +145,24 @@ def test_collect_input_stats_shares_inputs():
     x = torch.cat(captured).double()
     assert torch.allclose(stats[f"{attn}.q_proj"].r_xx, x.t() @ x / len(x), atol=1e-6)
     assert torch.allclose(stats[f"{attn}.q_proj"].mean_abs, x.abs().mean(0), atol=1e-6)
+
+
+def test_whitened_error_factors_equal_qera_init():
+    """One SVD serves the plan and the init: WhitenedError's spectrum is E_x ‖E x‖² split by direction,
+    and its factors at any kept rank equal qera_init's."""
+    from spear.compensate.init import WhitenedError
+
+    torch.manual_seed(0)
+    W = torch.randn(48, 32)
+    W_hat = W + 0.1 * torch.randn(48, 32)
+    x = torch.randn(500, 32) * torch.linspace(0.1, 3.0, 32)
+    stats = _stats(x)
+    err = WhitenedError.of(W, W_hat, stats, max_rank=8)
+    E = (W - W_hat).double()
+    assert err.spectrum.sum().item() == pytest.approx((x.double() @ E.t()).square().sum(1).mean().item(), rel=1e-9)
+    for rank in (1, 5, 8):
+        A, B = err.factors(W, W_hat, rank)
+        A0, B0 = init_ec("qera", W, W_hat, rank, stats)
+        assert torch.allclose(B @ A, B0 @ A0, atol=1e-5)
+    with pytest.raises(SpearError, match="kept"):
+        err.factors(W, W_hat, 9)

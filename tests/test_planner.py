@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from spear.compensate.cka import ModuleDamage, SensitivityTable
 from spear.compensate.ec import ErrorCompensator
@@ -38,6 +39,11 @@ def flat(i, j):
     return 0.01 * (1 + 0.2 * ((i * 7 + j) % 5))
 
 
+def spectra(shapes, decay=lambda name: 0.7):
+    """Geometric whitened error spectra σ²_i = decay^i per module."""
+    return {n: decay(n) ** torch.arange(min(s), dtype=torch.float64) for n, s in shapes.items()}
+
+
 def total_bytes_of_all(shapes, rank, h=8):
     return sum(ec_nbytes(*s, rank, h) for s in shapes.values())
 
@@ -48,11 +54,48 @@ def total_bytes_of_all(shapes, rank, h=8):
 def test_budget_is_respected(fn, mode, frac):
     t, shapes = table(fn)
     budget = int(frac * total_bytes_of_all(shapes, 8))
-    plan = plan_ecs(t, shapes, budget, cfg=PlannerConfig(mode=mode))
+    plan = plan_ecs(t, shapes, budget, cfg=PlannerConfig(mode=mode), spectra=spectra(shapes))
     assert plan.total_bytes == sum(e.bytes for e in plan.entries) <= budget
-    assert all(e.rank % 8 == 0 and e.rank >= 8 and e.bytes == ec_nbytes(*shapes[e.name], e.rank, 8) for e in plan.entries)
+    assert all(e.rank >= 1 and e.bytes == ec_nbytes(*shapes[e.name], e.rank, 8) for e in plan.entries)
+    if mode != "auto":
+        assert all(e.rank % 8 == 0 for e in plan.entries)  # the fixed modes step by 8
+    else:
+        assert plan.mode == "marginal" and all(e.rank <= 64 for e in plan.entries)
     if frac >= 0.05:
-        assert plan.entries and plan.total_bytes > 0.5 * min(budget, total_bytes_of_all(shapes, 128))
+        assert plan.entries and plan.total_bytes > 0.5 * min(budget, total_bytes_of_all(shapes, 64))
+
+
+def test_marginal_allocation_takes_the_largest_gain_per_byte():
+    """Two modules of one shape and equal damage: the one whose error sits in fewer directions gets the
+    rank first; a module whose spectrum is flat spreads its gain thin and gets rank only later."""
+    shapes = {"model.layers.0.q_proj": (576, 576), "model.layers.0.o_proj": (576, 576)}
+    t = SensitivityTable([ModuleDamage(n, 0, n.rsplit(".", 1)[-1], 0.01) for n in shapes], tokens=10)
+    spec = {"model.layers.0.q_proj": torch.tensor([8.0, 1.0, 1.0] + [0.0] * 573, dtype=torch.float64),
+            "model.layers.0.o_proj": torch.ones(576, dtype=torch.float64)}
+    step = ec_nbytes(576, 576, 1, 8)
+    plan = plan_ecs(t, shapes, step, spectra=spec)
+    assert plan.ranks() == {"model.layers.0.q_proj": 1}
+    plan = plan_ecs(t, shapes, 10 * step, spectra=spec)
+    ranks = plan.ranks()
+    assert ranks["model.layers.0.q_proj"] == 3  # its spectrum ends at 3: no gain beyond
+    assert ranks["model.layers.0.o_proj"] >= 5 and plan.total_bytes <= 10 * step
+    assert "β" in plan.why and plan.mode == "marginal"
+    with pytest.raises(SpearError, match="spectrum"):
+        plan_ecs(t, shapes, step)
+
+
+def test_marginal_entropy_prior_concentrates_peaked_damage():
+    """Peaked damage (low entropy) → β > 1 → the two peaks take most of the budget."""
+    tp, sp = table(peaked)
+    tf, sf = table(flat)
+    budget = 300_000
+    concentrated = plan_ecs(tp, sp, budget, spectra=spectra(sp))
+    spread = plan_ecs(tf, sf, budget, spectra=spectra(sf))
+    assert len(concentrated.entries) < len(spread.entries)
+    ranks = concentrated.ranks()
+    peaks = ranks.pop("model.layers.0.down_proj"), ranks.pop("model.layers.9.down_proj")
+    assert min(peaks) > 3 * max(ranks.values(), default=0)
+    assert "concentrate" in concentrated.why and "spread" in spread.why
 
 
 def test_ec_nbytes_matches_module():
@@ -64,9 +107,10 @@ def test_entropy_picks_the_mode():
     budget = 1_500_000
     tp, sp = table(peaked)
     tf, sf = table(flat)
-    concentrated = plan_ecs(tp, sp, budget)
-    spread = plan_ecs(tf, sf, budget)
-    assert concentrated.entropy < 0.85 <= spread.entropy
+    fixed = PlannerConfig(mode="spread"), PlannerConfig(mode="concentrate")
+    concentrated = plan_ecs(tp, sp, budget, cfg=PlannerConfig(mode="concentrate"))
+    spread = plan_ecs(tf, sf, budget, cfg=PlannerConfig(mode="spread"))
+    assert fixed and concentrated.entropy < 0.85 <= spread.entropy
     assert concentrated.mode == "concentrate" and spread.mode == "spread"
     assert len(concentrated.entries) < len(spread.entries)
     assert max(e.rank for e in concentrated.entries) > max(e.rank for e in spread.entries)
@@ -112,12 +156,14 @@ def test_uniform_and_fixed_rank():
 def test_deterministic_and_json_round_trip():
     t, shapes = table(lambda i, j: 0.01)  # all ties
     budget = total_bytes_of_all(shapes, 8) // 3
-    a = plan_ecs(t, shapes, budget, seed=3)
-    assert a == plan_ecs(t, shapes, budget, seed=3)
+    spec = spectra(shapes)
+    a = plan_ecs(t, shapes, budget, seed=3, spectra=spec)
+    assert a == plan_ecs(t, shapes, budget, seed=3, spectra=spec)
     assert Plan.from_json(a.to_json()) == a
     reordered = SensitivityTable(list(reversed(t.entries)), t.tokens)
-    assert set(plan_ecs(reordered, shapes, budget, seed=3).ranks()) == set(a.ranks())
-    others = [set(plan_ecs(t, shapes, budget, seed=s).ranks()) for s in range(4)]
+    assert plan_ecs(reordered, shapes, budget, seed=3, spectra=spec).ranks() == a.ranks()
+    cfg = PlannerConfig(mode="spread")
+    others = [set(plan_ecs(t, shapes, budget, seed=s, cfg=cfg).ranks()) for s in range(4)]
     assert any(o != others[0] for o in others)  # ties are broken by the seed
 
 

@@ -84,6 +84,5 @@ def compensate_artifact(
     info = ArtifactInfo(config["base_model"], config["quant"], asdict(calib), plan=json.loads(report.plan.to_json()),
                         extra={"compensation": report.summary()})
     save_artifact(student.model, student.tokenizer, artifact_dir, info)
-    report.sensitivity.save_heatmap(Path(artifact_dir) / "sensitivity.png")
-    (Path(artifact_dir) / "sensitivity.json").write_text(report.sensitivity.to_json())
+    report.save_diagnostics(artifact_dir)
     return report

@@ -116,9 +116,7 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
         del float_model
         plan = json.loads(result.plan.to_json())
         report.ec = result.summary()
-        config.out.mkdir(parents=True, exist_ok=True)
-        (config.out / "sensitivity.json").write_text(result.sensitivity.to_json())
-        result.sensitivity.save_heatmap(config.out / "sensitivity.png")
+        result.save_diagnostics(config.out)
         _evaluate(lm, config, report.compensated, report)
 
     info = ArtifactInfo(config.model, report.setting, asdict(config.calib), plan=plan)

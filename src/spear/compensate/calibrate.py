@@ -5,7 +5,13 @@ its next-token distribution matches the float teacher's on the calibration seque
 
     L = 1/T Σ_t KL(p_t ‖ q_t) = 1/T Σ_t Σ_v p_t(v) (log p_t(v) − log q_t(v))
 
-over all T tokens of a batch and the full vocabulary (p: teacher, q: student). Adam,
+over all T tokens of a batch and the full vocabulary (p: teacher, q: student). With
+`hidden_weight` λ > 0 a cross-layer term matches every intermediate decoder layer's output
+(RILQ's model-wise discrepancy, as a relative MSE):
+
+    L += λ · 1/(n−1) Σ_{l<n} ‖h_s^l − h_t^l‖² / ‖h_t^l‖²
+
+Adam,
 cosine or constant LR, gradient clipping; a held-out share of the sequences is scored
 every `eval_every` steps, the best EC state is kept, and training stops after `patience`
 evaluations without improvement.
@@ -65,6 +71,7 @@ class CalibrateConfig:
     teacher_mode: str = "online"
     topk: int = 128
     chunk_tokens: int = 1024  # tokens per logits chunk
+    hidden_weight: float = 0.0  # λ of the intermediate hidden-state term (0: KL only); needs the online teacher
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -76,6 +83,8 @@ class CalibrateConfig:
             raise SpearError(f"holdout must be in [0, 1), got {self.holdout}")
         if min(self.steps, self.batch_size, self.eval_every, self.patience, self.topk, self.chunk_tokens) < 1:
             raise SpearError("steps, batch_size, eval_every, patience, topk and chunk_tokens must be positive")
+        if self.hidden_weight < 0 or (self.hidden_weight > 0 and self.teacher_mode != "online"):
+            raise SpearError("hidden_weight must be ≥ 0, and the hidden-state term needs teacher_mode 'online'")
 
 
 @dataclass
@@ -129,6 +138,19 @@ def _hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model.base_model(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1)
 
 
+def _hidden_and_layers(model: nn.Module, ids: torch.Tensor, layers: bool) -> tuple[torch.Tensor, tuple]:
+    """(last hidden [B·L, H], the outputs of decoder layers 1..n−1 when `layers`, else ())."""
+    out = model.base_model(input_ids=ids, use_cache=False, output_hidden_states=layers)
+    return out.last_hidden_state.flatten(0, 1), tuple(out.hidden_states[1:-1]) if layers else ()
+
+
+def _layer_discrepancy(student_layers: tuple, teacher_layers: tuple) -> torch.Tensor:
+    """1/(n−1) Σ_l ‖h_s^l − h_t^l‖² / ‖h_t^l‖² (module docstring)."""
+    terms = [(s.float() - t.float()).square().sum() / t.float().square().sum().clamp(min=1e-12)
+             for s, t in zip(student_layers, teacher_layers)]
+    return torch.stack(terms).mean()
+
+
 def _chunks(n: int, size: int) -> Iterator[slice]:
     return (slice(i, min(i + size, n)) for i in range(0, n, size))
 
@@ -136,18 +158,19 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
 class OnlineTeacher:
     """The float teacher, run on each batch: exact full-vocabulary targets."""
 
-    def __init__(self, teacher: nn.Module):
+    def __init__(self, teacher: nn.Module, layers: bool = False):
         self.model = teacher
+        self.layers = layers  # also return the decoder layers' outputs (the hidden-state term)
 
     @torch.no_grad()
-    def prepare(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def prepare(self, rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         device = next(self.model.parameters()).device
-        return _hidden(self.model, ids.to(device))  # [T, H]
+        return _hidden_and_layers(self.model, ids.to(device), self.layers)  # [T, H], layer outputs
 
-    def kl(self, s_logits: torch.Tensor, prepared: torch.Tensor, sl: slice) -> torch.Tensor:
+    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, tuple], sl: slice) -> torch.Tensor:
         """Σ over the chunk's tokens of KL(p ‖ q), float32."""
         with torch.no_grad():
-            t_logp = self.model.get_output_embeddings()(prepared[sl]).float().log_softmax(-1).to(s_logits.device)
+            t_logp = self.model.get_output_embeddings()(prepared[0][sl]).float().log_softmax(-1).to(s_logits.device)
         s_logp = s_logits.float().log_softmax(-1)
         return (t_logp.exp() * (t_logp - s_logp)).sum()
 
@@ -208,9 +231,12 @@ def teacher_topk(
 # --- the loss -----------------------------------------------------------------------
 
 
-def _batch_kl(student: nn.Module, target, rows: torch.Tensor, ids: torch.Tensor, chunk_tokens: int, backward: bool) -> float:
-    """Mean per-token KL of one batch; with `backward`, accumulate its gradient into the ECs."""
-    h = _hidden(student, ids)  # [T, H]
+def _batch_kl(student: nn.Module, target, rows: torch.Tensor, ids: torch.Tensor, chunk_tokens: int, backward: bool,
+              hidden_weight: float = 0.0) -> float:
+    """Mean per-token KL of one batch; with `backward`, accumulate the gradient of
+    KL + hidden_weight · layer discrepancy into the ECs (the returned figure is the KL alone)."""
+    layers = backward and hidden_weight > 0
+    h, s_layers = _hidden_and_layers(student, ids, layers)  # [T, H]
     h_leaf = h.detach().requires_grad_(backward)
     head = student.get_output_embeddings()
     prepared = target.prepare(rows, ids)
@@ -221,7 +247,10 @@ def _batch_kl(student: nn.Module, target, rows: torch.Tensor, ids: torch.Tensor,
             kl.backward()
         total += kl.detach()
     if backward:
-        h.backward(h_leaf.grad)
+        body = (h * h_leaf.grad).sum()  # the KL's gradient, carried into the body
+        if layers:
+            body = body + hidden_weight * _layer_discrepancy(s_layers, prepared[1])
+        body.backward()
     return total.item()
 
 
@@ -241,6 +270,34 @@ def mean_kl(
     """Mean per-token KL(teacher ‖ student) over `ids` [N, L]; `teacher` is the float model or a top-k cache."""
     target = teacher if isinstance(teacher, TeacherTopK) else OnlineTeacher(teacher)
     return _mean_kl(student, target, ids, torch.arange(len(ids)), batch_size, chunk_tokens)
+
+
+@torch.no_grad()
+def gate_spread(model: nn.Module, ids: torch.Tensor, batch_size: int = 8) -> dict:
+    """How much the gates adapt per token: over every gated EC and rank channel, the standard deviation
+    of gamma across the tokens of `ids` [N, L], and the mean |gamma − 1| (both 0 for a static EC)."""
+    stds, devs = [], []
+
+    def hook(ec: ErrorCompensator):
+        def fn(_module, args):
+            x = args[0]
+            g = ec.gamma(x @ ec.A.to(x.dtype).t()).float().flatten(0, -2)  # [T, r]
+            stds.append(g.std(0).mean().item())
+            devs.append((g - 1).abs().mean().item())
+
+        return fn
+
+    gated = [ec for ec in ec_modules(model).values() if ec.gate is not None]
+    handles = [ec.register_forward_pre_hook(hook(ec)) for ec in gated]
+    try:
+        device = next(model.parameters()).device
+        for batch in ids.split(batch_size):
+            model.base_model(input_ids=batch.to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    n = max(len(stds), 1)
+    return {"gated_ecs": len(gated), "token_std": sum(stds) / n, "mean_abs_deviation": sum(devs) / n}
 
 
 # --- training -----------------------------------------------------------------------
@@ -335,7 +392,7 @@ def calibrate_ecs(
     start_time = time.perf_counter()
     if teacher_logits is None and cfg.teacher_mode == "topk":
         teacher_logits = teacher_topk(teacher, calib_ids, cfg.topk, cfg.batch_size, cfg.chunk_tokens)
-    target = teacher_logits if teacher_logits is not None else OnlineTeacher(teacher)
+    target = teacher_logits if teacher_logits is not None else OnlineTeacher(teacher, layers=cfg.hidden_weight > 0)
     gen = torch.Generator().manual_seed(cfg.seed)
     perm = torch.randperm(n, generator=gen)
     held, train = perm[:n_held], perm[n_held:]
@@ -367,7 +424,8 @@ def calibrate_ecs(
         for step in bar:
             rows = next(batches)
             opt.zero_grad(set_to_none=True)
-            loss = _batch_kl(student, target, rows, ids[rows], cfg.chunk_tokens, backward=True)
+            loss = _batch_kl(student, target, rows, ids[rows], cfg.chunk_tokens, backward=True,
+                             hidden_weight=cfg.hidden_weight)
             torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             opt.step()
             sched.step()

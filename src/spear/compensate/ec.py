@@ -30,10 +30,16 @@ class ErrorCompensator(nn.Module):
     def gate_hidden(self) -> int:
         return 0 if self.gate is None else self.gate[0].out_features
 
+    def gamma(self, u: torch.Tensor) -> torch.Tensor:
+        """The gate gamma(u) = 1 + tanh(MLP(u)) for rank-space activations u [..., r] (ones without a gate)."""
+        if self.gate is None:
+            return torch.ones_like(u)
+        return 1 + torch.tanh(self.gate.to(u.dtype)(u))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = x @ self.A.to(x.dtype).t()  # [..., r]
         if self.gate is not None:
-            u = u * (1 + torch.tanh(self.gate.to(x.dtype)(u)))  # gamma(u) ⊙ u
+            u = u * self.gamma(u)  # gamma(u) ⊙ u
         return self.alpha.to(x.dtype) * (u @ self.B.to(x.dtype).t())
 
     def nbytes(self, bytes_per_param: int = 2) -> int:

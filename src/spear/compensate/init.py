@@ -15,6 +15,7 @@ and the rank-space activations A x have second moment Σ_r under QERA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,16 +43,38 @@ def lqer_init(E: torch.Tensor, rank: int, mean_abs: torch.Tensor) -> tuple[torch
     return _weighted_lowrank(E, torch.diag(s), rank)
 
 
-def qera_init(E: torch.Tensor, rank: int, r_xx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def qera_init(E: torch.Tensor, rank: int, r_xx_sqrt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """SVD of E R_xx^{1/2}: the minimiser of E_x ‖(E − BA) x‖² over rank r."""
-    return _weighted_lowrank(E, sqrtm_psd(r_xx), rank)
+    return _weighted_lowrank(E, r_xx_sqrt, rank)
 
 
-def sqrtm_psd(R: torch.Tensor) -> torch.Tensor:
-    """Symmetric square root of a PSD matrix via eigh; negative (round-off) eigenvalues clamp to 0."""
-    R = R.double()
-    lam, Q = torch.linalg.eigh((R + R.t()) / 2)
-    return (Q * lam.clamp(min=0).sqrt()) @ Q.t()
+@dataclass
+class WhitenedError:
+    """The SVD of one module's whitened error E R_xx^{1/2} = U Σ Vᵀ, kept to `max_rank` left vectors.
+
+    Rank r of the QERA form removes Σ_{i≤r} σ²_i of E_x ‖E x‖² = Σ_i σ²_i (the planner's gain per rank
+    step), and its factors need only U_r and Σ_r (module docstring), so one SVD serves both."""
+
+    U: torch.Tensor  # [out, ≤ max_rank] float64
+    S: torch.Tensor  # [min(out, in)] float64, descending
+
+    @classmethod
+    def of(cls, W: torch.Tensor, W_hat: torch.Tensor, stats: InputStats, max_rank: int) -> "WhitenedError":
+        E = W.detach().double() - W_hat.detach().double()
+        U, S, _ = torch.linalg.svd(E @ stats.r_xx_sqrt().to(E.device), full_matrices=False)
+        return cls(U[:, :max_rank].contiguous(), S)
+
+    @property
+    def spectrum(self) -> torch.Tensor:
+        """σ²_i, descending."""
+        return self.S.square()
+
+    def factors(self, W: torch.Tensor, W_hat: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """QERA's (A, B) at `rank` ≤ the kept vectors, equal to qera_init's."""
+        if rank > self.U.shape[1]:
+            raise SpearError(f"rank {rank} needs more than the {self.U.shape[1]} singular vectors kept")
+        E = W.detach().double() - W_hat.detach().double()
+        return _factors(E, self.U[:, :rank], self.S[:rank])
 
 
 def _weighted_lowrank(E: torch.Tensor, M: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +85,11 @@ def _weighted_lowrank(E: torch.Tensor, M: torch.Tensor | None, rank: int) -> tup
     E = E.double()
     EM = E if M is None else E @ M.to(E.device)
     U, S, _ = torch.linalg.svd(EM, full_matrices=False)
-    U, S = U[:, :rank], S[:rank]
+    return _factors(E, U[:, :rank], S[:rank])
+
+
+def _factors(E: torch.Tensor, U: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """B = U_r Σ_r^{1/2}, A = Σ_r^{-1/2} U_rᵀ E (float32), from the weighted SVD's leading U_r, Σ_r."""
     keep = S > S[0] * 1e-10  # directions with no error left get zero A row and B column
     inv_sqrt = torch.where(keep, S.clamp(min=1e-300).rsqrt(), torch.zeros_like(S))
     B = U * torch.where(keep, S.sqrt(), torch.zeros_like(S))  # U_r Σ_r^{1/2}
@@ -83,7 +110,7 @@ def init_ec(
         raise SpearError(f"EC init {kind!r} needs input statistics of the layer (collect_input_stats)")
     if kind == "lqer":
         return lqer_init(E, rank, stats.mean_abs.to(E.device))
-    return qera_init(E, rank, stats.r_xx.to(E.device))
+    return qera_init(E, rank, stats.r_xx_sqrt().to(E.device))
 
 
 def attach_ec(layer: SpearLinear, A: torch.Tensor, B: torch.Tensor, gate_hidden: int = 0) -> ErrorCompensator:

@@ -1,7 +1,8 @@
 """Add error compensators to a quantized model: sensitivity → plan → closed-form init → KL calibration.
 
     damage_m  = 1 − CKA(final hidden states of the float model, same with only m quantized)
-    plan      = planner(damages, shapes, budget = fraction × bytes of the W4 model)
+    σ²_m      = whitened error spectrum of E_m R_xx^{1/2} (what each rank step of m captures)
+    plan      = planner(damages, spectra, shapes, budget = fraction × bytes of the W4 model)
     A_m, B_m  = closed form of W_m − Ŵ_m (LoRC / LQER / QERA-exact); the adaptive EC starts from QERA
     calibrate = min KL(float ‖ W4 + EC) on self-sampled sequences (adaptive: gate, alpha, A, B)
 
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from spear.compensate.calibrate import CalibrateConfig, CalibrationResult, calibrate_ecs
 from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sensitivity
-from spear.compensate.init import attach_ec, init_ec
+from spear.compensate.init import WhitenedError, attach_ec, init_ec
 from spear.compensate.planner import CostModel, BytesCost, Plan, PlannerConfig, plan_ecs, quantized_model_bytes
 from spear.compensate.stats import collect_input_stats
 from spear.errors import SpearError
@@ -68,9 +70,22 @@ class CompensateReport:
     def ec_memory_pct(self) -> float:
         return 100.0 * self.ec_bytes / self.w4_bytes
 
+    def save_diagnostics(self, directory) -> None:
+        """sensitivity.json / .png (damage heat map), plan.json and plan_ranks.png (rank per module) in `directory`."""
+        from pathlib import Path
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "sensitivity.json").write_text(self.sensitivity.to_json())
+        self.sensitivity.save_heatmap(directory / "sensitivity.png")
+        (directory / "plan.json").write_text(self.plan.to_json())
+        if self.plan.entries:
+            self.plan.save_rank_plot(directory / "plan_ranks.png")
+
     def summary(self) -> dict:
         return {
-            "kind": self.kind, "mode": self.plan.mode, "entropy": self.plan.entropy, "modules": len(self.plan.entries),
+            "kind": self.kind, "mode": self.plan.mode, "why": self.plan.why, "entropy": self.plan.entropy,
+            "modules": len(self.plan.entries),
             "ranks": sorted({e.rank for e in self.plan.entries}), "w4_bytes": self.w4_bytes, "ec_bytes": self.ec_bytes,
             "ec_memory_pct": self.ec_memory_pct, "seconds": self.seconds,
             "calibration": None if self.calibration is None else self.calibration.to_dict() | {"history": None},
@@ -103,18 +118,30 @@ def compensate(
         sensitivity = module_sensitivity(teacher, {n: m.weight_hat for n, m in layers.items()}, calib_ids, cfg.sensitivity)
     seconds["sensitivity"] = time.perf_counter() - t
 
+    t = time.perf_counter()
     planner = replace(cfg.planner, gate_hidden=cfg.planner.gate_hidden if cfg.gated else 0)
     shapes = {n: (m.out_features, m.in_features) for n, m in layers.items()}
-    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cost_model, cfg.seed, planner)
+    init_kind = "qera" if cfg.kind == "adaptive" else cfg.kind
+    marginal = planner.allocation == "marginal"
+    stats = collect_input_stats(teacher, calib_ids, list(layers)) if marginal or init_kind != "lorc" else {}
+    errors: dict[str, WhitenedError] = {}
+    if marginal:  # every kind is allocated from the same whitened spectra: equal modules and ranks
+        for n, m in tqdm(layers.items(), desc="whitened error spectra", unit="module"):
+            W = teacher_linears[n].weight.to(m.weight_hat.device)
+            errors[n] = WhitenedError.of(W, m.weight_hat, stats[n], planner.max_rank)
+    seconds["spectra"] = time.perf_counter() - t
+    spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
+    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cost_model, cfg.seed, planner, spectra)
 
     t = time.perf_counter()
-    init_kind = "qera" if cfg.kind == "adaptive" else cfg.kind
     names = [e.name for e in plan.entries]
-    stats = collect_input_stats(teacher, calib_ids, names) if init_kind != "lorc" else {}
     for entry in plan.entries:
         layer = layers[entry.name]
-        W = teacher_linears[entry.name].weight
-        A, B = init_ec(init_kind, W.to(layer.weight_hat.device), layer.weight_hat, entry.rank, stats.get(entry.name))
+        W = teacher_linears[entry.name].weight.to(layer.weight_hat.device)
+        if init_kind == "qera" and entry.name in errors:  # the SVD the plan already computed
+            A, B = errors[entry.name].factors(W, layer.weight_hat, entry.rank)
+        else:
+            A, B = init_ec(init_kind, W, layer.weight_hat, entry.rank, stats.get(entry.name))
         attach_ec(layer, A, B, entry.gate_hidden)
     seconds["init"] = time.perf_counter() - t
 

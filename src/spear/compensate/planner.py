@@ -1,17 +1,25 @@
 """The EC planner: which modules get an error compensator, at what rank, within a byte budget.
 
-1. Damage distribution p_m = d_m / Σ d, normalised entropy H = −Σ p log p / log n ∈ [0, 1].
-2. Mode ("auto"): H < entropy_threshold → "concentrate": the damage sits in few modules, so
-   give few modules high rank (ranks concentrate_min..concentrate_max); otherwise "spread":
-   many modules at low rank (spread_min..spread_max). "uniform" ignores the damages.
-3. Cost-aware ranking: score_m = d_m / κ_m, κ_m = cost of one unit of rank (pluggable cost
-   model: bytes by default, measured µs later).
-4. Ranks ∝ score, by greedy water-filling: module m's next step r → r' (r' = min rank, then
-   +8) has priority score_m / r'; the highest-priority step that still fits the budget is taken.
-   So m reaches rank r' when a common level c passes r' / score_m: r_m ≈ c · score_m, capped at
-   the mode's max rank, and the total never exceeds the budget.
-Ranks are multiples of 8 (kernel tiles). EC bytes are ErrorCompensator.nbytes: fp16 A, B,
-gate MLP with biases, and alpha.
+Damage distribution p_m = d_m / Σ d, normalised entropy H = −Σ p log p / log n ∈ [0, 1].
+
+"marginal" (the default, "auto"): rank allocation over every linear by marginal gain per cost.
+  The whitened error spectrum σ²_{m,1} ≥ σ²_{m,2} ≥ … of E_m R_xx^{1/2} (QERA's SVD) says how much of
+  E_x ‖E_m x‖² rank r captures: Σ_{i≤r} σ²_{m,i}. Module m's damage buys its share of that energy:
+
+      gain_m(r → r+1) = w_m · σ²_{m,r+1} / Σ_i σ²_{m,i},      w_m = d_m^β,  β = 1 / H  (the entropy prior)
+
+  A low entropy (damage in few modules) sharpens the weights, so few modules get high rank
+  (concentrate); a flat one (H → 1) leaves them proportional to damage, so many modules share
+  the budget at low rank (spread). The step with the highest gain per unit cost (bytes, or any
+  CostModel: measured µs) that still fits the budget is taken next; gains fall with rank, so the
+  greedy order is the optimal fractional knapsack. Any rank 1..max_rank (the kernels pad).
+
+The fixed-mode ablations ("concentrate", "spread", "uniform"):
+  "concentrate" gives few modules high rank (concentrate_ranks), "spread" many modules low rank
+  (spread_ranks), by water-filling on score_m = d_m / κ_m (κ_m: cost of one unit of rank): module
+  m's next step r → r' (min rank, then +8) has priority score_m / r', the highest-priority step that
+  fits is taken, so r_m ≈ c · score_m. "uniform" ignores the damages.
+EC bytes are ErrorCompensator.nbytes: fp16 A, B, gate MLP with biases, and alpha.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
@@ -30,8 +38,11 @@ from spear.errors import SpearError
 from spear.models.layerwise import quantizable_linears
 from spear.quant.record import QuantizedWeight
 
-MODES = ("auto", "concentrate", "spread", "uniform")
-RANK_STEP = 8
+if TYPE_CHECKING:
+    import torch
+
+MODES = ("auto", "marginal", "concentrate", "spread", "uniform")
+RANK_STEP = 8  # rank step of the fixed-mode ablations
 
 
 def ec_nbytes(out_features: int, in_features: int, rank: int, gate_hidden: int, bytes_per_param: int = 2) -> int:
@@ -62,8 +73,10 @@ class BytesCost:
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    mode: str = "auto"
-    entropy_threshold: float = 0.85  # auto: H below → concentrate, at or above → spread
+    mode: str = "auto"  # auto = marginal
+    max_rank: int = 64  # marginal: highest rank of one module
+    max_beta: float = 4.0  # marginal: cap of the entropy prior's exponent β = 1 / H
+    entropy_threshold: float = 0.85  # the fixed modes' rule: H below → concentrate, at or above → spread
     concentrate_ranks: tuple[int, int] = (16, 128)  # (min, max) rank of a selected module
     spread_ranks: tuple[int, int] = (8, 16)
     gate_hidden: int = 8  # h of the gate MLP r → h → r; 0: no gate (static EC)
@@ -80,6 +93,13 @@ class PlannerConfig:
             raise SpearError(f"EC rank must be a positive multiple of {RANK_STEP}, got {self.rank}")
         if self.ignore_budget and self.rank is None:
             raise SpearError("ignore_budget needs a fixed rank")
+        if self.max_rank < 1 or self.max_beta < 1:
+            raise SpearError(f"max_rank must be ≥ 1 and max_beta ≥ 1, got {self.max_rank} and {self.max_beta}")
+
+    @property
+    def allocation(self) -> str:
+        """"marginal" or one of the fixed modes."""
+        return "marginal" if self.mode in ("auto", "marginal") and self.rank is None else self.mode
 
 
 @dataclass
@@ -93,13 +113,14 @@ class ModulePlan:
 
 @dataclass
 class Plan:
-    mode: str  # concentrate | spread | uniform
+    mode: str  # marginal | concentrate | spread | uniform
     entropy: float  # normalised entropy of the damage distribution
     budget_bytes: int
     total_bytes: int
     entries: list[ModulePlan]
     config: PlannerConfig = PlannerConfig()
     seed: int = 0
+    why: str = ""  # one line: what the entropy rule decided and what the allocation gave
 
     def ranks(self) -> dict[str, int]:
         return {e.name: e.rank for e in self.entries}
@@ -113,8 +134,34 @@ class Plan:
         cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()}
         return cls(
             d["mode"], d["entropy"], d["budget_bytes"], d["total_bytes"],
-            [ModulePlan(**e) for e in d["entries"]], PlannerConfig(**cfg), d["seed"],
+            [ModulePlan(**e) for e in d["entries"]], PlannerConfig(**cfg), d["seed"], d.get("why", ""),
         )
+
+    def save_rank_plot(self, path, title: str = "EC rank per module") -> None:
+        """PNG: rank of each module's EC, decoder layers (x) × module types (one line each)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        by_type: dict[str, dict[int, int]] = {}
+        for e in self.entries:
+            parts = e.name.split(".")
+            layer = next((int(p) for p in parts if p.isdigit()), 0)
+            by_type.setdefault(parts[-1], {})[layer] = e.rank
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        for t, ranks in by_type.items():
+            layers = sorted(ranks)
+            ax.plot(layers, [ranks[i] for i in layers], marker="o", markersize=3, linewidth=1, label=t)
+        ax.set_xlabel("decoder layer")
+        ax.set_ylabel("EC rank")
+        ax.set_title(f"{title}: {self.mode}, {len(self.entries)} modules, "
+                     f"{self.total_bytes / 1e6:.2f} of {self.budget_bytes / 1e6:.2f} MB, H = {self.entropy:.2f}", fontsize=9)
+        ax.legend(fontsize=7, ncol=4)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
 
 
 def normalized_entropy(damages: list[float]) -> float:
@@ -136,14 +183,21 @@ def plan_ecs(
     cost_model: CostModel = BytesCost(),
     seed: int = 0,
     cfg: PlannerConfig = PlannerConfig(),
+    spectra: dict[str, "torch.Tensor"] | None = None,
 ) -> Plan:
-    """Choose (module, rank) pairs with total EC bytes ≤ budget_bytes (module docstring)."""
+    """Choose (module, rank) pairs with total EC bytes ≤ budget_bytes (module docstring).
+
+    `spectra` (module → whitened error spectrum σ², descending; `init.whitened_spectrum`) is what
+    the marginal allocation needs; the fixed modes ignore it."""
     damage = {e.name: max(e.damage, 0.0) for e in table.entries}
     missing = [n for n in damage if n not in shapes]
     if missing:
         raise SpearError(f"no shape given for {', '.join(missing[:3])}")
     entropy = normalized_entropy(list(damage.values()))
-    mode = cfg.mode if cfg.mode != "auto" else ("concentrate" if entropy < cfg.entropy_threshold else "spread")
+    if cfg.allocation == "marginal":
+        return _marginal_plan(damage, entropy, shapes, budget_bytes, cost_model, seed, cfg, spectra)
+    mode = cfg.mode if cfg.mode not in ("auto", "marginal") else (
+        "concentrate" if entropy < cfg.entropy_threshold else "spread")
     names = list(damage)  # model order
     perm = list(range(len(names)))
     random.Random(seed).shuffle(perm)
@@ -174,7 +228,58 @@ def plan_ecs(
 
     entries = [ModulePlan(n, r, h, nbytes(n, r), damage[n]) for n, r in ranks.items() if r > 0]  # model order
     total = sum(e.bytes for e in entries)
-    return Plan(mode, entropy, budget_bytes, total, entries, cfg, seed)
+    why = f"fixed mode {mode}" + (f" (entropy {entropy:.2f} vs threshold {cfg.entropy_threshold})" if cfg.mode == "auto" else "")
+    return Plan(mode, entropy, budget_bytes, total, entries, cfg, seed, why)
+
+
+def _marginal_plan(damage, entropy, shapes, budget_bytes, cost_model, seed, cfg, spectra) -> Plan:
+    """Greedy rank steps by gain_m(r → r+1) / Δcost_m (module docstring, "marginal")."""
+    if spectra is None:
+        raise SpearError("the marginal rank allocation needs each module's error spectrum (init.whitened_spectrum)")
+    missing = [n for n in damage if n not in spectra]
+    if missing:
+        raise SpearError(f"no error spectrum given for {', '.join(missing[:3])}")
+    h = cfg.gate_hidden
+    beta = min(1.0 / max(entropy, 1e-9), cfg.max_beta)
+    names = list(damage)
+    tiebreak = {n: i for i, n in enumerate(random.Random(seed).sample(sorted(names), len(names)))}
+    gains = {}
+    for n in names:
+        s2 = spectra[n].double().clamp(min=0)
+        total = float(s2.sum())
+        top = min(cfg.max_rank, *shapes[n], len(s2))
+        gains[n] = [] if total == 0 else (damage[n] ** beta * s2[:top] / total).tolist()
+
+    def cost(n: str, r: int) -> float:
+        return cost_model.cost(n, *shapes[n], r, h) if r else 0.0
+
+    ranks = {n: 0 for n in names}
+    heap = []
+
+    def push(n: str) -> None:
+        r = ranks[n]
+        if r < len(gains[n]) and gains[n][r] > 0:
+            heapq.heappush(heap, (-gains[n][r] / (cost(n, r + 1) - cost(n, r)), tiebreak[n], n))
+
+    for n in names:
+        push(n)
+    used = 0
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        r = ranks[n]
+        extra = ec_nbytes(*shapes[n], r + 1, h) - (ec_nbytes(*shapes[n], r, h) if r else 0)
+        if used + extra > budget_bytes:
+            continue  # this module stays where it is; cheaper steps elsewhere may still fit
+        ranks[n] = r + 1
+        used += extra
+        push(n)
+    entries = [ModulePlan(n, r, h, ec_nbytes(*shapes[n], r, h), damage[n]) for n, r in ranks.items() if r > 0]
+    total = sum(e.bytes for e in entries)
+    rs = [e.rank for e in entries] or [0]
+    why = (f"marginal gain per {type(cost_model).__name__}; entropy {entropy:.3f} → prior exponent β = {beta:.2f} "
+           f"({'concentrate' if entropy < cfg.entropy_threshold else 'spread'} side); {len(entries)} of {len(names)} "
+           f"modules, rank {min(rs)}–{max(rs)} (median {sorted(rs)[len(rs) // 2]})")
+    return Plan("marginal", entropy, budget_bytes, total, entries, cfg, seed, why)
 
 
 def _water_fill(names, score, tiebreak, nbytes, max_rank, budget, lo, hi) -> dict[str, int]:

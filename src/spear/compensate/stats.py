@@ -8,7 +8,7 @@ Modules that read the same tensor (q, k, v; gate, up) share one InputStats objec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ class InputStats:
     sum_xx: torch.Tensor  # [in, in] float64, Σ x xᵀ
     sum_abs: torch.Tensor  # [in] float64, Σ |x|
     tokens: int = 0
+    _sqrt: torch.Tensor | None = field(default=None, repr=False)  # R_xx^{1/2}, computed once
 
     @classmethod
     def zeros(cls, in_features: int, device: torch.device | str = "cpu") -> "InputStats":
@@ -36,16 +37,30 @@ class InputStats:
         self.sum_xx.addmm_(x.t(), x)
         self.sum_abs.add_(x.abs().sum(0))
         self.tokens += x.shape[0]
+        self._sqrt = None
 
     @property
     def r_xx(self) -> torch.Tensor:
         """R_xx = E[x xᵀ], [in, in] float64."""
         return self.sum_xx / max(self.tokens, 1)
 
+    def r_xx_sqrt(self) -> torch.Tensor:
+        """R_xx^{1/2} (symmetric PSD square root), computed once and shared by the modules reading x."""
+        if self._sqrt is None:
+            self._sqrt = sqrtm_psd(self.r_xx)
+        return self._sqrt
+
     @property
     def mean_abs(self) -> torch.Tensor:
         """E|x| per input channel, [in] float64."""
         return self.sum_abs / max(self.tokens, 1)
+
+
+def sqrtm_psd(R: torch.Tensor) -> torch.Tensor:
+    """Symmetric square root of a PSD matrix via eigh; negative (round-off) eigenvalues clamp to 0."""
+    R = R.double()
+    lam, Q = torch.linalg.eigh((R + R.t()) / 2)
+    return (Q * lam.clamp(min=0).sqrt()) @ Q.t()
 
 
 @torch.no_grad()

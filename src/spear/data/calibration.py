@@ -1,9 +1,12 @@
 """Calibration token sequences.
 
-Default: data-free. Sequences are sampled from the float model itself (seeded,
-temperature 1, starting from the BOS token or, where there is none, a random one),
-and cached on disk keyed by the model and the settings. Option: a text file, cut
-into windows of the requested length.
+Default: data-free. Sequences are sampled from the float model itself (seeded), and
+cached on disk keyed by the model and the settings. The sampler's knobs set the
+diversity of the text: `temperature` and `top_p`, and `first_token`: "bos" starts every
+sequence from the BOS token alone (an instruct model then writes much the same kind of
+text each time), "random" puts one uniformly drawn vocabulary token after it (LLM-QAT's
+data-free generation), which sends each sequence to a different topic and register.
+Option: a text file, cut into windows of the requested length.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from tqdm.auto import tqdm
 from spear.errors import SpearError
 from spear.util import cache_dir
 
+FIRST_TOKENS = ("bos", "random")
+
 
 @dataclass(frozen=True)
 class CalibConfig:
@@ -28,13 +33,26 @@ class CalibConfig:
     seed: int = 0
     text_file: str | None = None  # None: sample from the float model (data-free)
     batch_size: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    first_token: str = "bos"  # "bos" | "random" (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.first_token not in FIRST_TOKENS:
+            raise SpearError(f"unknown first-token mode {self.first_token!r}; choose one of {', '.join(FIRST_TOKENS)}")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            raise SpearError(f"sampling needs temperature > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        if self.num_sequences < 1 or self.seq_len < 2:
+            raise SpearError(f"calibration needs ≥ 1 sequence of ≥ 2 tokens, got {self.num_sequences} × {self.seq_len}")
 
 
 def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: str) -> torch.Tensor:
     """[num_sequences, seq_len] token ids on CPU; self-sampled ones are cached under `model_key`."""
     if cfg.text_file:
         return text_file_ids(tokenizer, Path(cfg.text_file), cfg)
-    key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}".encode()).hexdigest()[:16]
+    sampler = "" if (cfg.temperature, cfg.top_p, cfg.first_token) == (1.0, 1.0, "bos") else \
+        f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # the default keeps the keys of existing caches
+    key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
         return load_file(str(path))["ids"]
@@ -59,20 +77,27 @@ def text_file_ids(tokenizer, path: Path, cfg: CalibConfig) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Tensor:
-    """Ancestral sampling at temperature 1 (no top-k/top-p), full length, batch by batch."""
+    """Ancestral sampling (cfg.temperature, cfg.top_p, no top-k), full length, batch by batch."""
     device = next(model.parameters()).device
     torch.manual_seed(cfg.seed)
     vocab = model.get_output_embeddings().weight.shape[0]
     bos = tokenizer.bos_token_id
+    special = set(tokenizer.all_special_ids)
+    ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
     out = []
     for start in tqdm(range(0, cfg.num_sequences, cfg.batch_size), desc="self-sampling calibration data", unit="batch"):
         n = min(cfg.batch_size, cfg.num_sequences - start)
-        first = torch.full((n, 1), bos) if bos is not None else torch.randint(0, vocab, (n, 1))
+        if bos is None:
+            first = ordinary[torch.randint(0, len(ordinary), (n, 1))]
+        elif cfg.first_token == "random":
+            first = torch.cat([torch.full((n, 1), bos), ordinary[torch.randint(0, len(ordinary), (n, 1))]], 1)
+        else:
+            first = torch.full((n, 1), bos)
         ids = model.generate(
             first.to(device),
             attention_mask=torch.ones_like(first, device=device),
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=cfg.seq_len - 1, min_new_tokens=cfg.seq_len - 1,
+            do_sample=True, temperature=cfg.temperature, top_k=0, top_p=cfg.top_p,
+            max_new_tokens=cfg.seq_len - first.shape[1], min_new_tokens=cfg.seq_len - first.shape[1],
             pad_token_id=tokenizer.eos_token_id,
         )
         out.append(ids.cpu())
