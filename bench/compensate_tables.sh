@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The compensation tables (BENCHMARKS.md §2) in one GPU call, rows as parallel processes on one H200
 # (a 135M model leaves the GPU mostly idle per process). JSON lands in OUTDIR, logs beside it.
-#   bash bench/compensate_tables.sh MODEL OUTDIR tables      the four settings: baselines, SPEAR, gate off
+#   bash bench/compensate_tables.sh MODEL OUTDIR tables      the four settings: static baselines, SPEAR, gate off
 #   bash bench/compensate_tables.sh MODEL OUTDIR ablations   the hard case (W4 RTN per-channel): every ablation
 # Warm-up first, so the GGUF conversion and the default self-sampled calibration ids are cached once.
 set -u
@@ -18,11 +18,16 @@ PY
 table() { name=$1; shift; timeout "$limit" python bench/compensate_table.py --model "$model" --json "$out/$name.json" "$@" > "$out/$name.log" 2>&1; }
 pc="--method rtn --bits 4 --group-size -1"
 case "$suite" in
-  tables)
-    table compensate_rtn_w4pc $pc --only LORC LQER QERA SPEAR "gate off (static" &
-    table compensate_gptq_w4pc --method gptq --bits 4 --group-size -1 --only LORC LQER QERA SPEAR "gate off (static" &
-    table compensate_rtn_w4g64 --method rtn --bits 4 --group-size 64 --only LORC LQER QERA SPEAR "gate off (static" &
-    table compensate_gptq_w3g64 --method gptq --bits 3 --group-size 64 --only LORC LQER QERA SPEAR "gate off (static" &
+  tables)  # one trained row a process, so that eight share the GPU evenly
+    g4="--method gptq --bits 4 --group-size -1"; r64="--method rtn --bits 4 --group-size 64"; g3="--method gptq --bits 3 --group-size 64"
+    table tab_rtn_w4pc_gateoff $pc --only "gate off (static" &
+    table tab_rtn_w4pc_static $pc --budgets 0.01 --only QERA "rank 1" &
+    table tab_rtn_w4pc_random $pc --calib-first-token random --only "+SPEAR" &
+    table tab_gptq_w4pc $g4 --budgets 0.01 --only LQER QERA "+SPEAR" &
+    table tab_gptq_w4pc_gateoff $g4 --only "gate off (static" &
+    table tab_rtn_w4g64 $r64 --budgets 0.01 --only LQER QERA "+SPEAR" &
+    table tab_rtn_w4g64_gateoff $r64 --only "gate off (static" &
+    table tab_gptq_w3g64 $g3 --budgets 0.01 --only LQER QERA "+SPEAR" &
     ;;
   ablations)
     table abl_default $pc --budgets 0.01 --only "+SPEAR" "gate off (static" &
@@ -40,4 +45,4 @@ case "$suite" in
   *) echo "unknown suite $suite: tables or ablations" >&2; exit 2 ;;
 esac
 wait
-for f in "$out"/*.log; do echo "== $f"; grep -E "wiki .* ptb" "$f"; grep -E "Error|error" "$f" | tail -n 3; done | tee "$out/summary.log"
+for f in "$out"/*.log; do echo "== $f"; grep -E "wiki .* ptb" "$f"; grep -E "Error" "$f" | tail -n 1 | cut -c1-300; done | tee "$out/summary.log"
