@@ -177,3 +177,35 @@ def test_ec_state_roundtrip_and_errors():
         calibrate_ecs(student, None, calib_ids(), FAST)
     with pytest.raises(SpearError, match="teacher mode"):
         CalibrateConfig(teacher_mode="offline")
+
+
+def test_hidden_state_term_changes_the_training_and_needs_the_online_teacher():
+    """With λ > 0 the layer-matching term enters the gradient (a different trained state, still lowering the KL);
+    the term's value is zero between identical models and positive otherwise."""
+    from spear.compensate.calibrate import _hidden_and_layers, _layer_discrepancy
+
+    teacher, student = quantized_pair()
+    ids = calib_ids()
+    _, t_layers = _hidden_and_layers(teacher, ids[:2], True)
+    _, s_layers = _hidden_and_layers(student, ids[:2], True)
+    assert len(t_layers) == teacher.config.num_hidden_layers - 1
+    assert _layer_discrepancy(t_layers, t_layers).item() == 0.0 < _layer_discrepancy(s_layers, t_layers).item()
+    plain = copy.deepcopy(student)
+    calibrate_ecs(plain, teacher, ids, FAST)
+    result = calibrate_ecs(student, teacher, ids, replace(FAST, hidden_weight=1.0))
+    assert result.final_heldout_kl < result.initial_heldout_kl
+    assert any(not torch.equal(a, b) for a, b in zip(ec_state_dict(plain).values(), ec_state_dict(student).values()))
+    with pytest.raises(SpearError, match="hidden"):
+        CalibrateConfig(hidden_weight=1.0, teacher_mode="topk")
+
+
+def test_gate_spread_is_zero_for_a_fresh_gate_and_positive_after_training():
+    from spear.compensate.calibrate import gate_spread
+
+    teacher, student = quantized_pair()
+    ids = calib_ids()
+    fresh = gate_spread(student, ids[:4])
+    assert fresh["gated_ecs"] > 0 and fresh["token_std"] == 0.0 and fresh["mean_abs_deviation"] == 0.0
+    calibrate_ecs(student, teacher, ids, FAST)
+    trained = gate_spread(student, ids[:4])
+    assert trained["token_std"] > 0 and trained["mean_abs_deviation"] > 0
