@@ -55,7 +55,8 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: SPEAR's gated, KL-calibrated EC (default); lorc/lqer/qera: static closed form")
     p.add_argument("--rank", type=int, default=None, help="fixed EC rank for every chosen module (multiple of 8)")
     p.add_argument("--placement", default="auto", choices=["auto", "concentrate", "spread", "uniform"],
-                   help="auto: the entropy of the damage distribution decides (default)")
+                   help="auto: rank by marginal gain per byte over every linear, the damage entropy as its prior "
+                        "(default); concentrate/spread/uniform: the fixed ablation modes")
     p.add_argument("--steps", type=int, default=200, help="KL calibration steps (adaptive)")
 
 
