@@ -133,13 +133,9 @@ def load_ec_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None
 # --- teacher targets ----------------------------------------------------------------
 
 
-def _hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Last hidden states (after the final norm), flattened to [B·L, H]; logits = head(hidden)."""
-    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state.flatten(0, 1)
-
-
 def _hidden_and_layers(model: nn.Module, ids: torch.Tensor, layers: bool) -> tuple[torch.Tensor, tuple]:
-    """(last hidden [B·L, H], the outputs of decoder layers 1..n−1 when `layers`, else ())."""
+    """(last hidden states after the final norm [B·L, H], logits = head(hidden); the outputs of decoder
+    layers 1..n−1 when `layers`, else ())."""
     out = model.base_model(input_ids=ids, use_cache=False, output_hidden_states=layers)
     return out.last_hidden_state.flatten(0, 1), tuple(out.hidden_states[1:-1]) if layers else ()
 
@@ -215,7 +211,7 @@ def teacher_topk(
     idx, logp, log_tail = [], [], []
     for start in range(0, len(ids), batch_size):
         batch = ids[start : start + batch_size]
-        h = _hidden(teacher, batch.to(device))
+        h, _ = _hidden_and_layers(teacher, batch.to(device), False)
         for sl in _chunks(len(h), chunk_tokens):
             lp = head(h[sl]).float().log_softmax(-1)
             top = lp.topk(k, dim=-1)

@@ -187,21 +187,21 @@ def plan_ecs(
 ) -> Plan:
     """Choose (module, rank) pairs with total EC bytes ≤ budget_bytes (module docstring).
 
-    `spectra` (module → whitened error spectrum σ², descending; `init.whitened_spectrum`) is what
+    `spectra` (module → whitened error spectrum σ², descending; `init.WhitenedError.spectrum`) is what
     the marginal allocation needs; the fixed modes ignore it."""
     damage = {e.name: max(e.damage, 0.0) for e in table.entries}
     missing = [n for n in damage if n not in shapes]
     if missing:
         raise SpearError(f"no shape given for {', '.join(missing[:3])}")
     entropy = normalized_entropy(list(damage.values()))
-    if cfg.allocation == "marginal":
-        return _marginal_plan(damage, entropy, shapes, budget_bytes, cost_model, seed, cfg, spectra)
-    mode = cfg.mode if cfg.mode not in ("auto", "marginal") else (
-        "concentrate" if entropy < cfg.entropy_threshold else "spread")
     names = list(damage)  # model order
     perm = list(range(len(names)))
     random.Random(seed).shuffle(perm)
     tiebreak = dict(zip(sorted(names), perm))  # seeded tie order, independent of input order
+    if cfg.allocation == "marginal":
+        return _marginal_plan(damage, entropy, tiebreak, shapes, budget_bytes, cost_model, seed, cfg, spectra)
+    mode = cfg.mode if cfg.mode not in ("auto", "marginal") else (
+        "concentrate" if entropy < cfg.entropy_threshold else "spread")
     h = cfg.gate_hidden
 
     def nbytes(name: str, rank: int) -> int:
@@ -232,17 +232,16 @@ def plan_ecs(
     return Plan(mode, entropy, budget_bytes, total, entries, cfg, seed, why)
 
 
-def _marginal_plan(damage, entropy, shapes, budget_bytes, cost_model, seed, cfg, spectra) -> Plan:
+def _marginal_plan(damage, entropy, tiebreak, shapes, budget_bytes, cost_model, seed, cfg, spectra) -> Plan:
     """Greedy rank steps by gain_m(r → r+1) / Δcost_m (module docstring, "marginal")."""
     if spectra is None:
-        raise SpearError("the marginal rank allocation needs each module's error spectrum (init.whitened_spectrum)")
+        raise SpearError("the marginal rank allocation needs each module's error spectrum (init.WhitenedError.spectrum)")
     missing = [n for n in damage if n not in spectra]
     if missing:
         raise SpearError(f"no error spectrum given for {', '.join(missing[:3])}")
     h = cfg.gate_hidden
     beta = min(1.0 / max(entropy, 1e-9), cfg.max_beta)
     names = list(damage)
-    tiebreak = {n: i for i, n in enumerate(random.Random(seed).sample(sorted(names), len(names)))}
     gains = {}
     for n in names:
         s2 = spectra[n].double().clamp(min=0)
