@@ -11,15 +11,28 @@ import uvicorn
 
 from spear.errors import SpearError
 from spear.runtime.requests import RequestOutput, SamplingParams
+from spear.server.guard import HTTPLimits, uvicorn_config
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def templated_byte_tokenizer():
+    """conftest's byte tokenizer with a minimal chat template."""
+    from conftest import make_byte_tokenizer
+
+    tok = make_byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 @contextmanager
-def running_server(app):
-    """Serve `app` on a free local port for the duration of the block; yields the base URL."""
+def running_server(app, limits: HTTPLimits = HTTPLimits()):
+    """Serve `app` as `spear serve` does (behind its guard) on a free loopback port for the duration of the block;
+    yields the base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", limits, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -49,8 +62,10 @@ class ScriptedEngine:
 
     block_size = 4
 
-    def __init__(self, tokenizer, max_model_len: int = 64, kv_blocks_total: int = 1024, step_delay: float = 0.0):
+    def __init__(self, tokenizer, max_model_len: int = 64, kv_blocks_total: int = 1024, step_delay: float = 0.0,
+                 max_num_seqs: int = 1024):
         self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.kv_blocks_total = kv_blocks_total
         self.step_delay = step_delay

@@ -72,6 +72,21 @@ def test_serving_table_profiles_once_and_reuses(tmp_path, capsys):
     assert serving_table(str(tmp_path), engine).device == "cpu" and "another device" in capsys.readouterr().err
 
 
+def test_serving_table_of_a_plain_model_is_cached(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Not an artifact (an HF dir, a GGUF, smollm2): the table is stored in the cache, keyed by model, device, EC
+    density and engine shape, so the next start does not profile again."""
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path))
+    config = EngineConfig(max_num_seqs=2, max_model_len=64, cuda_graphs=False)
+    engine = Engine(make_runner(tiny_model(), config), SimpleNamespace(eos_token_id=None), config)
+    first = serving_table(str(tiny_model_dir), engine)
+    assert "profiling" in capsys.readouterr().err and len(list((tmp_path / "latency").glob("*.json"))) == 1
+    assert not (tiny_model_dir / TABLE_FILE).exists()
+    assert serving_table(str(tiny_model_dir), engine) == first and "profiling" not in capsys.readouterr().err
+    other = EngineConfig(max_num_seqs=3, max_model_len=64, cuda_graphs=False)
+    serving_table(str(tiny_model_dir), Engine(make_runner(tiny_model(), other), SimpleNamespace(eos_token_id=None), other))
+    assert "profiling" in capsys.readouterr().err, "another engine shape is profiled anew"
+
+
 def test_cli_profile(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "t.json"
     rc = main(["profile", str(tiny_model_dir), "--out", str(out), "--batch-sizes", "1", "2",

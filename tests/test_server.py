@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_harness import running_server, wait_until
+from server_harness import CHAT_TEMPLATE, running_server, wait_until
 
 from spear.cli import main
 from spear.models import load_float_model
@@ -21,7 +21,6 @@ from spear.runtime.engine import EngineConfig, build_engine
 from spear.server.app import build_app
 from spear.server.async_engine import AsyncEngine
 
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +67,28 @@ def test_prompt_longer_than_context_is_400(tiny):
         assert e.value.body["code"] == "context_length_exceeded" and "128" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y" * 200}])
+
+
+def test_extreme_sampling_values_never_fail_other_streams(tiny):
+    """Values that once raised inside a batched step and failed every stream in it: now each is either a 400 or a
+    normal answer, and the greedy streams around them finish with the text they have alone."""
+    async_engine, server = tiny_server(tiny, overlap=True)
+    greedy = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    hostile = [{"top_k": 2**63, "temperature": 1}, {"top_p": 1e-50}, {"top_p": 5e-324}, {"temperature": 1e-50},
+               {"temperature": 1e-40}, {"seed": 2**64}, {"seed": -2**63 - 1}]
+    with server as url:
+        alone = httpx.post(f"{url}/v1/completions", json=greedy, timeout=60).json()["choices"][0]["text"]
+
+        async def mixed():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                streams = [client.post("/v1/completions", json=greedy) for _ in range(3)]
+                bad = [client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, **h}) for h in hostile]
+                return await asyncio.gather(*streams, *bad)
+
+        answers = asyncio.run(mixed())
+    assert [r.json()["choices"][0]["text"] for r in answers[:3]] == [alone] * 3
+    assert [r.status_code for r in answers[3:]] == [200] * 5 + [400] * 2
+    assert async_engine.stats.kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])  # True: spear serve's default (EngineConfig.overlap)

@@ -9,22 +9,18 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import make_byte_tokenizer
-from server_harness import ScriptedEngine, running_server, wait_until
+from server_harness import ScriptedEngine, running_server, templated_byte_tokenizer, wait_until
 
 from spear.runtime.requests import SamplingParams
 from spear.server.app import build_app
 from spear.server.async_engine import AsyncEngine, QueueFullError
 
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 MAX_LEN = 64
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = make_byte_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return templated_byte_tokenizer()
 
 
 def scripted_server(tokenizer, max_waiting: int = 256, **engine_kwargs):
@@ -69,7 +65,7 @@ def test_async_engine_streams_and_sleeps_when_idle(tokenizer):
 
 
 def test_async_engine_queue_bound_and_abort_of_pending(tokenizer):
-    engine = ScriptedEngine(tokenizer)
+    engine = ScriptedEngine(tokenizer, max_num_seqs=1)  # one slot: every later request really waits
     engine.gate.clear()  # the engine thread blocks inside its first step
     async_engine = AsyncEngine(engine, max_waiting=2)
     async_engine.start()
@@ -179,7 +175,7 @@ def test_other_errors_are_json(tokenizer):
 
 
 def test_queue_full_answers_429_at_once(tokenizer):
-    engine, server = scripted_server(tokenizer, max_waiting=2)
+    engine, server = scripted_server(tokenizer, max_waiting=2, max_num_seqs=1)
     engine.gate.clear()
     with server as url, httpx.Client(base_url=url, timeout=30) as client:
         async def flood():

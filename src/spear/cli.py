@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-overlap", action="store_true",
                    help="read each step's tokens before launching the next (default: the host's work for one step "
                         "overlaps the GPU's next step; always off with --tp)")
+    s.add_argument("--max-body-mb", type=float, default=4.0, help="request bodies over this get HTTP 413")
+    s.add_argument("--read-timeout-s", type=float, default=30.0,
+                   help="a request (headers and body) must arrive within this; slower connections are closed")
+    s.add_argument("--max-connections", type=int, default=1024, help="open connections beyond this are closed at once")
+    s.add_argument("--allowed-hosts", nargs="+", default=None,
+                   help="Host header names accepted (default: the loopback names when bound to loopback, else any; "
+                        "'*': any)")
     s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
 
     pr = sub.add_parser("profile", help="measure engine step latency (decode batch x prefill tokens) for the SLO scheduler")
@@ -238,10 +245,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from spear.server.guard import HTTPLimits
     from spear.server.launch import ServeConfig, serve
 
+    hosts = None if args.allowed_hosts is None else tuple(args.allowed_hosts)
+    http = HTTPLimits(int(args.max_body_mb * 2**20), args.read_timeout_s, args.max_connections, hosts)
     config = ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms,
-                         args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap)
+                         args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap, http)
     serve(args.model, config, device=_device(args))
     return 0
 

@@ -10,6 +10,7 @@ sequence never runs out of cache; blocks return to the pool on finish or abort.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,8 @@ from spear.runtime.requests import RequestOutput, SamplingParams
 from spear.runtime.runner import ModelRunner, TokenPatch
 from spear.runtime.sampler import sample_tokens
 from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
 # Powers of two: the W4 kernels' row tile is the power of two ≥ the rows (kernels.w4._row_tile), so a bucket
@@ -179,6 +182,10 @@ class Engine:
         return len(self.waiting)
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
     def kv_blocks_used(self) -> int:
         return self.allocator.num_used
 
@@ -207,8 +214,8 @@ class Engine:
         detokenizer = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
         self.waiting.append(Sequence(request_id, list(prompt_token_ids), params, generator, detokenizer, max_len))
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request (unknown or finished ids are ignored); the next step reports it finished."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Drop a request (unknown or finished ids are ignored); the next step reports it finished with `reason`."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -216,7 +223,7 @@ class Engine:
                     seq.finished = True  # a token of it still in flight is dropped
                     seq.released = True
                     self.allocator.free(seq.block_table)
-                    self._aborted.append(self._output(seq, [], "abort"))
+                    self._aborted.append(self._output(seq, [], reason))
                     return
 
     def step(self) -> list[RequestOutput]:
@@ -287,7 +294,7 @@ class Engine:
         seqs = [work[i][0] for i in rows]
         if len(rows) < len(work):  # sequences still mid-prompt have no token to sample
             logits = logits[rows]
-        tokens = sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self._sample(logits, seqs)
         ready = None
         if tokens.is_cuda and self.config.overlap:  # else _finish's tolist() waits for the step
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -301,6 +308,23 @@ class Engine:
         if self.config.overlap:
             for i, seq in enumerate(seqs):
                 seq.pending_row, seq.pending_step = i, self.num_launched
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The step's tokens; if sampling the batch raises, each row is sampled alone and a row that still raises
+        fails its own request (finish reason "error"), never the others."""
+        try:
+            return sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
+        rows = []
+        for i, seq in enumerate(seqs):
+            try:
+                rows.append(sample_tokens(logits[i : i + 1], [seq.params], [seq.generator]))
+            except Exception:
+                log.exception("sampling request %s failed", seq.request_id)
+                self.abort(seq.request_id, reason="error")
+                rows.append(torch.zeros(1, dtype=torch.long, device=logits.device))  # dropped: the request is over
+        return torch.cat(rows)
 
     def _finish(self, step: InFlight) -> list[RequestOutput]:
         """Append a launched step's tokens to its sequences (finished or aborted ones since: dropped)."""

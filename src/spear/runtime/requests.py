@@ -31,6 +31,8 @@ class SamplingParams:
             raise SpearError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SpearError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise SpearError(f"seed must fit in 64 bits, got {self.seed}")
 
 
 @dataclass
@@ -41,6 +43,6 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # tokens sampled this step (0 or 1 in practice)
     new_text: str = ""  # their text, held back while it could still be the start of a stop string
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (this request failed alone)
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far

@@ -6,6 +6,8 @@ import torch
 
 from spear.runtime.requests import SamplingParams
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM): logits / 1e-40 overflow to inf
+
 
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits [B, V] with every token outside each row's top-k and top-p nucleus set to -inf (k = 0: no top-k)."""
@@ -15,21 +17,23 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     sorted_logits = sorted_logits.masked_fill(rank[None] >= k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     outside = probs.cumsum(dim=-1) - probs >= top_p[:, None]  # mass before this token already reaches top_p
+    outside[:, 0] = False  # the most likely token always stays (top_p 1e-50 rounds to 0 in float32)
     sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of logits [B, V] (rows with temperature 0 greedy), as a [B] int64 tensor on the logits'
-    device, without waiting for it (no host sync)."""
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    """One token per row of logits [B, V] (rows with temperature below GREEDY_BELOW greedy), as a [B] int64 tensor
+    on the logits' device, without waiting for it (no host sync)."""
+    rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if not rows:  # all greedy: argmax over the logits as they are (no float32 copy)
         return logits.argmax(dim=-1)
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
     device = logits.device
     sub = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
-    sub = top_k_top_p(sub, torch.tensor([params[i].top_k for i in rows], device=device),
+    vocab = logits.shape[-1]
+    sub = top_k_top_p(sub, torch.tensor([min(params[i].top_k, vocab) for i in rows], device=device),
                       torch.tensor([params[i].top_p for i in rows], device=device))
     probs = sub.softmax(dim=-1)
     for j, i in enumerate(rows):

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -22,9 +23,11 @@ from spear.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
 )
 from spear.server.metrics import RequestTimer, ServerMetrics
+from spear.server.prompts import PromptEncoder
 from spear.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,22 +64,17 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.metrics = metrics
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            return self.tokenizer(req.prompt).input_ids
-        vocab = len(self.tokenizer)
-        bad = [t for t in req.prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
-        return list(req.prompt)
+        self.prompts = PromptEncoder(tokenizer)
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="spear-tokenize")  # off the event loop, in order
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except ValueError as e:  # no chat template, or one that rejects these messages
-            raise RequestError(f"cannot apply the model's chat template: {e}; use /v1/completions", "messages") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    async def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prompts.completion, req)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prompts.chat, req)
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def serve(self, req: _SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
         params = self._sampling_params(req, prompt_ids)
@@ -95,7 +93,11 @@ class OpenAIServing:
             text, last = await _unless_disconnected(request, self._collect(stream, timer))
         except _ClientGone:
             await stream.aclose()
+            self.metrics.aborted.inc()
             return Response(status_code=499)
+        except SpearError:
+            self.metrics.failed.inc()
+            raise
         return JSONResponse(builder.response(text, last))
 
     def _sampling_params(self, req: _SamplingRequest, prompt_ids: list[int]):
@@ -127,25 +129,33 @@ class OpenAIServing:
     async def _events(self, stream: RequestStream, out: RequestOutput, builder: ResponseBuilder,
                       timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events; starlette cancels this on disconnect, and closing the stream aborts the request."""
-        async with aclosing(stream):
-            if builder.chat:
-                yield _sse(builder.chunk(None, role=True))
-            try:
-                while True:
-                    timer.tokens_arrived(len(out.new_token_ids))
-                    if out.new_token_ids or out.new_text:  # one chunk per token, even while its text is held back
-                        yield _sse(builder.chunk(out.new_text))
-                    if out.finished:
-                        break
-                    out = await anext(stream)
-            except SpearError as e:  # the engine failed mid-stream: say so in-band, the status is already sent
-                yield _sse(error_body(str(e), type="server_error"))
-                return
-        self._finished(out)
-        yield _sse(builder.chunk(None, out.finish_reason))
-        if include_usage:
-            yield _sse(builder.usage_chunk(out))
-        yield "data: [DONE]\n\n"
+        ended = False  # finished or failed; otherwise the client left (closing this generator)
+        try:
+            async with aclosing(stream):
+                if builder.chat:
+                    yield _sse(builder.chunk(None, role=True))
+                try:
+                    while True:
+                        timer.tokens_arrived(len(out.new_token_ids))
+                        if out.new_token_ids or out.new_text:  # one chunk per token, even while its text is held back
+                            yield _sse(builder.chunk(out.new_text))
+                        if out.finished:
+                            break
+                        out = await anext(stream)
+                except SpearError as e:  # the engine failed mid-stream: say so in-band, the status is already sent
+                    ended = True
+                    self.metrics.failed.inc()
+                    yield _sse(error_body(str(e), type="server_error"))
+                    return
+            ended = True
+            self._finished(out)
+            yield _sse(builder.chunk(None, out.finish_reason))
+            if include_usage:
+                yield _sse(builder.usage_chunk(out))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not ended:
+                self.metrics.aborted.inc()
 
     def _finished(self, last: RequestOutput) -> None:
         self.metrics.prompt_tokens.inc(last.prompt_tokens)
@@ -186,17 +196,18 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, max_model_len: in
         engine.start()
         yield
         engine.shutdown()
+        serving.close()
 
     app = FastAPI(title="SPEAR", lifespan=lifespan)
     _install_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await serving.serve(req, serving.completion_prompt(req), request, chat=False)
+        return await serving.serve(req, await serving.completion_prompt(req), request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.serve(req, serving.chat_prompt(req), request, chat=True)
+        return await serving.serve(req, await serving.chat_prompt(req), request, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -228,13 +239,15 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0]
+        # of a union's alternatives, the error about the value, not the one that says it has another type
+        first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
         loc = _param_path([e.get("loc", ()) for e in errors])
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
         else:
             param = ".".join(loc) or None
-            message = f"{param}: {first['msg']}" if param else first["msg"]
+            msg = first["msg"].removeprefix("Value error, ")
+            message = f"{param}: {msg}" if param else msg
         return JSONResponse(error_body(message, param), status_code=400)
 
     @app.exception_handler(RequestError)
@@ -243,11 +256,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), type="requests", code="rate_limit_exceeded"), status_code=429)
+        return JSONResponse(error_body(str(exc), type="requests", code="rate_limit_exceeded"), status_code=429,
+                            headers={"Retry-After": "1"})
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), type="server_error"), status_code=503)
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), type="server_error"), status_code=500)
 
     @app.exception_handler(SpearError)
     async def spear_error(request: Request, exc: SpearError) -> JSONResponse:

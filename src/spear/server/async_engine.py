@@ -26,7 +26,15 @@ class QueueFullError(SpearError):
 
 
 class EngineDeadError(SpearError):
-    """The engine thread has stopped or a step failed; the request cannot complete (HTTP 500)."""
+    """The engine thread has stopped or a step failed; the request cannot complete (HTTP 503)."""
+
+
+class RequestFailedError(SpearError):
+    """This request alone failed inside the engine (its sampling raised, say); the others go on (HTTP 500).
+    Its message never carries the internal error, which goes to the log."""
+
+
+REQUEST_FAILED = "the server failed while generating this request; the server log has the cause"
 
 
 class SyncEngine(Protocol):
@@ -34,6 +42,7 @@ class SyncEngine(Protocol):
 
     num_running: int
     num_waiting: int
+    max_num_seqs: int  # sequences it runs at once
     kv_blocks_used: int
     kv_blocks_total: int
 
@@ -142,7 +151,7 @@ class AsyncEngine:
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise EngineDeadError("the engine is not running")
-            if len(self._adds) + self._stats.num_waiting >= self.max_waiting:
+            if self._really_waiting() >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
             if request_id in self._sinks:
                 raise SpearError(f"request id {request_id!r} is already in use")
@@ -150,6 +159,10 @@ class AsyncEngine:
             self._adds.append(_Add(request_id, list(prompt_ids), params))
             self._cond.notify()
         return RequestStream(self, request_id, queue)
+
+    def _really_waiting(self) -> int:
+        """Live requests beyond the engine's sequence slots: those that could not run now (caller holds _cond)."""
+        return max(0, len(self._sinks) - self.engine.max_num_seqs)
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -177,9 +190,9 @@ class AsyncEngine:
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
                 self._publish_stats()  # before the outputs: a client never sees stats older than its tokens
                 self._deliver(outputs)
-            except Exception as e:  # a bug in a step: fail every live request, keep serving
+            except Exception:  # a bug in a step: fail every live request, keep serving
                 log.exception("engine step failed")
-                self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+                self._fail_all(EngineDeadError(REQUEST_FAILED))
                 self._publish_stats()
         self._fail_all(EngineDeadError("the engine shut down"))
 
@@ -191,7 +204,10 @@ class AsyncEngine:
         for add in adds:
             try:
                 self.engine.add_request(add.request_id, add.prompt_ids, add.params)
-            except SpearError as e:
+            except Exception as e:  # this request's fault (SpearError says why) or a bug: it alone fails
+                if not isinstance(e, SpearError):
+                    log.exception("adding request %s failed", add.request_id)
+                    e = RequestFailedError(REQUEST_FAILED)
                 with self._cond:
                     sink = self._sinks.pop(add.request_id, None)
                 if sink is not None:
@@ -206,7 +222,7 @@ class AsyncEngine:
             with self._cond:
                 sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
-                sink.put(out)
+                sink.put(RequestFailedError(REQUEST_FAILED) if out.finish_reason == "error" else out)
 
     def _fail_all(self, error: Exception) -> None:
         with self._cond:

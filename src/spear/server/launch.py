@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
 import torch
 
 from spear.errors import SpearError
+from spear.server.guard import HTTPLimits, raise_open_file_limit, uvicorn_config
 
 if TYPE_CHECKING:
     from spear.runtime.engine import Engine, EngineConfig
@@ -32,8 +34,9 @@ class ServeConfig:
     tp: int = 1  # tensor-parallel ranks (spear.runtime.tp_serve)
     tp_reduction: str = "p2p"  # how row-parallel layers reduce on GPUs (spear.runtime.tp.set_reduction)
     # the engine's host work overlapped with the GPU step (EngineConfig.overlap; single rank only): 2-6% less
-    # per decode step on the H200 (BENCHMARKS §5, session 8)
+    # per decode step on the H200 (BENCHMARKS §5)
     overlap: bool = True
+    http: HTTPLimits = field(default_factory=HTTPLimits)  # body size, read timeout, connections, Host names
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -84,12 +87,16 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
         tokenizer = lm.tokenizer
         del lm  # under TP the full weights go; the engine holds this rank's shard
         if config.itl_slo_ms is not None:
-            engine.policy = SLOPolicy(serving_table(spec, engine), config.itl_slo_ms, max_chunk=config.chunk_tokens)
+            table = serving_table(spec, engine)
+            if (warning := slo_warning(table, config.itl_slo_ms, config.max_num_seqs)) is not None:
+                print(warning, file=sys.stderr, flush=True)
+            engine.policy = SLOPolicy(table, config.itl_slo_ms, max_chunk=config.chunk_tokens)
         app = build_app(AsyncEngine(engine, config.max_waiting), tokenizer, spec, engine.max_model_len)
         host, port = sock.getsockname()[:2]
         tp = "" if channel is None else f", tensor parallel over {config.tp} ranks"
         print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens{tp})", flush=True)
-        uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+        raise_open_file_limit()
+        uvicorn.Server(uvicorn_config(app, config.host, config.http, log_level="info")).run(sockets=[sock])
     finally:
         sock.close()
 
@@ -138,26 +145,40 @@ def _engine_config(config: ServeConfig) -> EngineConfig:
 
 
 def serving_table(spec: str, engine: Engine) -> LatencyTable:
-    """The artifact's latency table if it was profiled on this device at this EC density, else a fresh profile
-    (stored in the artifact directory)."""
+    """The step-latency table for --itl-slo-ms: the one stored for this model, device, EC density and engine shape
+    (in the artifact directory, or the cache for other models), else a fresh profile, stored for the next start.
+    Warns when the SLO cannot be met even by a step with no prefill."""
+    from spear.api import model_key
     from spear.artifact import is_artifact
     from spear.runtime import latency
+    from spear.util import cache_dir
 
-    path = Path(spec) / latency.TABLE_FILE
     runner = engine.runner
-    density = latency.ec_density(runner.model)
-    if path.is_file():
-        table = latency.LatencyTable.load(path)
-        if table.device == latency.device_name(runner.cache.device) and math.isclose(table.ec_density, density):
-            return table
-        why = f"{path} was profiled on {table.device} at EC density {table.ec_density:.2f}"
+    device, density = latency.device_name(runner.cache.device), latency.ec_density(runner.model)
+    if is_artifact(spec):
+        path = Path(spec) / latency.TABLE_FILE
     else:
-        why = f"no latency table in {spec}"
+        key = f"{model_key(spec)}:{device}:{density:.6f}:{engine.config.max_num_seqs}:{engine.max_model_len}"
+        path = cache_dir("latency") / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    table = latency.LatencyTable.load(path) if path.is_file() else None
+    if table is not None and table.device == device and math.isclose(table.ec_density, density):
+        return table
+    why = (f"{path} was profiled on {table.device} at EC density {table.ec_density:.2f}" if table is not None
+           else f"no stored latency table for {spec} on {device}")
     print(f"{why}: profiling step latency on this device for --itl-slo-ms (a minute or two)", file=sys.stderr, flush=True)
     table = latency.profile(runner, *latency.default_grid(engine.config.max_num_seqs, engine.max_model_len))
-    if is_artifact(spec):
-        print(f"wrote {table.save(path)}", file=sys.stderr, flush=True)
+    print(f"wrote {table.save(path)}", file=sys.stderr, flush=True)
     return table
+
+
+def slo_warning(table: LatencyTable, itl_slo_ms: float, max_num_seqs: int) -> str | None:
+    """Why the SLO cannot hold on this device (a decode step of a full batch alone takes longer), or None."""
+    batch = min(max_num_seqs, table.batch_sizes[-1])
+    seconds = table.predict(batch, table.prefill_tokens[0])
+    if seconds is None or seconds * 1e3 <= itl_slo_ms:
+        return None
+    return (f"warning: --itl-slo-ms {itl_slo_ms:g} cannot be met here: one decode step of {batch} sequences "
+            f"takes {seconds * 1e3:.0f} ms on this device; lower --max-num-seqs or raise the SLO")
 
 
 def _listen(host: str, port: int) -> socket.socket:

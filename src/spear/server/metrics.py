@@ -36,6 +36,9 @@ class ServerMetrics:
                                 registry=r)
         self.rejected = Counter("spear_requests_rejected", "Requests answered 429 because the queue was full",
                                 registry=r)
+        self.aborted = Counter("spear_requests_aborted", "Requests whose client left before the end", registry=r)
+        self.failed = Counter("spear_requests_failed", "Requests the engine failed (a step or their own sampling)",
+                              registry=r)
         gauges = {
             "spear_queue_depth": ("Requests waiting for the engine (accepted, not yet running)", "queue_depth"),
             "spear_num_requests_running": ("Requests the engine is running", "num_running"),

@@ -4,12 +4,57 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from spear.errors import SpearError
 from spear.runtime.requests import RequestOutput, SamplingParams
+
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer can encode: refuse them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
+
+
+def _nonempty_stop(text: str) -> str:
+    if not 0 < len(text) <= MAX_STOP_CHARS:
+        raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopString = Annotated[Text, AfterValidator(_nonempty_stop)]
+
+# OpenAI parameters this server does not implement, with the values that leave them off: those are accepted (a
+# client may send its defaults), anything else is a 400 naming the parameter.
+NEUTRAL_VALUES: dict[str, tuple] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),  # vLLM's extension
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+}
 
 
 class StreamOptions(BaseModel):
@@ -26,15 +71,33 @@ class _SamplingRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM's extension; 0 or -1: off
+    top_k: int = Field(0, ge=-1)  # vLLM's extension; 0 or -1: off (any k ≥ the vocabulary is off too)
     n: Literal[1] = 1  # one choice per request
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
+    # not implemented: NEUTRAL_VALUES
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator(*[k for k in NEUTRAL_VALUES if k not in ("echo", "best_of", "suffix")])
+    @classmethod
+    def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral(value, info)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -52,21 +115,38 @@ class _SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _neutral(value: Any, info: ValidationInfo) -> Any:
+    neutral = NEUTRAL_VALUES[info.field_name]
+    if value is not None and value not in neutral:
+        shown = " or ".join(repr(n) for n in neutral)
+        raise ValueError(f"is not supported by this server (send null or {shown})")
+    return value
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: Text | None = None
+
+    @field_validator("echo", "best_of", "suffix")
+    @classmethod
+    def _only_neutral_here(cls, value: Any, info: ValidationInfo) -> Any:
+        return _neutral(value, info)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-    name: str | None = None
+    content: Text
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,192 @@
+"""What the server refuses before a request reaches the API, so that no client can stall or drive it:
+
+- connections: at most `max_connections` open (more are closed at once, so file descriptors never run out), and a
+  request must arrive whole, headers and body, within `read_timeout_s` (slow or silent clients are dropped);
+- bodies over `max_body_bytes` → 413, before any parsing;
+- POSTs that are not `application/json` → 415 (a web page cannot send JSON cross-origin without a preflight);
+- a `Host` header the server was not bound for → 421 (DNS rebinding against a loopback server).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import resource
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spear.errors import SpearError
+
+if TYPE_CHECKING:
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    max_body_bytes: int = 4 * 2**20
+    read_timeout_s: float = 30.0  # for a whole request (headers and body) to arrive
+    max_connections: int = 1024
+    allowed_hosts: tuple[str, ...] | None = None  # None: the bind address's names when loopback, else any; ("*",): any
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.read_timeout_s <= 0 or self.max_connections < 1:
+            raise SpearError("--max-body-mb, --read-timeout-s and --max-connections must be positive")
+
+
+def allowed_hosts(bind_host: str, limits: HTTPLimits) -> frozenset[str] | None:
+    """Host names (no port) a request may name; None: any."""
+    if limits.allowed_hosts is not None:
+        return None if "*" in limits.allowed_hosts else frozenset(h.lower() for h in limits.allowed_hosts)
+    try:
+        loopback = bind_host == "localhost" or ipaddress.ip_address(bind_host).is_loopback
+    except ValueError:  # a host name: the user chose it, accept what clients call it
+        loopback = False
+    return frozenset(LOOPBACK_NAMES) | {bind_host.lower()} if loopback else None
+
+
+def _host_name(header: str) -> str:
+    """'example.com:8000' → 'example.com'; '[::1]:8000' → '::1'."""
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0].lower()
+    return header.rsplit(":", 1)[0].lower() if header.count(":") == 1 else header.lower()
+
+
+def _replay(body: bytes, receive):
+    """A receive() that hands over the body already read, then waits on the connection (for the disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+class GuardMiddleware:
+    """ASGI middleware: Host, Content-Type and body-size checks, each answered with an OpenAI-style error."""
+
+    def __init__(self, app, hosts: frozenset[str] | None, max_body_bytes: int):
+        self.app = app
+        self.hosts = hosts
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.hosts is not None and _host_name(headers.get("host", "")) not in self.hosts:
+            return await _refuse(send, 421, f"the Host header {headers.get('host', '')!r} is not one this server "
+                                            "answers to (spear serve --allowed-hosts)")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                return await _refuse(send, 415, "the request body must be JSON, sent with Content-Type: application/json")
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+                return await _refuse(send, 413, self._too_large())
+            body = bytearray()  # read whole (FastAPI would too), so that an oversized one never reaches the app
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left
+                    return
+                body += message.get("body", b"")
+                if len(body) > self.max_body_bytes:
+                    return await _refuse(send, 413, self._too_large())
+                if not message.get("more_body", False):
+                    break
+            receive = _replay(bytes(body), receive)
+        await self.app(scope, receive, send)
+
+    def _too_large(self) -> str:
+        return f"the request body is over {self.max_body_bytes} bytes (spear serve --max-body-mb)"
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def guarded_protocol(limits: HTTPLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a connection cap and a deadline for each request to arrive."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                log.warning("over %d open connections: closing a new one", limits.max_connections)
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._awaiting_request():
+                self._arm()
+            else:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._disarm()  # an idle keep-alive connection: uvicorn's own timeout closes it
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _awaiting_request(self) -> bool:
+            cycle = self.cycle
+            return cycle is None or cycle.response_complete or cycle.more_body
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(limits.read_timeout_s, self._timed_out)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _timed_out(self) -> None:
+            self._deadline = None
+            if self._awaiting_request() and not self.transport.is_closing():
+                if self.cycle is not None and not self.cycle.response_complete:  # the app waits for a body
+                    self.cycle.disconnected = True
+                    self.cycle.message_event.set()
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def uvicorn_config(app, bind_host: str, limits: HTTPLimits, **kwargs) -> uvicorn.Config:
+    """The app behind GuardMiddleware, served by the guarded protocol."""
+    import uvicorn
+
+    guarded = GuardMiddleware(app, allowed_hosts(bind_host, limits), limits.max_body_bytes)
+    return uvicorn.Config(guarded, http=guarded_protocol(limits), lifespan="on", **kwargs)
+
+
+def raise_open_file_limit(wanted: int = 65536) -> None:
+    """Lift the soft limit on open files toward the hard one (the default 256 or 1024 is soon reached by clients)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            log.warning("could not raise the open-file limit from %d", soft)

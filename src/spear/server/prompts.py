@@ -1,0 +1,65 @@
+"""Request bodies to prompt token ids: completions as given, chat through the model's template.
+
+User text never becomes control tokens: the model's special tokens (``<|im_start|>`` …) come only from the chat
+template, and text inside a message that spells one is encoded as plain text, as if it held no special meaning.
+These functions run on a worker thread (tokenizing a large body would stall the event loop).
+"""
+
+from __future__ import annotations
+
+import re
+
+from spear.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab = len(tokenizer)
+        self.special_texts = tuple(t for t in tokenizer.all_special_tokens if t)
+
+    def completion(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            return self.tokenizer(req.prompt).input_ids
+        bad = [t for t in req.prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})", "prompt")
+        return list(req.prompt)
+
+    def chat(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        if not any(self._spells_special(m.get("name", "")) or self._spells_special(m["content"]) for m in messages):
+            return self._encode_template(self._render(messages))
+        if any(self._spells_special(m.get("name", "")) for m in messages):
+            raise RequestError("a message name holds the text of one of the model's special tokens", "messages")
+        return self._encode_with_plain_contents(messages)
+
+    def _spells_special(self, text: str) -> bool:
+        return any(s in text for s in self.special_texts)
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except ValueError as e:  # no chat template, or one that rejects these messages
+            raise RequestError(f"cannot apply the model's chat template: {e}; use /v1/completions", "messages") from None
+
+    def _encode_template(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _encode_with_plain_contents(self, messages: list[dict]) -> list[int]:
+        """Render the template around placeholders, then encode its own text with special tokens parsed and each
+        message's content with special tokens split into ordinary text."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use code points: no template makes them
+        text = self._render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        pieces = re.split("(\ue000\\d+\ue001)", text)
+        if pieces[1::2] != marks:  # the template dropped, repeated or reordered a content: cannot place it safely
+            raise RequestError("a message holds the text of one of the model's special tokens, which this chat "
+                               "template cannot keep as plain text", "messages")
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self._encode_template(piece) if piece else []
+            else:
+                content = messages[int(piece[1:-1])]["content"]
+                ids += self.tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
+        return ids
