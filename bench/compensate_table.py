@@ -22,9 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import write_json  # noqa: E402
+from torch import nn  # noqa: E402
+
+import spear.compensate.init as ec_init  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import gate_spread  # noqa: E402
+from spear.compensate.ec import ErrorCompensator  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402
@@ -33,6 +37,24 @@ from spear.models import load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
 from spear.quant.record import QuantConfig  # noqa: E402
 from spear.run import gap_closed  # noqa: E402
+
+
+class TokenScalarGateEC(ErrorCompensator):
+    """The gate as one scalar per token, gamma(u) = 1 + tanh(MLP(u)) with MLP: r → h → 1, scaling all r
+    channels alike (the ablation of where the gate acts). Fewer bytes than the channel gate the planner counts."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, gate_hidden: int = 0, alpha: float = 1.0):
+        super().__init__(in_features, out_features, rank, gate_hidden, alpha)
+        if self.gate is not None:
+            self.gate[2] = nn.Linear(gate_hidden, 1)
+            nn.init.zeros_(self.gate[2].weight)
+            nn.init.zeros_(self.gate[2].bias)
+
+    def gamma(self, u: torch.Tensor) -> torch.Tensor:
+        return super().gamma(u).expand_as(u)
+
+
+TOKEN_GATE_ROW = "ablation: per-token scalar gate"
 
 
 def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, CompensateConfig]]:
@@ -48,6 +70,7 @@ def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, Co
     rows.append(("ablation: gate off (static EC, KL-trained)", replace(spear, kind="qera", train_static=True)))
     rows.append(("ablation: closed form rank 1 on every linear (QERA)",
                  replace(spear, kind="qera", budget=0.99, planner=replace(planner, max_rank=1))))
+    rows.append((TOKEN_GATE_ROW, spear))
     for h in (2, 32):
         rows.append((f"ablation: gate hidden {h}", replace(spear, planner=replace(planner, gate_hidden=h))))
     for lam in (0.1, 1.0):
@@ -75,6 +98,7 @@ def main() -> None:
     p.add_argument("--calib-temperature", type=float, default=1.0)
     p.add_argument("--calib-top-p", type=float, default=1.0)
     p.add_argument("--calib-file", default=None, help="real text instead of self-samples (an upper-bound row, not SPEAR)")
+    p.add_argument("--sensitivity-samples", type=int, default=128, help="calibration sequences the CKA damage uses")
     p.add_argument("--max-windows", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--only", nargs="*", default=None, help="run only rows whose label contains one of these")
@@ -108,13 +132,14 @@ def main() -> None:
     print(f"{'FP':<44} wiki {fp['wikitext2']:8.3f}  ptb {fp['ptb']:8.3f}", flush=True)
     print(f"{'W' + str(args.bits):<44} wiki {w4['wikitext2']:8.3f}  ptb {w4['ptb']:8.3f}", flush=True)
     sensitivity = module_sensitivity(lm.model, {n: m.weight_hat for n, m in quantized_layers(quantized).items()},
-                                     ids, SensitivityConfig())
+                                     ids[: args.sensitivity_samples], SensitivityConfig())
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):
             continue
         cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, progress=False))
         student = copy.deepcopy(quantized)
         t = time.perf_counter()
+        ec_init.ErrorCompensator = TokenScalarGateEC if label == TOKEN_GATE_ROW else ErrorCompensator
         report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity)
         ppl = evaluate(student)
         gates = gate_spread(student, ids[:8])

@@ -147,15 +147,16 @@ def test_collect_input_stats_shares_inputs():
     assert torch.allclose(stats[f"{attn}.q_proj"].mean_abs, x.abs().mean(0), atol=1e-6)
 
 
-def test_whitened_error_factors_equal_qera_init():
-    """One SVD serves the plan and the init: WhitenedError's spectrum is E_x ‖E x‖² split by direction,
+@pytest.mark.parametrize("out_features, in_features", [(48, 32), (32, 48)])  # SVD path; E R_xx Eᵀ eigh path
+def test_whitened_error_factors_equal_qera_init(out_features, in_features):
+    """One decomposition serves the plan and the init: WhitenedError's spectrum is E_x ‖E x‖² split by direction,
     and its factors at any kept rank equal qera_init's."""
     from spear.compensate.init import WhitenedError
 
     torch.manual_seed(0)
-    W = torch.randn(48, 32)
-    W_hat = W + 0.1 * torch.randn(48, 32)
-    x = torch.randn(500, 32) * torch.linspace(0.1, 3.0, 32)
+    W = torch.randn(out_features, in_features)
+    W_hat = W + 0.1 * torch.randn(out_features, in_features)
+    x = torch.randn(500, in_features) * torch.linspace(0.1, 3.0, in_features)
     stats = _stats(x)
     err = WhitenedError.of(W, W_hat, stats, max_rank=8)
     E = (W - W_hat).double()
