@@ -11,7 +11,7 @@ import uvicorn
 
 from spear.errors import SpearError
 from spear.runtime.requests import RequestOutput, SamplingParams
-from spear.server.guard import HTTPLimits, uvicorn_config
+from spear.server.guard import GuardConfig, uvicorn_config
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
@@ -26,13 +26,13 @@ def templated_byte_tokenizer():
 
 
 @contextmanager
-def running_server(app, limits: HTTPLimits = HTTPLimits()):
+def running_server(app, guard: GuardConfig = GuardConfig()):
     """Serve `app` as `spear serve` does (behind its guard) on a free loopback port for the duration of the block;
     yields the base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", limits, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", guard, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -19,7 +19,7 @@ from spear.runtime.requests import SamplingParams
 from spear.runtime.sampler import sample_tokens
 from spear.server.app import build_app
 from spear.server.async_engine import AsyncEngine
-from spear.server.guard import HTTPLimits, allowed_hosts
+from spear.server.guard import GuardConfig, allowed_hosts
 from spear.server.launch import slo_warning
 from spear.server.prompts import PromptEncoder
 from spear.server.protocol import ChatCompletionRequest
@@ -32,7 +32,7 @@ def tokenizer():
     return templated_byte_tokenizer()
 
 
-def server(tokenizer, limits: HTTPLimits = HTTPLimits(), max_waiting: int = 256, **engine_kwargs):
+def server(tokenizer, limits: GuardConfig = GuardConfig(), max_waiting: int = 256, **engine_kwargs):
     engine = ScriptedEngine(tokenizer, max_model_len=MAX_LEN, **engine_kwargs)
     app = build_app(AsyncEngine(engine, max_waiting=max_waiting), tokenizer, "tiny", MAX_LEN)
     return engine, running_server(app, limits)
@@ -155,7 +155,7 @@ def test_failed_request_gets_500_without_internal_text(tokenizer):
 
 # 4. bodies: size limit before parsing, tokenization off the event loop
 def test_oversized_body_is_413_before_parsing(tokenizer):
-    _, srv = server(tokenizer, HTTPLimits(max_body_bytes=2**20))
+    _, srv = server(tokenizer, GuardConfig(max_body_bytes=2**20))
     with srv as url:
         t0 = time.monotonic()
         r = post(url, "/v1/completions", json.dumps({"prompt": "x" * (10 * 2**20)}))
@@ -208,7 +208,7 @@ def _closed_by_server(s: socket.socket, timeout: float) -> bool:
 
 
 def test_slow_clients_are_dropped_and_cannot_lock_others_out(tokenizer):
-    _, srv = server(tokenizer, HTTPLimits(read_timeout_s=0.5, max_connections=16))
+    _, srv = server(tokenizer, GuardConfig(read_timeout_s=0.5, max_connections=16))
     with srv as url:
         port = int(url.rsplit(":", 1)[1])
         slow = [_partial_request(port) for _ in range(40)]  # more than the connection cap
@@ -274,10 +274,10 @@ def test_post_must_be_json_and_host_must_be_ours(tokenizer):
 
 
 def test_allowed_hosts_defaults():
-    assert allowed_hosts("127.0.0.1", HTTPLimits()) >= {"localhost", "127.0.0.1", "::1"}
-    assert allowed_hosts("0.0.0.0", HTTPLimits()) is None  # bound to every interface: the user chose exposure
-    assert allowed_hosts("127.0.0.1", HTTPLimits(allowed_hosts=("*",))) is None
-    assert allowed_hosts("127.0.0.1", HTTPLimits(allowed_hosts=("box.lan",))) == {"box.lan"}
+    assert allowed_hosts("127.0.0.1", GuardConfig()) >= {"localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts("0.0.0.0", GuardConfig()) is None  # bound to every interface: the user chose exposure
+    assert allowed_hosts("127.0.0.1", GuardConfig(allowed_hosts=("*",))) is None
+    assert allowed_hosts("127.0.0.1", GuardConfig(allowed_hosts=("box.lan",))) == {"box.lan"}
 
 
 # 8. special tokens in user content are plain text
@@ -316,3 +316,33 @@ def test_slo_warning_when_one_decode_step_is_slower():
     table = LatencyTable([1, 32], [0, 256], [[0.010, 0.02], [0.290, 0.4]], device="cpu")
     assert "290 ms" in slo_warning(table, 50.0, 32)
     assert slo_warning(table, 50.0, 1) is None and slo_warning(table, 500.0, 32) is None
+
+
+def test_api_key_guards_v1_and_optionally_the_probes(tokenizer):
+    import openai
+
+    _, srv = server(tokenizer, GuardConfig(api_key="s3cret"))
+    with srv as url:
+        body = {"prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    _, srv = server(tokenizer, GuardConfig(api_key="s3cret", key_probes=True))
+    with srv as url:
+        assert httpx.get(f"{url}/health").status_code == 401
+        assert httpx.get(f"{url}/health", headers={"authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_guard_config_refuses_nonsense():
+    from spear.errors import SpearError
+
+    for bad in ({"api_key": " "}, {"key_probes": True}, {"max_body_bytes": 0}, {"read_timeout_s": 0}):
+        with pytest.raises(SpearError):
+            GuardConfig(**bad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-hosts", nargs="+", default=None,
                    help="Host header names accepted (default: the loopback names when bound to loopback, else any; "
                         "'*': any)")
+    s.add_argument("--api-key", default=os.environ.get("SPEAR_API_KEY"),
+                   help="require Authorization: Bearer KEY on every /v1 route (default: $SPEAR_API_KEY; none: no auth)")
+    s.add_argument("--api-key-probes", action="store_true", help="/health and /metrics need the key too")
     s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
 
     pr = sub.add_parser("profile", help="measure engine step latency (decode batch x prefill tokens) for the SLO scheduler")
@@ -245,11 +249,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from spear.server.guard import HTTPLimits
+    from spear.server.guard import GuardConfig
     from spear.server.launch import ServeConfig, serve
 
     hosts = None if args.allowed_hosts is None else tuple(args.allowed_hosts)
-    http = HTTPLimits(int(args.max_body_mb * 2**20), args.read_timeout_s, args.max_connections, hosts)
+    http = GuardConfig(int(args.max_body_mb * 2**20), args.read_timeout_s, args.max_connections, hosts,
+                       args.api_key, args.api_key_probes)
     config = ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms,
                          args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap, http)
     serve(args.model, config, device=_device(args))

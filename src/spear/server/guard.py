@@ -4,11 +4,13 @@
   request must arrive whole, headers and body, within `read_timeout_s` (slow or silent clients are dropped);
 - bodies over `max_body_bytes` → 413, before any parsing;
 - POSTs that are not `application/json` → 415 (a web page cannot send JSON cross-origin without a preflight);
-- a `Host` header the server was not bound for → 421 (DNS rebinding against a loopback server).
+- a `Host` header the server was not bound for → 421 (DNS rebinding against a loopback server);
+- with an API key, a /v1 request (and, if asked, /health and /metrics) without `Authorization: Bearer KEY` → 401.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import logging
@@ -28,21 +30,27 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True)
-class HTTPLimits:
+class GuardConfig:
     max_body_bytes: int = 4 * 2**20
     read_timeout_s: float = 30.0  # for a whole request (headers and body) to arrive
     max_connections: int = 1024
     allowed_hosts: tuple[str, ...] | None = None  # None: the bind address's names when loopback, else any; ("*",): any
+    api_key: str | None = None  # bearer key every /v1 route requires (None: no auth)
+    key_probes: bool = False  # /health and /metrics need the key too
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.read_timeout_s <= 0 or self.max_connections < 1:
             raise SpearError("--max-body-mb, --read-timeout-s and --max-connections must be positive")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SpearError("--api-key (or SPEAR_API_KEY) is empty")
+        if self.key_probes and self.api_key is None:
+            raise SpearError("--api-key-probes needs --api-key (or SPEAR_API_KEY)")
 
 
-def allowed_hosts(bind_host: str, limits: HTTPLimits) -> frozenset[str] | None:
+def allowed_hosts(bind_host: str, guard: GuardConfig) -> frozenset[str] | None:
     """Host names (no port) a request may name; None: any."""
-    if limits.allowed_hosts is not None:
-        return None if "*" in limits.allowed_hosts else frozenset(h.lower() for h in limits.allowed_hosts)
+    if guard.allowed_hosts is not None:
+        return None if "*" in guard.allowed_hosts else frozenset(h.lower() for h in guard.allowed_hosts)
     try:
         loopback = bind_host == "localhost" or ipaddress.ip_address(bind_host).is_loopback
     except ValueError:  # a host name: the user chose it, accept what clients call it
@@ -72,12 +80,19 @@ def _replay(body: bytes, receive):
 
 
 class GuardMiddleware:
-    """ASGI middleware: Host, Content-Type and body-size checks, each answered with an OpenAI-style error."""
+    """ASGI middleware: Host, API key, Content-Type and body-size checks, each answered with an OpenAI-style error."""
 
-    def __init__(self, app, hosts: frozenset[str] | None, max_body_bytes: int):
+    def __init__(self, app, hosts: frozenset[str] | None, config: GuardConfig):
         self.app = app
         self.hosts = hosts
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = config.max_body_bytes
+        self.api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.key_probes = config.key_probes
+
+    def _authorized(self, path: str, headers: dict[str, str]) -> bool:
+        if self.api_key is None or not (path.startswith("/v1") or self.key_probes):
+            return True
+        return hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.api_key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -86,6 +101,9 @@ class GuardMiddleware:
         if self.hosts is not None and _host_name(headers.get("host", "")) not in self.hosts:
             return await _refuse(send, 421, f"the Host header {headers.get('host', '')!r} is not one this server "
                                             "answers to (spear serve --allowed-hosts)")
+        if not self._authorized(scope["path"], headers):
+            return await _refuse(send, 401, "a valid API key is required: send Authorization: Bearer KEY",
+                                 code="invalid_api_key", extra=[(b"www-authenticate", b"Bearer")])
         if scope["method"] in ("POST", "PUT", "PATCH"):
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
@@ -110,16 +128,16 @@ class GuardMiddleware:
         return f"the request body is over {self.max_body_bytes} bytes (spear serve --max-body-mb)"
 
 
-async def _refuse(send, status: int, message: str) -> None:
+async def _refuse(send, status: int, message: str, code: str | None = None, extra: list | None = None) -> None:
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": None}}).encode()
+                                 "code": code}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(extra or [])]})
     await send({"type": "http.response.body", "body": body})
 
 
-def guarded_protocol(limits: HTTPLimits) -> type[H11Protocol]:
+def guarded_protocol(guard: GuardConfig) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a connection cap and a deadline for each request to arrive."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -128,8 +146,8 @@ def guarded_protocol(limits: HTTPLimits) -> type[H11Protocol]:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
-                log.warning("over %d open connections: closing a new one", limits.max_connections)
+            if len(self.connections) > guard.max_connections:
+                log.warning("over %d open connections: closing a new one", guard.max_connections)
                 transport.close()
                 return
             self._arm()
@@ -155,7 +173,7 @@ def guarded_protocol(limits: HTTPLimits) -> type[H11Protocol]:
 
         def _arm(self) -> None:
             if self._deadline is None:
-                self._deadline = self.loop.call_later(limits.read_timeout_s, self._timed_out)
+                self._deadline = self.loop.call_later(guard.read_timeout_s, self._timed_out)
 
         def _disarm(self) -> None:
             if self._deadline is not None:
@@ -173,12 +191,12 @@ def guarded_protocol(limits: HTTPLimits) -> type[H11Protocol]:
     return GuardedH11Protocol
 
 
-def uvicorn_config(app, bind_host: str, limits: HTTPLimits, **kwargs) -> uvicorn.Config:
+def uvicorn_config(app, bind_host: str, guard: GuardConfig, **kwargs) -> uvicorn.Config:
     """The app behind GuardMiddleware, served by the guarded protocol."""
     import uvicorn
 
-    guarded = GuardMiddleware(app, allowed_hosts(bind_host, limits), limits.max_body_bytes)
-    return uvicorn.Config(guarded, http=guarded_protocol(limits), lifespan="on", **kwargs)
+    guarded = GuardMiddleware(app, allowed_hosts(bind_host, guard), guard)
+    return uvicorn.Config(guarded, http=guarded_protocol(guard), lifespan="on", **kwargs)
 
 
 def raise_open_file_limit(wanted: int = 65536) -> None:

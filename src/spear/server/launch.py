@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, get_args
 import torch
 
 from spear.errors import SpearError
-from spear.server.guard import HTTPLimits, raise_open_file_limit, uvicorn_config
+from spear.server.guard import GuardConfig, raise_open_file_limit, uvicorn_config
 
 if TYPE_CHECKING:
     from spear.runtime.engine import Engine, EngineConfig
@@ -36,7 +36,7 @@ class ServeConfig:
     # the engine's host work overlapped with the GPU step (EngineConfig.overlap; single rank only): 2-6% less
     # per decode step on the H200 (BENCHMARKS §5)
     overlap: bool = True
-    http: HTTPLimits = field(default_factory=HTTPLimits)  # body size, read timeout, connections, Host names
+    http: GuardConfig = field(default_factory=GuardConfig)  # body size, read timeout, connections, Host names
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
