@@ -187,7 +187,7 @@ def test_health_answers_while_a_large_prompt_is_tokenized(tokenizer):
             time.sleep(0.02)
         thread.join()
         assert result["r"].status_code == 400 and result["r"].json()["error"]["code"] == "context_length_exceeded"
-        assert worst < 0.5, f"/health took {worst:.3f} s while the prompt was tokenized"
+        assert worst < 0.15, f"/health took {worst:.3f} s while the prompt was tokenized"
 
 
 # 5. slow and idle connections
@@ -287,7 +287,7 @@ def test_user_text_cannot_forge_control_tokens():
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
-    encoder = PromptEncoder(tok)
+    encoder = PromptEncoder(tok, 4096)
 
     def chat(content: str) -> list[int]:
         return encoder.chat(ChatCompletionRequest(messages=[{"role": "user", "content": content}]))

@@ -64,7 +64,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.metrics = metrics
 
-        self.prompts = PromptEncoder(tokenizer)
+        self.prompts = PromptEncoder(tokenizer, max_model_len)
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="spear-tokenize")  # off the event loop, in order
 
     async def completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -107,7 +107,7 @@ class OpenAIServing:
         n, limit = len(prompt_ids), self.max_model_len
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
-        if n >= limit:
+        if n >= limit:  # PromptEncoder refuses these first; kept for callers of serve() with their own ids
             raise RequestError(f"the prompt is {n} tokens but the model's context is {limit} tokens; shorten it",
                                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                                code="context_length_exceeded")

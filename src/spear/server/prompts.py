@@ -13,26 +13,43 @@ from spear.server.protocol import ChatCompletionRequest, CompletionRequest, Requ
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
         self.vocab = len(tokenizer)
         self.special_texts = tuple(t for t in tokenizer.all_special_tokens if t)
 
     def completion(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
-            return self.tokenizer(req.prompt).input_ids
+            return self._fitting(self._encode(req.prompt, add_special_tokens=True), "prompt")
         bad = [t for t in req.prompt if not 0 <= t < self.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab})", "prompt")
-        return list(req.prompt)
+        return self._fitting(list(req.prompt), "prompt")
+
+    def _encode(self, text: str, add_special_tokens: bool):
+        """Token ids, or for a fast tokenizer its Encoding (len() without building the id list). encode_batch lets
+        other threads run while it works (encode holds the GIL for seconds on a megabyte prompt)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    def _fitting(self, encoded, param: str) -> list[int]:
+        """The ids, if they leave the context room for one generated token (checked before a long id list is built)."""
+        n, limit = len(encoded), self.max_model_len
+        if n >= limit:
+            raise RequestError(f"the prompt is {n} tokens but the model's context is {limit} tokens; shorten it",
+                               param, code="context_length_exceeded")
+        return encoded if isinstance(encoded, list) else encoded.ids
 
     def chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         if not any(self._spells_special(m.get("name", "")) or self._spells_special(m["content"]) for m in messages):
-            return self._encode_template(self._render(messages))
+            return self._fitting(self._encode(self._render(messages), add_special_tokens=False), "messages")
         if any(self._spells_special(m.get("name", "")) for m in messages):
             raise RequestError("a message name holds the text of one of the model's special tokens", "messages")
-        return self._encode_with_plain_contents(messages)
+        return self._fitting(self._encode_with_plain_contents(messages), "messages")
 
     def _spells_special(self, text: str) -> bool:
         return any(s in text for s in self.special_texts)
@@ -42,9 +59,6 @@ class PromptEncoder:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except ValueError as e:  # no chat template, or one that rejects these messages
             raise RequestError(f"cannot apply the model's chat template: {e}; use /v1/completions", "messages") from None
-
-    def _encode_template(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _encode_with_plain_contents(self, messages: list[dict]) -> list[int]:
         """Render the template around placeholders, then encode its own text with special tokens parsed and each
@@ -58,7 +72,7 @@ class PromptEncoder:
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if i % 2 == 0:
-                ids += self._encode_template(piece) if piece else []
+                ids += self.tokenizer(piece, add_special_tokens=False).input_ids if piece else []
             else:
                 content = messages[int(piece[1:-1])]["content"]
                 ids += self.tokenizer(content, add_special_tokens=False, split_special_tokens=True).input_ids
