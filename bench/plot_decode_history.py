@@ -3,8 +3,8 @@
     python bench/plot_decode_history.py --out bench/results/decode_history_h200.png
     python bench/plot_decode_history.py --batch 32 --since 2026-11-30T02:00 --out bench/results/decode_history_h200_b32.png
 
-Reads the `decode_h200*.json` files under bench/results (bench/decode.py's output; single-GPU runs only)
-and plots ms/token of fp16, W4 and W4+EC38 per run at one batch size; at batch 1 with the issue's targets as
+Reads bench/decode.py's single-GPU runs: the past ones from bench/results/history.jsonl (a line a run) and the
+current `decode_h200*.json` files, and plots ms/token of fp16, W4 and W4+EC38 per run at one batch size; at batch 1 with the issue's targets as
 lines: W4 within 1.5× of its bandwidth floor, W4 at 2.5× fp16's tokens/s (from the run's own fp16), fp16 within 1.2×
 of its floor. A run made with a lab knob set away from today's default (a SPEAR_* switch in its provenance whose
 value is not the one src/ defaults it to: one arm of an A/B) is a hollow marker off the lines.
@@ -33,25 +33,29 @@ def knob_defaults() -> dict[str, str]:
 
 def is_arm(env: dict[str, str], defaults: dict[str, str]) -> bool:
     """Whether a run's knobs took a path other than today's defaults. A knob since removed counts as one unless it
-    was set to "0": a lab switch turned off took the path that stayed (session 21's SPEAR_L2_PREFETCH=0 arms)."""
+    was set to "0": a lab switch turned off took the path that stayed (the SPEAR_L2_PREFETCH=0 arms)."""
     return any(k.startswith("SPEAR_") and k not in NOT_KNOBS and defaults.get(k, "0") != v for k, v in env.items())
 
 
 def runs(model: str = "llama2-7b", batch: int = 1) -> list[dict]:
-    """One entry per JSON file with any of SETTINGS at this model and batch: its date, commit and ms/token and
-    floor per setting."""
+    """One entry per run with any of SETTINGS at this model and batch: its date, commit, file, ms/token per setting
+    and (current runs only: history keeps no floors) floor per setting."""
     out = []
     defaults = knob_defaults()
+    for line in (RESULTS / "history.jsonl").read_text().splitlines():
+        run = json.loads(line)
+        if not run.get("file", "").startswith("decode_h200") or "figures" not in run:
+            continue
+        ms = {s: run["figures"][f"{model}/{s}/{batch}"] for s in SETTINGS if f"{model}/{s}/{batch}" in run["figures"]}
+        if ms:
+            out.append({"date": run["date"], "commit": run["commit"][:7], "file": run["file"],
+                        "arm": is_arm(run.get("env", {}), defaults), "ms": ms, "floor": {}})
     for path in RESULTS.glob("decode_h200*.json"):
         data = json.loads(path.read_text())
-        if data.get("tp", 1) not in (None, 1):
-            continue
-        rows = {r["setting"]: r for r in data.get("rows", []) if r["model"] == model and r["batch"] == batch}
+        rows = {r["setting"]: r for r in data["rows"] if r["model"] == model and r["batch"] == batch}
         if any(s in rows for s in SETTINGS):
             prov = data["provenance"]
-            out.append({"date": prov["date"], "commit": prov["commit"][:7] + (" PDL" if prov.get("pdl") else "")
-                        + (" overlap" if data.get("overlap") else ""),
-                        "file": path.name,
+            out.append({"date": prov["date"], "commit": prov["commit"][:7], "file": path.name,
                         "arm": is_arm(prov.get("env", {}), defaults),
                         "ms": {s: rows[s]["ms_per_token"] for s in SETTINGS if s in rows},
                         "floor": {s: rows[s]["floor_ms_per_token"] for s in SETTINGS if s in rows}})
@@ -104,7 +108,7 @@ def main() -> None:
     args = p.parse_args()
     history = [r for r in runs(batch=args.batch) if r["date"] >= args.since]
     if not history:
-        p.error(f"no decode_h200*.json under {RESULTS} has Llama-2-7B rows at batch {args.batch} since {args.since!r}")
+        p.error(f"no run under {RESULTS} has Llama-2-7B rows at batch {args.batch} since {args.since!r}")
     for r in history:
         print(f"{r['date'][:16]}  {r['commit']}  " + "  ".join(f"{s} {ms:.2f}" for s, ms in r["ms"].items())
               + f"  ({r['file']})")

@@ -1,15 +1,16 @@
 """Where an SLO experiment's step time goes: per run, step times by the tokens a step carried, and the
 slowest steps (from the per-step trace that bench/slo_experiment.py writes into its JSON).
 
-    python bench/slo_trace.py bench/results/slo_experiment_h200_085bf09.json [--density w4+ec15] [--slowest 5]
+    python bench/slo_trace.py bench/results/slo_experiment_h200_12a299d.json.gz [--density w4+ec15] [--slowest 5]
 
-This is how session 4 found the cuDNN plan builds (bimodal ~10 / ~55 ms mixed steps) and the Triton
-compiles mid-run (650–780 ms steps at new attention shapes).
+This is how the cuDNN plan builds (bimodal ~10 / ~55 ms mixed steps) and the Triton compiles mid-run (650–780 ms
+steps at new attention shapes) were found. A committed result is gzipped (.json.gz): it holds every token's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -45,7 +46,8 @@ def main() -> None:
     p.add_argument("--slowest", type=int, default=3, help="slowest steps listed per run")
     args = p.parse_args()
     try:
-        runs = json.loads(Path(args.json).read_text())["runs"]
+        raw = Path(args.json).read_bytes()
+        runs = json.loads(gzip.decompress(raw) if args.json.endswith(".gz") else raw)["runs"]
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {args.json} is not an SLO experiment JSON ({type(e).__name__}: {e})", file=sys.stderr)
         raise SystemExit(2) from None

@@ -50,9 +50,9 @@ def test_host_step_bench_runs_end_to_end(tmp_path):
 
 
 def test_decode_history_plot_reads_the_committed_runs(tmp_path):
-    """bench/plot_decode_history.py over the committed decode_h200*.json: the batch-32 runs since the kernels of
-    session 3 come in date order, W4 in at least ten, and the figure is written; a batch no run has is a one-line
-    error (exit 2)."""
+    """bench/plot_decode_history.py over the committed runs (bench/results/history.jsonl and the current
+    decode_h200*.json): the batch-32 runs since 2026-11-30T02:00 come in date order, W4 in at least ten, and the figure
+    is written; a batch no run has is a one-line error (exit 2)."""
     script = ROOT / "bench" / "plot_decode_history.py"
     out = tmp_path / "b32.png"
     proc = subprocess.run([sys.executable, str(script), "--batch", "32", "--since", "2026-11-30T02:00", "--out", str(out)],
@@ -94,7 +94,7 @@ def test_lab_switches_reject_bad_values():
     """The kernels' lab switches are read at import: a bad value stops there with one line naming the switch."""
     for module, env in (("spear.kernels.w4", {"SPEAR_W4_DOT_ASM": "yes"}),
                         ("spear.kernels.w4", {"SPEAR_W4_DOT_WIDE": "3"}),
-                        ("spear.runtime.ops", {"SPEAR_ATTN_BLOCK_N": "48"})):
+                        ("spear.kernels.ops", {"SPEAR_ATTN_BLOCK_N": "48"})):
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], check=False, capture_output=True, text=True,
                               env={**os.environ, **env})
         name = next(iter(env))
