@@ -15,14 +15,6 @@ from pathlib import Path
 import torch
 
 
-# (N = out, K = in) of the weight shapes the kernel lab scripts time (ec_ablation, stream_lab, ncu_w4): Llama-2-7B's
-# linears, the engine's fused q/k/v and gate/up launches on it, and Llama-2-70B's MLP.
-LAB_SHAPES = {"7b/qkvo": (4096, 4096), "7b/gate_up": (11008, 4096), "7b/down": (4096, 11008),
-              "7b/qkv_fused": (12288, 4096), "7b/gate_up_fused": (22016, 4096),
-              "70b/gate_up": (28672, 8192), "70b/down": (8192, 28672), "70b/q_o": (8192, 8192),
-              "8b/gate_up": (14336, 4096), "8b/down": (4096, 14336),
-              "13b/qkvo": (5120, 5120), "13b/gate_up": (13824, 5120), "13b/down": (5120, 13824)}
-
 
 def provenance() -> dict:
     # The device machine's copy of the tree may carry a stale .git: pass SPEAR_COMMIT=$(git rev-parse HEAD).

@@ -5,9 +5,9 @@ same call (issue 5's fp16 baseline, BENCHMARKS §5).
     python bench/f16_gemv.py --models 7b 8b 13b 70b --json bench/results/f16_gemv_h200.json
 
 Every candidate and cuBLAS are timed as tune_gemv times them (a CUDA graph over weight copies that overflow L2);
-the table gives cuBLAS, the fastest kernel config, and each one's share of the copy bandwidth. (Session 21's --fold,
-the add + RMSNorm and SiLU·up folded into the GEMV against the launches they replace, is at 3e55312; the fold was
-removed after it measured 0.89–0.92×.)
+the table gives cuBLAS, the fastest kernel config, and each one's share of the copy bandwidth. (The add + RMSNorm and
+SiLU·up folded into the GEMV, timed against the launches they replace, measured 0.89–0.92× and was removed; it is at
+3e55312.)
 """
 
 from __future__ import annotations
@@ -21,16 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from common import copy_bandwidth, provenance, write_json
+from shapes import SHORT, launches
 
 from spear.kernels.f16_gemv import CUBLAS, f16_gemv, tune_gemv
 
 # (name, N = out, K = in) as the runtime model launches them at one row: q|k|v and gate|up stacked
-SHAPES = {
-    "7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
-    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
-    "13b": [("qkv", 15360, 5120), ("o", 5120, 5120), ("gate_up", 27648, 5120), ("down", 5120, 13824)],
-    "70b": [("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 57344, 8192), ("down", 8192, 28672)],
-}
+SHAPES = {m: [(name, n, k) for name, (n, k) in launches(m).items()] for m in SHORT}
 
 
 def main() -> None:

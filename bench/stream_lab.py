@@ -1,4 +1,4 @@
-"""Lab (bench/NOTES-kernels.md, session 12): how fast can the W4 decode kernel's tiling stream its codes at all?
+"""Lab (bench/NOTES-kernels.md): how fast can the W4 decode kernel's tiling stream its codes at all?
 
     python bench/stream_lab.py --json bench/results/stream_lab_h200.json      # H200, about 3 minutes
 
@@ -7,14 +7,14 @@ A stand-in for the GEMV loop with the same grid, tiles and loads (an [N, K / 8] 
 integer multiply-adds a word (the fp16x2 loop issues about 21 instructions a word, the float32 one 28). How the
 next tiles are fetched: `s1` a plain loop, `s3` three stages through shared memory (cp.async), `a1`/`a2`/`a3` one,
 two or three steps loaded ahead into registers, `k2`/`k4` stream-K (2 or 4 persistent programs an SM, each over a run
-of (tile, step) pairs, loading ahead across tiles: no ramp and tail per tile; timed in session 13, no faster than the
-grid on the 7B MLP shapes: BENCHMARKS §4). WORK = 0 is the tiling's own streaming ceiling; the gap between
+of (tile, step) pairs, loading ahead across tiles: no ramp and tail per tile; timed no faster than the grid on the 7B
+MLP shapes: BENCHMARKS §4). WORK = 0 is the tiling's own streaming ceiling; the gap between
 WORK = 0 and WORK = 20 is what the arithmetic costs where it does not overlap the loads. Each figure is the median
 µs per launch of a CUDA graph over code copies larger than the L2 (bench/kernels.py's method).
 
     python bench/stream_lab.py --layer --json bench/results/stream_lab_layer_h200.json   # H200, about a minute
 
-`--layer` (session 21) asks what a persistent decode launch could save at batch 1: a layer's four weights (q|k|v,
+`--layer` asks what a persistent decode launch could save at batch 1: a layer's four weights (q|k|v,
 o, gate|up, down) streamed by the same persistent programs (two an SM, a tile of BN rows over all of K at a time,
 the next step's codes loaded ahead) as four launches (`launches`), four launches under PDL (`launches_pdl`, each
 program waits for the launch before it and lets the next one start at once, as the engine's kernels do), one
@@ -37,15 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import triton
 import triton.language as tl
-from common import LAB_SHAPES
+from shapes import launches, linears
 
 from spear.kernels.timing import time_in_graph
 
-SHAPES = {name: LAB_SHAPES[name] for name in ("7b/qkvo", "7b/gate_up", "7b/down", "7b/gate_up_fused")}
+SHAPES = {**{f"7b/{name}": nk for name, nk in linears("7b").items()}, "7b/gate_up_fused": launches("7b")["gate_up"]}
 TILES = [(16, 256, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (32, 128, 8), (64, 64, 4), (64, 128, 8)]
 MODES = ["s1", "s3", "a1", "a2", "a3", "k2", "k4"]
-LAYERS = {"7b": ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)),  # [N, K] of q|k|v, o, gate|up, down
-          "8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
+LAYERS = {m: tuple(launches(m).values()) for m in ("7b", "8b")}  # [N, K] of q|k|v, o, gate|up, down
 LAYER_MODES = ["launches", "launches_pdl", "persistent", "persistent_free"]
 
 

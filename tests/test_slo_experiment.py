@@ -1,4 +1,4 @@
-"""bench/slo_experiment.py end to end on the tiny model (CPU), through `spear bench slo_experiment`."""
+"""bench/slo_experiment.py end to end on the tiny model (CPU), through `spear bench slo`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def test_slo_experiment_tiny_runs_end_to_end(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(sys, "argv", sys.argv[:])
     out = tmp_path / "slo.json"
-    argv = ["bench", "slo_experiment", "--tiny", "--densities", "w4+ec38", "--static-chunks", "32", "16",
+    argv = ["bench", "slo", "--tiny", "--densities", "w4+ec38", "--static-chunks", "32", "16",
             "--itl-slos-ms", "20", "--num-requests", "6", "--json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())

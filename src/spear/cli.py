@@ -73,6 +73,11 @@ def _compensate_config(args):
                    calibrate=replace(cfg.calibrate, steps=args.steps))
 
 
+# `spear bench SUITE`: the script of bench/ that runs it; each writes one JSON with date, commit, device and versions
+BENCH_SUITES = {"quality": "quality", "decode": "decode", "kernels": "kernels", "slo": "slo_experiment",
+                "tp": "tp_decode", "serve": "serve"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spear", description="4-bit LLMs with input-adaptive error compensators")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -146,9 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     pr.add_argument("--json", action="store_true", help="print the table as one JSON object on stdout")
 
-    b = sub.add_parser("bench", help="run a benchmark script of the source checkout (bench/NAME.py)")
-    b.add_argument("name", choices=["kernels", "decode", "serve", "slo_experiment", "tp_decode"])
-    b.add_argument("options", nargs=argparse.REMAINDER, help="the script's own options (add --help to list them)")
+    b = sub.add_parser("bench", help="run a benchmark suite of the source checkout (bench/, BENCHMARKS.md)")
+    b.add_argument("name", choices=list(BENCH_SUITES))
+    b.add_argument("options", nargs=argparse.REMAINDER, help="the suite's own options (add --help to list them)")
     return parser
 
 
@@ -276,7 +281,7 @@ def cmd_profile(args) -> int:
 def cmd_bench(args) -> int:
     import runpy
 
-    script = Path(__file__).resolve().parents[2] / "bench" / f"{args.name}.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / f"{BENCH_SUITES[args.name]}.py"
     if not script.exists():
         raise SpearError(f"spear bench runs the scripts of a source checkout; {script} does not exist")
     sys.argv = [str(script), *args.options]

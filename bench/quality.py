@@ -1,0 +1,122 @@
+"""The quality suite (BENCHMARKS.md §1–2): perplexity tables of the quantizers and of the error compensators, each
+table row a process of its own, every process of a suite at once on one GPU (a 135M model leaves the GPU mostly idle
+per process).
+
+    spear bench quality --model $GGUF --out OUTDIR --suite tables      # the four settings: static baselines, SPEAR, gate off
+    spear bench quality --model $GGUF --out OUTDIR --suite ablations   # the hard case (W4 RTN per-channel): every ablation
+    spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, steps, gate
+                                                                       # form; W3 gate off
+    spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
+    spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
+
+The warm-up runs first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row
+writes OUTDIR/NAME.json (bench/compensate_table.py's or bench/quant_table.py's) and NAME.log; the suite then writes
+OUTDIR/quality_SUITE.json: the provenance and every row's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import write_json  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+PC = ["--method", "rtn", "--bits", "4", "--group-size", "-1"]
+G4 = ["--method", "gptq", "--bits", "4", "--group-size", "-1"]
+R64 = ["--method", "rtn", "--bits", "4", "--group-size", "64"]
+G3 = ["--method", "gptq", "--bits", "3", "--group-size", "64"]
+STATIC = ["--budgets", "0.01", "--only", "LQER", "QERA", "+SPEAR"]
+
+
+def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
+    """Each suite's rows: (name, script, options)."""
+    wiki_valid = f"{data_dir}/wikitext-2-raw/wiki.valid.tokens.txt"
+    table = "compensate_table.py"
+    return {
+        "tables": [
+            ("tab_rtn_w4pc_gateoff", table, PC + ["--only", "gate off (static"]),
+            ("tab_rtn_w4pc_static", table, PC + ["--budgets", "0.01", "--only", "QERA", "rank 1"]),
+            ("tab_rtn_w4pc_random", table, PC + ["--calib-first-token", "random", "--only", "+SPEAR"]),
+            ("tab_gptq_w4pc", table, G4 + STATIC),
+            ("tab_gptq_w4pc_gateoff", table, G4 + ["--only", "gate off (static"]),
+            ("tab_rtn_w4g64", table, R64 + STATIC),
+            ("tab_rtn_w4g64_gateoff", table, R64 + ["--only", "gate off (static"]),
+            ("tab_gptq_w3g64", table, G3 + STATIC),
+        ],
+        "ablations": [
+            ("abl_default", table, PC + ["--budgets", "0.01", "--only", "+SPEAR", "gate off (static"]),
+            ("abl_static", table, PC + ["--budgets", "0.01", "--only", "LORC", "LQER", "QERA", "rank 1"]),
+            ("abl_gate", table, PC + ["--only", "gate hidden"]),
+            ("abl_hidden01", table, PC + ["--only", "hidden-state term 0.1"]),
+            ("abl_hidden1", table, PC + ["--only", "hidden-state term 1"]),
+            ("abl_placement", table, PC + ["--only", "placement spread", "placement concentrate"]),
+            ("abl_lr", table, PC + ["--only", "learning rate"]),
+            ("abl_data_random", table, PC + ["--calib-first-token", "random", "--only", "+SPEAR", "gate off (static"]),
+            ("abl_data_top_p", table, PC + ["--calib-first-token", "random", "--calib-temperature", "0.9",
+                                            "--calib-top-p", "0.95", "--only", "+SPEAR"]),
+            ("abl_data_512", table, PC + ["--calib-samples", "512", "--only", "+SPEAR"]),
+            ("abl_data_wikivalid", table, PC + ["--calib-file", wiki_valid, "--only", "+SPEAR"]),
+        ],
+        "data": [
+            ("abl_data_512", table, PC + ["--calib-samples", "512", "--only", "+SPEAR"]),
+            ("abl_data_512_gateoff", table, PC + ["--calib-samples", "512", "--only", "gate off (static"]),
+            ("abl_steps400", table, PC + ["--steps", "400", "--only", "+SPEAR"]),
+            ("abl_token_gate", table, PC + ["--only", "per-token scalar gate"]),
+            ("abl_gate32", table, PC + ["--only", "gate hidden 32"]),
+            ("abl_data_top_p095", table, PC + ["--calib-top-p", "0.95", "--only", "+SPEAR"]),
+            ("abl_data_temp12", table, PC + ["--calib-temperature", "1.2", "--only", "+SPEAR"]),
+            ("tab_gptq_w3g64_gateoff", table, G3 + ["--only", "gate off (static"]),
+        ],
+        "quant": [("quant_table", "quant_table.py", [])],
+        "warm": [],
+    }
+
+
+def warm_up(model: str, counts: list[int]) -> None:
+    """Convert the model and cache its self-sampled calibration ids (128 and, for `data`, 512 sequences of 512)."""
+    from spear.api import model_key
+    from spear.data.calibration import CalibConfig, calibration_ids
+    from spear.models import load_float_model
+
+    lm = load_float_model(model)
+    for n in counts:
+        calibration_ids(lm.model, lm.tokenizer, CalibConfig(n, 512), model_key(model))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
+    p.add_argument("--suite", default="tables", choices=["tables", "ablations", "data", "quant", "warm"])
+    p.add_argument("--time-limit", type=int, default=540, help="seconds each row's process may run")
+    args = p.parse_args()
+    from spear.eval.perplexity import data_dir
+
+    rows = suites(str(data_dir()))[args.suite]
+    args.out.mkdir(parents=True, exist_ok=True)
+    warm_up(args.model, [128, 512] if args.suite in ("data", "warm") else [128])
+    procs = []
+    for name, script, options in rows:
+        cmd = ["timeout", str(args.time_limit), sys.executable, str(BENCH / script), "--model", args.model,
+               *options, "--json", str(args.out / f"{name}.json")]
+        with open(args.out / f"{name}.log", "w") as log:
+            procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+    tables = {}
+    for name, proc in procs:
+        proc.wait()
+        path = args.out / f"{name}.json"
+        tables[name] = {"returncode": proc.returncode,
+                        "rows": json.loads(path.read_text())["rows"] if path.exists() else []}
+        print(f"{name}: exit {proc.returncode}, {len(tables[name]['rows'])} rows", flush=True)
+    if rows:
+        write_json(args.out / f"quality_{args.suite}.json", {"suite": args.suite, "model": args.model, "tables": tables})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""bench/: the named suites of `spear bench` and the one table of model shapes the benchmarks time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import quality  # noqa: E402
+import shapes  # noqa: E402
+
+from spear.cli import BENCH_SUITES  # noqa: E402
+
+
+def test_every_suite_names_a_script_of_bench():
+    assert {"quality", "decode", "kernels", "slo", "tp"} <= set(BENCH_SUITES)
+    for script in BENCH_SUITES.values():
+        assert (ROOT / "bench" / f"{script}.py").is_file(), script
+
+
+def test_shapes_derive_the_linears_from_the_model_table():
+    """The (N, K) the kernel benches time follow from ModelArgs: GQA splits q/o from k/v, the launches stack q|k|v
+    and gate|up."""
+    assert shapes.linears("7b") == {"qkvo": (4096, 4096), "gate_up": (11008, 4096), "down": (4096, 11008)}
+    assert shapes.linears("70b") == {"q_o": (8192, 8192), "k_v": (1024, 8192), "gate_up": (28672, 8192),
+                                     "down": (8192, 28672)}
+    assert shapes.launches("8b") == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                                     "down": (4096, 14336)}
+    assert shapes.linears("13b")["down"] == (5120, 13824)
+
+
+def test_quality_suites_write_distinct_files():
+    """Every row of a suite runs as its own process into OUTDIR/NAME.json: two rows of one suite never share a name."""
+    for rows in quality.suites("/data").values():
+        names = [name for name, _, _ in rows]
+        assert len(names) == len(set(names))
+        assert all((ROOT / "bench" / script).is_file() for _, script, _ in rows)
