@@ -88,11 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default=None)
     _add_quant_args(q)
 
-    e = sub.add_parser("eval", help="token perplexity of a model or artifact")
+    e = sub.add_parser("eval", help="token perplexity, or zero-shot task accuracy, of a model or artifact")
     e.add_argument("model", help="artifact directory, HF model directory, .gguf file, or 'smollm2'")
     e.add_argument("--dataset", default="wikitext2", choices=["wikitext2", "ptb"])
+    e.add_argument("--tasks", default=None,
+                   help="zero-shot tasks instead of perplexity, scored as lm-eval does: comma-separated among "
+                        "lambada_openai, arc_easy, arc_challenge, piqa, winogrande, boolq, hellaswag, or all")
+    e.add_argument("--limit", type=int, default=None, help="with --tasks: only the first N items of each task")
     e.add_argument("--out-json", default=None, help="also write the result to this JSON file")
     _add_eval_args(e)
+    e.set_defaults(batch_size=None)  # windows (perplexity, 1) or requests (tasks, 16) per forward pass
 
     c = sub.add_parser("compensate", help="add error compensators to a quantized artifact (in place)")
     c.add_argument("artifact", help="artifact directory written by `spear quantize`")
@@ -212,6 +217,9 @@ def cmd_eval(args) -> int:
     from spear import api
     from spear.eval import perplexity
 
+    if args.tasks is not None:
+        return _eval_tasks(args)
+    args.batch_size = args.batch_size or 1
     _check_eval_args(args)
     lm = api.load(args.model, device=_device(args))
     result = perplexity(lm.model, lm.tokenizer, args.dataset, args.seqlen, args.max_windows, args.batch_size)
@@ -223,6 +231,22 @@ def cmd_eval(args) -> int:
     else:
         print(f"{'model':<40} {'dataset':<10} {'windows':>7} {'ppl':>10}")
         print(f"{args.model:<40} {result.dataset:<10} {result.windows:>7} {result.ppl:>10.3f}")
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    from spear import api
+    from spear.eval.tasks import evaluate_tasks, format_table, parse_tasks
+
+    tasks = parse_tasks(args.tasks)
+    args.batch_size = args.batch_size or 16
+    _check_eval_args(args)
+    lm = api.load(args.model, device=_device(args))
+    results = evaluate_tasks(lm.model, lm.tokenizer, tasks, args.limit, args.batch_size)
+    record = {"model": args.model, "limit": args.limit, "tasks": [r.to_dict() for r in results]}
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(record, indent=2))
+    print(json.dumps(record) if args.json else format_table(results))
     return 0
 
 
