@@ -80,7 +80,8 @@ def test_u_program_block_keeps_the_gemv_loop_lean(report):
 def test_wide_dot_loop_issues_its_wgmma_without_a_fence_per_slice(report):
     """kernels.w4._w4_block_wide: one K = 128 dot a 128-column block. Its eight k-steps per 64 rows of W follow each
     other without the fence (MEMBAR) and wait that each K = 16 dot of the slice loop had (469 → 372 SASS a block,
-    session 14), and the joined code planes stay in registers (no STS / LDS round trip; session 5's wide loop had one)."""
+    b807cd4), and the joined code planes stay in registers (no STS / LDS round trip; the wide loop on the old layout,
+    d98406d, had one)."""
     main = max(report["decode rows=dot ec=False bn=128 wide"]["loops"],
                key=lambda loop: dict(loop["mix"]).get("HGMMA.64x16x16.F32", 0))
     ops = dict(main["mix"])
@@ -94,7 +95,7 @@ def test_wide_dot_loop_issues_its_wgmma_without_a_fence_per_slice(report):
 
 
 def test_prefill_tile_gemm_takes_the_wide_dot_loop(report):
-    """The prefill tile GEMM (w4_prefill_fused, session 15) runs the decode kernel's wide loop: a 128-column block is
+    """The prefill tile GEMM (w4_prefill_fused) runs the decode kernel's wide loop: a 128-column block is
     one dot (per-channel) or one a group of 64, so at most 2 fences a block where the slice loop had 8, and the
     joined code planes stay in registers."""
     for spg in (8, 4):
@@ -104,8 +105,8 @@ def test_prefill_tile_gemm_takes_the_wide_dot_loop(report):
 
 
 def test_dot_loop_codes_through_inline_ptx_drop_the_mask_rematerialisation(report):
-    """SPEAR_W4_DOT_ASM=1 (the default since session 16): the wide loop's codes through one inline LOP3 + HFMA2 a pair (_plane's ASM)
-    instead of LOP3 on a mask that ptxas rematerialises with an IMAD.MOV before every use (session 15: 378 → 297
+    """SPEAR_W4_DOT_ASM=1 (the default since 1acdd4d): the wide loop's codes through one inline LOP3 + HFMA2 a pair (_plane's ASM)
+    instead of LOP3 on a mask that ptxas rematerialises with an IMAD.MOV before every use (378 → 297
     SASS a block at BN 128, 16 rows). The dots, fences and the registers-only join must stay as they are."""
     for name in ("decode rows=dot ec=False bn=128 wide", "prefill_fused wide=2 spg=8"):
         plain, asm = _dot_loop(report, name), _dot_loop(report, name + " asm")
@@ -117,7 +118,7 @@ def test_dot_loop_codes_through_inline_ptx_drop_the_mask_rematerialisation(repor
 def test_prefill_tile_gemm_scales_grouped_codes_in_fp16(report):
     """The prefill tile GEMM with groups scales the codes in fp16 (one HMUL2 a pair, packed in the inline PTX) and
     every dot accumulates into the tile, so the float32 FMAs that scaled each group's partial tile go, and no PRMT
-    repacks the scale (session 16, g = 128: 372 → 331 SASS a block, 6–11% faster on the H200)."""
+    repacks the scale (f77b692, g = 128: 372 → 331 SASS a block, 6–11% faster on the H200)."""
     before = _dot_loop(report, "prefill_fused wide=2 spg=8 grouped")
     after = _dot_loop(report, "prefill_fused wide=2 spg=8 scale_codes asm")
     assert _count(before, "FFMA") > 0 == _count(after, "FFMA"), (before, after)
