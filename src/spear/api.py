@@ -77,6 +77,8 @@ def compensate_artifact(
     config = read_artifact_config(artifact_dir)
     if config["quant"].get("method") == "awq":
         raise SpearError("compensating AWQ artifacts is not supported yet (AWQ rescales the float weights)")
+    if config["base_model"] is None:
+        raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
     student = load_artifact(artifact_dir, device)
     teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))

@@ -25,7 +25,7 @@ from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, _first_line, default_device, default_dtype
-from spear.quant.record import QuantizedWeight
+from spear.quant.record import QuantizedWeight, fp16_if_exact
 from spear.util import atomic_dir, versions
 
 FORMAT = "spear-artifact"
@@ -63,7 +63,7 @@ def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: Artifa
         seen[key] = name
         tensors[name] = tensor.detach().contiguous().cpu()
     for name in quantized:
-        tensors[f"{name}.scales"] = tensors[f"{name}.scales"].half()
+        tensors[f"{name}.scales"] = fp16_if_exact(tensors[f"{name}.scales"])
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default=None)
     _add_quant_args(q)
 
+    im = sub.add_parser("import", help="a pre-quantized 4-bit checkpoint (GPTQ, AWQ, compressed-tensors, GGUF) "
+                                       "as an artifact directory, without re-quantizing")
+    im.add_argument("checkpoint", help="HF directory with a quantization_config (gptq, awq, compressed-tensors "
+                                       "pack-quantized) or a .gguf file (Q4_0, Q4_1, Q4_K)")
+    im.add_argument("--out", required=True, help="artifact directory to write")
+    im.add_argument("--base", default=None,
+                    help="the float model it was quantized from (HF directory, .gguf or 'smollm2'): the reference "
+                         "`spear compensate` calibrates against (without it the artifact cannot be compensated)")
+
     e = sub.add_parser("eval", help="token perplexity, or zero-shot task accuracy, of a model or artifact")
     e.add_argument("model", help="artifact directory, HF model directory, .gguf file, or 'smollm2'")
     e.add_argument("--dataset", default="wikitext2", choices=["wikitext2", "ptb"])
@@ -169,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers_quiet()
     try:
         commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run,
-                    "serve": cmd_serve, "profile": cmd_profile, "bench": cmd_bench}
+                    "serve": cmd_serve, "profile": cmd_profile, "bench": cmd_bench,
+                    "import": cmd_import}
         return commands[args.command](args)
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
@@ -209,6 +219,14 @@ def cmd_quantize(args) -> int:
 
     settings, calib = _settings(args)
     _, out = api.quantize(args.model, settings, args.out, calib, device=_device(args))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_import(args) -> int:
+    from spear.quant.importer import import_checkpoint
+
+    out = import_checkpoint(args.checkpoint, args.out, args.base)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -28,6 +28,8 @@ class SpearLinear(nn.Module):
         self.register_buffer("codes", qweight.codes)
         self.register_buffer("scales", qweight.scales)
         self.register_buffer("zeros", qweight.zeros)
+        self.register_buffer("g_idx", qweight.g_idx)  # None (not in the state dict) unless imported
+        self.register_buffer("offsets", qweight.offsets)
         self.register_buffer("weight_hat", qweight.dequantize(dtype), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.ec: ErrorCompensator | None = None
@@ -36,7 +38,8 @@ class SpearLinear(nn.Module):
 
     @property
     def qweight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.codes, self.scales, self.zeros, self.bits, self.group_size)
+        return QuantizedWeight(self.codes, self.scales, self.zeros, self.bits, self.group_size, self.g_idx,
+                               self.offsets)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -92,6 +92,9 @@ def _pair_shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def pack_w4(record: QuantizedWeight) -> PackedW4:
     if record.bits != 4:
         raise SpearError(f"the W4A16 kernels take 4-bit weights, got {record.bits}-bit")
+    if not record.standard_form:
+        raise SpearError("the W4A16 kernels take (q - z) * s with fp16 scales; this record has g_idx, offsets or "
+                         "float32 scales (an imported format)")
     n, k = record.shape
     if k % 64 or n % 64:
         raise SpearError(f"the W4A16 kernels need in and out sizes that are multiples of 64, got {n}×{k}")

@@ -9,6 +9,14 @@ Grids (ARCHITECTURE.md, "Quantization conventions"):
   minmax (asymmetric): s = (max - min) / (2^b - 1), z = round(-min / s), min <= 0 <= max
 Scales are rounded to fp16 before the codes are chosen, so what is evaluated is exactly
 what a kernel with fp16 scales computes.
+
+Imported checkpoints (spear.quant.importer) may need two optional parts, so that the record
+dequantizes to the format's own weights bit for bit instead of an approximation:
+  g_idx    [in] int32, the group of each input column (GPTQ act-order); W_hat[:, j] uses group g_idx[j]
+  offsets  [out, groups] float32, added after scaling: W_hat = (q - z) * s + m (GGUF Q4_1 and Q4_K minimums)
+and scales may be float32 where the format's scales are not fp16 values (GGUF Q4_K's d * sc, bf16 scales
+outside fp16's range). A record without either part and with fp16 scales is in standard form, the one
+the kernels take.
 """
 
 from __future__ import annotations
@@ -94,38 +102,62 @@ def quantize_to_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
 
 @dataclass
 class QuantizedWeight:
-    """Integer codes [out, in] (uint8), fp16 scales and uint8 zeros [out, in / group_size]."""
+    """Integer codes [out, in] (uint8), fp16 scales and uint8 zeros [out, in / group_size].
+
+    Optional (imported checkpoints, module docstring): g_idx [in] and offsets [out, groups]; scales may be float32.
+    """
 
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     bits: int
     group_size: int  # the group size in effect (= in_features for per-channel)
+    g_idx: torch.Tensor | None = None  # [in] int32: group of each input column; None: column j in group j // group_size
+    offsets: torch.Tensor | None = None  # [out, groups] float32, added after scaling
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    @property
+    def standard_form(self) -> bool:
+        """Groups of consecutive columns, scales that are fp16 values, no offsets: W_hat = (q - z) * s, nothing else."""
+        return self.g_idx is None and self.offsets is None and fp16_if_exact(self.scales).dtype == torch.float16
+
+    def _per_column(self, t: torch.Tensor) -> torch.Tensor:
+        """[out, groups] → [out, in]: each column takes its group's value."""
+        if self.g_idx is None:
+            return t.float().repeat_interleave(self.group_size, dim=1)
+        return t.float()[:, self.g_idx.long()]
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W_hat = (q - z) * s, repeated over each group of `group_size` inputs."""
-        s = self.scales.float().repeat_interleave(self.group_size, dim=1)
-        z = self.zeros.float().repeat_interleave(self.group_size, dim=1)
-        return ((self.codes.float() - z) * s).to(dtype)
+        """W_hat = (q - z) * s (+ m), each column with its group's s, z (and m), in float32, then cast to dtype."""
+        w = (self.codes.float() - self._per_column(self.zeros)) * self._per_column(self.scales)
+        if self.offsets is not None:
+            w = w + self._per_column(self.offsets)
+        return w.to(dtype)
 
     def nbytes_packed(self) -> int:
-        """Bytes as served: codes packed at `bits` per weight, fp16 scales, zeros at `bits` each."""
+        """Bytes as served: codes packed at `bits` per weight, scales, zeros at `bits` each, g_idx and offsets."""
         out_f, in_f = self.shape
         groups = self.scales.numel()
-        return (out_f * in_f * self.bits + 7) // 8 + groups * 2 + (groups * self.bits + 7) // 8
+        codes = (out_f * in_f * self.bits + 7) // 8
+        zeros = (groups * self.bits + 7) // 8
+        extra = sum(t.numel() * t.element_size() for t in (self.g_idx, self.offsets) if t is not None)
+        return codes + groups * self.scales.element_size() + zeros + extra
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.codes": self.codes, f"{prefix}.scales": self.scales, f"{prefix}.zeros": self.zeros}
+        optional = {"g_idx": self.g_idx, "offsets": self.offsets}
+        return {f"{prefix}.codes": self.codes, f"{prefix}.scales": self.scales, f"{prefix}.zeros": self.zeros} | {
+            f"{prefix}.{k}": v for k, v in optional.items() if v is not None
+        }
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, bits: int) -> "QuantizedWeight":
         codes = tensors[f"{prefix}.codes"]
         scales = tensors[f"{prefix}.scales"]
-        return cls(codes, scales, tensors[f"{prefix}.zeros"], bits, codes.shape[1] // scales.shape[1])
+        return cls(codes, scales, tensors[f"{prefix}.zeros"], bits, codes.shape[1] // scales.shape[1],
+                   tensors.get(f"{prefix}.g_idx"), tensors.get(f"{prefix}.offsets"))
 
     @classmethod
     def from_float_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, cfg: QuantConfig) -> "QuantizedWeight":
@@ -137,6 +169,12 @@ class QuantizedWeight:
             bits=cfg.bits,
             group_size=codes.shape[1] // scale.shape[1],
         )
+
+
+def fp16_if_exact(t: torch.Tensor) -> torch.Tensor:
+    """t in fp16 where that changes no value, else in float32 (scales of imported formats)."""
+    half = t.half()
+    return half if torch.equal(half.float(), t.float()) else t.float()
 
 
 def rtn_quantize(weight: torch.Tensor, cfg: QuantConfig) -> QuantizedWeight:

@@ -1,0 +1,211 @@
+"""`spear import`: a pre-quantized 4-bit checkpoint becomes our W4 artifact, without re-quantizing.
+
+The format is read from the checkpoint itself, as vLLM and transformers do: an HF directory's
+`quantization_config.quant_method` (gptq, awq, compressed-tensors with format pack-quantized), or a
+GGUF file (Q4_0, Q4_1, Q4_K linears). Every linear of the decoder layers must be 4-bit; the other
+tensors (embeddings, norms, biases, lm_head) are taken as stored. The decoders (spear.quant.formats)
+reproduce each format's dequantized weights bit for bit; a GGUF import also checks every layer
+against transformers' own reading of the file (gguf.quants) before anything is written.
+
+The float model the checkpoint was quantized from is not in it: `base` names it (an HF directory
+or GGUF), the teacher of `spear compensate`; without it the artifact evaluates and serves but
+cannot be compensated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from spear.artifact import ArtifactInfo, save_artifact
+from spear.errors import SpearError
+from spear.models.layerwise import quantizable_linears
+from spear.models.loading import _first_line, load_float_model, resolve_model_path
+from spear.quant.formats import awq_record, compressed_tensors_record, gguf_record, gptq_record
+from spear.quant.pipeline import replace_with_quantized
+from spear.quant.record import QuantizedWeight
+
+FORMATS = ("gptq", "awq", "compressed-tensors", "gguf")
+# tensor names a quantized linear stores instead of `weight`, by format
+STORED = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+}
+
+
+def import_checkpoint(src: str, out_dir: str | Path, base: str | None = None) -> Path:
+    """Write the artifact of the pre-quantized checkpoint `src` (HF directory or GGUF file) to `out_dir`."""
+    path = resolve_model_path(src)
+    if base is not None:
+        resolve_model_path(base)
+    if path.is_file():
+        model, tokenizer, quant = _read_gguf(path, src)
+    else:
+        model, tokenizer, quant = _read_hf_dir(path, src)
+    info = ArtifactInfo(base_model=base, quant=quant, extra={"imported_from": src})
+    return save_artifact(model, tokenizer, out_dir, info)
+
+
+# --- HF directories: GPTQ, AWQ, compressed-tensors -------------------------------------------
+
+def _read_hf_dir(path: Path, src: str):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((path / "config.json").read_text())
+    qc = config.pop("quantization_config", None)
+    if not isinstance(qc, dict):
+        raise SpearError(f"{src} has no quantization_config: not a pre-quantized checkpoint (use spear quantize)")
+    fmt, bits, group_size, sym, v1 = _hf_quant_args(qc, src)
+    tensors = _load_tensors(path, src)
+    try:
+        hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    except (ValueError, KeyError) as e:
+        raise SpearError(f"unsupported architecture in {src}: {_first_line(e)}") from None
+    records = {}
+    for name, linear in quantizable_linears(model).items():
+        missing = [f"{name}.{k}" for k in STORED[fmt][:3] if f"{name}.{k}" not in tensors]
+        if missing:
+            raise SpearError(f"malformed checkpoint {src}: missing tensor {missing[0]} (every decoder linear must be "
+                             f"{bits}-bit {fmt})")
+        out_f, in_f = linear.out_features, linear.in_features
+        if fmt == "gptq":
+            records[name] = gptq_record(name, tensors, out_f, in_f, group_size, v1)
+        elif fmt == "awq":
+            records[name] = awq_record(name, tensors, out_f, in_f)
+        else:
+            records[name] = compressed_tensors_record(name, tensors, out_f, in_f)
+    stored = {f"{n}.{k}" for n in records for k in STORED[fmt]}
+    _load_float_tensors(model, {k: v for k, v in tensors.items() if k not in stored}, records, src)
+    for name, record in records.items():
+        replace_with_quantized(model, name, record)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SpearError(f"cannot load the tokenizer of {src}: {_first_line(e)}") from None
+    group = {"gptq": group_size, "awq": group_size}.get(fmt, _common_group_size(records))
+    return model, tokenizer, {"method": fmt, "bits": bits, "group_size": group, "sym": sym, "imported": True}
+
+
+def _hf_quant_args(qc: dict, src: str) -> tuple[str, int, int, bool | None, bool]:
+    """(format, bits, group size, symmetric, GPTQ v1 zero offset) from a quantization_config."""
+    method = qc.get("quant_method")
+    if method in ("gptq", "awq"):
+        bits, group_size = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+            raise SpearError(f"{src}: AWQ version {qc.get('version')!r}; spear import reads the GEMM packing")
+        if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+            raise SpearError(f"{src}: GPTQ checkpoint_format {qc['checkpoint_format']!r}; spear import reads gptq "
+                             "and gptq_v2")
+        if bits != 4:
+            raise SpearError(f"{src} is {bits}-bit {method}; spear import takes 4-bit checkpoints")
+        if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+            raise SpearError(f"{src}: unreadable {method} group size {group_size!r}")
+        sym = qc.get("sym") if method == "gptq" else not qc.get("zero_point", True)
+        return method, bits, group_size, sym, qc.get("checkpoint_format", "gptq") == "gptq"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        formats = {qc.get("format")} | {g.get("format") for g in groups.values() if g.get("format")}
+        if formats - {None} != {"pack-quantized"}:
+            raise SpearError(f"{src}: compressed-tensors format {sorted(f for f in formats if f)}; "
+                             "spear import reads pack-quantized (W4A16)")
+        for g in groups.values():
+            w = g.get("weights") or {}
+            if w.get("num_bits") != 4 or w.get("type", "int") != "int" or g.get("input_activations"):
+                raise SpearError(f"{src}: compressed-tensors scheme {w.get('type')}{w.get('num_bits')} with "
+                                 f"activations {g.get('input_activations')}; spear import takes W4A16 int")
+        syms = {(g.get("weights") or {}).get("symmetric", True) for g in groups.values()}
+        return method, 4, -1, syms.pop() if len(syms) == 1 else None, False
+    raise SpearError(f"{src}: quant_method {method!r}; spear import reads {', '.join(FORMATS[:3])} and GGUF files")
+
+
+def _load_tensors(path: Path, src: str) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpearError(f"{src} has no .safetensors files")
+    tensors = {}
+    for f in files:
+        try:
+            tensors |= load_file(str(f))
+        except (SafetensorError, OSError) as e:
+            raise SpearError(f"cannot read {f}: {_first_line(e)}") from None
+    return tensors
+
+
+def _load_float_tensors(model: nn.Module, tensors: dict, records: dict[str, QuantizedWeight], src: str) -> None:
+    """Every parameter outside the quantized linears' weights must come from the checkpoint (or be tied)."""
+    quantized_weights = {f"{n}.weight" for n in records}
+    try:
+        result = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:
+        raise SpearError(f"malformed checkpoint {src}: {_first_line(e)}") from None
+    model.tie_weights()
+    loaded = {p.data_ptr() for k, p in model.state_dict().items() if k in tensors}
+    state = model.state_dict()
+    missing = [k for k in result.missing_keys if k not in quantized_weights and state[k].data_ptr() not in loaded]
+    if missing:
+        raise SpearError(f"malformed checkpoint {src}: missing tensor {missing[0]}")
+    if result.unexpected_keys:
+        raise SpearError(f"malformed checkpoint {src}: unexpected tensor {result.unexpected_keys[0]} "
+                         "(a quantized module outside the decoder linears?)")
+
+
+def _common_group_size(records: dict[str, QuantizedWeight]) -> int:
+    """One group size for the artifact's config: -1 where every layer is per-channel, else the common size."""
+    sizes = {-1 if r.group_size == r.shape[1] else r.group_size for r in records.values()}
+    return sizes.pop() if len(sizes) == 1 else -2
+
+
+# --- GGUF ------------------------------------------------------------------------------------
+
+def _read_gguf(path: Path, src: str):
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    lm = load_float_model(str(path), torch.device("cpu"), torch.float32)  # transformers' reading: the reference
+    model = lm.model
+    reader = gguf.GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    hf_names = get_gguf_hf_weights_map(model, processor)
+    linears = quantizable_linears(model)
+    kinds, records = set(), {}
+    for tensor in reader.tensors:
+        name = hf_names.get(tensor.name, "").removesuffix(".weight")
+        if name not in linears:
+            continue
+        linear, kind = linears[name], tensor.tensor_type.name
+        record = gguf_record(tensor.name, kind, np.asarray(tensor.data), linear.out_features, linear.in_features)
+        record = _permute_rows(record, _row_order(processor, tensor.name, linear.out_features, hf_names))
+        if not torch.equal(record.dequantize(), linear.weight.float()):
+            raise SpearError(f"{tensor.name} ({kind}) does not dequantize to transformers' reading of {src}")
+        records[name] = record
+        kinds.add(kind)
+    missing = [n for n in linears if n not in records]
+    if missing:
+        raise SpearError(f"{src} has no 4-bit tensor for {missing[0]}")
+    for name, record in records.items():
+        replace_with_quantized(model, name, record)
+    group = _common_group_size(records)
+    return model, lm.tokenizer, {"method": "gguf", "gguf_types": sorted(kinds), "bits": 4, "group_size": group,
+                                 "sym": kinds == {"Q4_0"}, "imported": True}
+
+
+def _row_order(processor, gguf_name: str, rows: int, hf_names: dict) -> torch.Tensor:
+    """The file row each model row comes from: transformers' processor applied to the row indices
+    (Llama's q/k rows are stored permuted for llama.cpp's rotary layout)."""
+    index = np.arange(rows, dtype=np.float64)[:, None]
+    out = processor.process(weights=index, name=gguf_name, tensor_key_mapping=hf_names, parsed_parameters={})
+    return torch.from_numpy(np.asarray(out.weights)[:, 0].astype(np.int64))
+
+
+def _permute_rows(record: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    return QuantizedWeight(record.codes[order], record.scales[order], record.zeros[order], record.bits,
+                           record.group_size, record.g_idx, None if record.offsets is None else record.offsets[order])
