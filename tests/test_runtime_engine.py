@@ -410,3 +410,52 @@ def test_overlapped_steps_feed_the_policy_each_steps_own_composition(tiny):
         launched[overlap] = steps
         assert policy.seen == steps, f"overlap={overlap}: observed {policy.seen}, launched {steps}"
     assert any(p for _, p in launched[True]) and any(d for d, _ in launched[True])  # mixed steps were fed back
+
+
+def reference_tokens(lm, ids: list[int], params: SamplingParams) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy through transformers, one full forward a token, with adjust_logits applied: tokens and log-softmaxes."""
+    from spear.runtime.sampler import adjust_logits
+
+    ids, out, logprobs = list(ids), [], []
+    for _ in range(params.max_tokens):
+        with torch.no_grad():
+            logits = lm.model(torch.tensor([ids])).logits[0, -1].float()
+        logprobs.append(logits.log_softmax(-1))
+        adjust_logits(logits, params, torch.tensor(out, dtype=torch.long))
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+    return out, logprobs
+
+
+@pytest.mark.parametrize("overlap", [False, True])  # overlapped: the token still in flight counts too
+def test_penalties_and_logit_bias_match_a_reference_loop(tiny, overlap):
+    ids = prompt(9, seed=3)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5,
+                               frequency_penalty=0.7, logit_bias=((ids[-1], 4.0), (7, -100.0)))
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=64, overlap=overlap))
+    got = run(engine, {"plain": (ids, plain), "penalized": (ids, penalized)})
+    expected, _ = reference_tokens(tiny, ids, penalized)
+    assert got["penalized"]["ids"] == expected
+    assert got["plain"]["ids"] == reference_tokens(tiny, ids, plain)[0] != expected
+    assert 7 not in expected and engine.kv_blocks_used == 0
+
+
+def test_logprobs_are_the_models(tiny):
+    ids = prompt(11, seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=64, overlap=True))
+    engine.add_request("a", ids, params)
+    engine.add_request("b", prompt(5), SamplingParams(max_tokens=6, temperature=0))  # asks for none
+    got = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert (out.logprobs is None) == (out.request_id == "b" or not out.new_token_ids)
+            got[out.request_id] += list(zip(out.new_token_ids, out.logprobs or [None] * len(out.new_token_ids)))
+    tokens, reference = reference_tokens(tiny, ids, params)
+    assert [t for t, _ in got["a"]] == tokens
+    for (token, lp), ref in zip(got["a"], reference):
+        assert lp.logprob == pytest.approx(ref[token].item(), abs=1e-4)
+        top = ref.topk(3)
+        assert [i for i, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)

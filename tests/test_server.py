@@ -58,6 +58,56 @@ def test_openai_client_streams_what_it_returns_whole(tiny):
         assert client.completions.create(**seeded).choices[0].text == client.completions.create(**seeded).choices[0].text
 
 
+def test_openai_parameters_through_the_official_client(tiny):
+    """logprobs (completions and chat, whole and streamed), echo, logit_bias, penalties, seed among other requests."""
+    _, server = tiny_server(tiny)
+    with server as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        args = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
+        whole = client.completions.create(logprobs=2, **args).choices[0]
+        lp = whole.logprobs
+        assert "".join(lp.tokens) == whole.text and lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(6)]
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert logprob <= 0 and top[token] == logprob == max(top.values())  # greedy: the most likely
+            assert len(top) <= 3  # the two most likely, and the sampled token's (one of them here)
+        streamed = [c.choices[0] for c in client.completions.create(stream=True, logprobs=2, **args)]
+        assert sum((c.logprobs.token_logprobs for c in streamed if c.logprobs), []) == pytest.approx(lp.token_logprobs)
+
+        messages = [{"role": "user", "content": "hello there"}]
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3).choices[0]
+        content = chat.logprobs.content
+        assert "".join(c.token for c in content) == chat.message.content and len(content) == 5
+        assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob for c in content)
+        assert bytes(content[0].bytes).decode() == content[0].token
+        assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).choices[0].logprobs is None
+
+        echoed = client.completions.create(echo=True, **args).choices[0].text
+        assert echoed == "The quick brown fox" + whole.text
+        assert "".join(c.choices[0].text for c in client.completions.create(stream=True, echo=True, **args)) == echoed
+
+        token = tiny.tokenizer("Z", add_special_tokens=False).input_ids[0]
+        biased = client.completions.create(logit_bias={str(token): 100}, logprobs=0, **args).choices[0]
+        assert biased.text == "Z" * 6 and biased.logprobs.token_logprobs != lp.token_logprobs  # raw model logprobs
+        repeats = dict(args, prompt="aaaa", max_tokens=12)
+        plain = client.completions.create(**repeats).choices[0].text
+        penalized = client.completions.create(presence_penalty=2, frequency_penalty=2, **repeats).choices[0].text
+        assert len(set(penalized)) > len(set(plain))
+
+        seeded = dict(args, temperature=1.0, seed=11, max_tokens=10)
+        alone = client.completions.create(**seeded).choices[0].text
+
+        async def among_others() -> str:
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as ac:
+                others = [ac.completions.create(**dict(seeded, seed=None, prompt=f"other {i}")) for i in range(4)]
+                answers = await asyncio.gather(ac.completions.create(**seeded), *others)
+                return answers[0].choices[0].text
+
+        assert asyncio.run(among_others()) == alone
+        assert client.completions.create(**dict(seeded, seed=12)).choices[0].text != alone
+
+
 def test_prompt_longer_than_context_is_400(tiny):
     _, server = tiny_server(tiny)
     with server as url:

@@ -141,7 +141,7 @@ def test_openai_client_completions_and_chat(tokenizer):
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": {"text": "hi"}}, "prompt"),
-    ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 30}, "logprobs"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": [1, 999]}, "prompt"),
     ({"prompt": ""}, "prompt"),

@@ -44,7 +44,8 @@ def post(url: str, path: str, body, **kwargs) -> httpx.Response:
     return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=30, **kwargs)
 
 
-# 1. lone surrogates; 2. out-of-range sampling values; 3. stop lists; 10. neutral values of unsupported knobs
+# 1. lone surrogates; 2. out-of-range sampling values; 3. stop lists; 10. neutral values of unsupported knobs;
+# OpenAI parameters out of range or not implemented (n > 1, response_format, repetition_penalty)
 @pytest.mark.parametrize("path, raw, param", [
     ("/v1/completions", '{"prompt": "abc \\ud800 def"}', "prompt"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfff"}]}', "messages.0.content"),
@@ -56,10 +57,24 @@ def post(url: str, path: str, body, **kwargs) -> httpx.Response:
     ("/v1/completions", json.dumps({"prompt": "hi", "stop": ""}), "stop"),
     ("/v1/completions", json.dumps({"prompt": "hi", "stop": ["x" * 300]}), "stop"),
     ("/v1/completions", json.dumps({"prompt": "hi", "stop_token_ids": list(range(100))}), "stop_token_ids"),
-    ("/v1/completions", json.dumps({"prompt": "hi", "presence_penalty": 0.5}), "presence_penalty"),
-    ("/v1/completions", json.dumps({"prompt": "hi", "echo": True}), "echo"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "presence_penalty": 2.5}), "presence_penalty"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "frequency_penalty": -3}), "frequency_penalty"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias.5"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"256": 1}}), "logit_bias"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}), "logit_bias"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "logprobs": 21}), "logprobs"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "echo": True, "logprobs": 1}), "echo"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), "n"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "repetition_penalty": 1.2}), "repetition_penalty"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+     "top_logprobs"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                         "top_logprobs": 21}), "top_logprobs"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
                                          "response_format": {"type": "json_object"}}), "response_format"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}), "response_format"),
 ])
 def test_bad_values_are_400_naming_the_parameter(tokenizer, path, raw, param):
     _, srv = server(tokenizer)
@@ -104,10 +119,10 @@ def test_a_request_whose_sampling_raises_fails_alone(tiny_model_dir, monkeypatch
 
     real = engine_module.sample_tokens
 
-    def flaky(logits, params, generators):
+    def flaky(logits, params, generators, generated):
         if any(p.seed == 666 for p in params):
             raise RuntimeError("internal detail that must not reach a client")
-        return real(logits, params, generators)
+        return real(logits, params, generators, generated)
 
     lm = load_float_model(str(tiny_model_dir), torch.device("cpu"), torch.float32)
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]

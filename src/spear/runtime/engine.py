@@ -22,7 +22,7 @@ from spear.errors import SpearError
 from spear.runtime.detokenizer import Detokenizer
 from spear.runtime.kv_cache import BlockAllocator, Chunk, KVCache, cdiv
 from spear.runtime.model import Transformer, build_runtime_model
-from spear.runtime.requests import RequestOutput, SamplingParams
+from spear.runtime.requests import RequestOutput, SamplingParams, TokenLogprobs
 from spear.runtime.runner import ModelRunner, TokenPatch
 from spear.runtime.sampler import sample_tokens
 from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
@@ -72,6 +72,26 @@ class InFlight:
     ready: torch.cuda.Event | None
     launched_at: float = 0.0  # time.perf_counter() at its launch
     stats: StepStats | None = None  # its decodes and prefill tokens (Engine.step sets them after the launch)
+    logprobs: StepLogprobs | None = None  # of the rows whose requests asked for them
+
+
+@dataclass
+class StepLogprobs:
+    """Log-probabilities of a launched step's samples (on the device until its tokens are read)."""
+
+    rows: list[int]  # rows of the step's samples
+    sampled: torch.Tensor  # [len(rows)] each row's sampled token's
+    top: torch.Tensor  # [len(rows), k] the k most likely tokens' (k: the most any of these rows asked for)
+    top_ids: torch.Tensor  # [len(rows), k]
+
+    def read(self, seqs: list[Sequence]) -> dict[int, TokenLogprobs]:
+        """Row → its TokenLogprobs, with as many top tokens as its request asked for."""
+        sampled, top, top_ids = self.sampled.tolist(), self.top.tolist(), self.top_ids.tolist()
+        out = {}
+        for j, row in enumerate(self.rows):
+            k = seqs[row].params.logprobs
+            out[row] = TokenLogprobs(sampled[j], tuple(zip(top_ids[j][:k], top[j][:k])))
+        return out
 
 
 @dataclass
@@ -294,7 +314,8 @@ class Engine:
         seqs = [work[i][0] for i in rows]
         if len(rows) < len(work):  # sequences still mid-prompt have no token to sample
             logits = logits[rows]
-        tokens = self._sample(logits, seqs)
+        tokens = self._sample(logits, seqs, previous)
+        logprobs = _logprobs(logits, seqs, tokens)
         ready = None
         if tokens.is_cuda and self.config.overlap:  # else _finish's tolist() waits for the step
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -304,38 +325,50 @@ class Engine:
         else:
             host = tokens
         self.num_launched += 1
-        self._in_flight = InFlight(self.num_launched, seqs, tokens, host, ready, launched_at)
+        self._in_flight = InFlight(self.num_launched, seqs, tokens, host, ready, launched_at, logprobs=logprobs)
         if self.config.overlap:
             for i, seq in enumerate(seqs):
                 seq.pending_row, seq.pending_step = i, self.num_launched
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], previous: InFlight | None) -> torch.Tensor:
         """The step's tokens; if sampling the batch raises, each row is sampled alone and a row that still raises
         fails its own request (finish reason "error"), never the others."""
+        generated = [self._generated(s, previous) for s in seqs]
         try:
-            return sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return sample_tokens(logits, [s.params for s in seqs], [s.generator for s in seqs], generated)
         except Exception:
             log.exception("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
         rows = []
         for i, seq in enumerate(seqs):
             try:
-                rows.append(sample_tokens(logits[i : i + 1], [seq.params], [seq.generator]))
+                rows.append(sample_tokens(logits[i : i + 1], [seq.params], [seq.generator], generated[i : i + 1]))
             except Exception:
                 log.exception("sampling request %s failed", seq.request_id)
                 self.abort(seq.request_id, reason="error")
                 rows.append(torch.zeros(1, dtype=torch.long, device=logits.device))  # dropped: the request is over
         return torch.cat(rows)
 
+    def _generated(self, seq: Sequence, previous: InFlight | None) -> torch.Tensor | None:
+        """The ids `seq` has generated, on the device, its sample still in flight (overlap) included; None unless
+        its params adjust its logits (penalties need them)."""
+        if not seq.params.adjusts_logits:
+            return None
+        ids = torch.tensor(seq.output_ids, dtype=torch.long, device=self.runner.cache.device)
+        if seq.pending_row is not None:
+            ids = torch.cat([ids, previous.tokens[seq.pending_row : seq.pending_row + 1]])
+        return ids
+
     def _finish(self, step: InFlight) -> list[RequestOutput]:
         """Append a launched step's tokens to its sequences (finished or aborted ones since: dropped)."""
         if step.ready is not None:
             step.ready.synchronize()
+        logprobs = step.logprobs.read(step.seqs) if step.logprobs is not None else {}
         outputs = []
-        for seq, token in zip(step.seqs, step.host.tolist()):
+        for row, (seq, token) in enumerate(zip(step.seqs, step.host.tolist())):
             if seq.pending_step == step.number:  # no later step sampled for it yet
                 seq.pending_row = None
             if not seq.finished:
-                outputs.append(self._append(seq, token))
+                outputs.append(self._append(seq, token, logprobs.get(row)))
         return outputs
 
     def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, Chunk]]:
@@ -356,7 +389,7 @@ class Engine:
             budget -= len(work[-1][1].tokens)
         return work
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.output_ids.append(token)
         stop_ids = seq.params.stop_token_ids if seq.params.ignore_eos else (*seq.params.stop_token_ids, *self.eos_token_ids)
         reason = None
@@ -368,8 +401,20 @@ class Engine:
             if not seq.released:
                 self._release(seq)
             seq.finished = True
-        return self._output(seq, [token], reason)
+        return self._output(seq, [token], reason, None if logprobs is None else [logprobs])
 
-    def _output(self, seq: Sequence, new_ids: list[int], reason: str | None) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], reason: str | None,
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, new_ids, seq.detokenizer.take(final=reason is not None), reason is not None,
-                             reason, len(seq.prompt_ids), len(seq.output_ids))
+                             reason, len(seq.prompt_ids), len(seq.output_ids), logprobs)
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> StepLogprobs | None:
+    """The log-probabilities of the samples of the rows whose requests asked for them (not waited for)."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not rows:
+        return None
+    logprobs = logits[rows].float().log_softmax(dim=-1)  # [R, V]
+    sampled = logprobs.gather(1, tokens[rows, None])[:, 0]
+    top = logprobs.topk(max(seqs[i].params.logprobs for i in rows), dim=-1)
+    return StepLogprobs(rows, sampled, top.values, top.indices)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from spear.errors import SpearError
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default cap)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,6 +23,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the text returned ends before the first match
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    # OpenAI's penalties over the tokens generated so far: logit -= presence · [count > 0] + frequency · count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # each token's log-probability and this many of the most likely; None: none
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -33,6 +44,17 @@ class SamplingParams:
             raise SpearError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise SpearError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SpearError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (before temperature, penalties and bias, as vLLM's
+    default), and the most likely tokens' at its position, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -46,3 +68,4 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (this request failed alone)
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them

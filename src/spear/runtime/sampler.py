@@ -22,9 +22,27 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: torch.Tensor) -> None:
+    """Apply one row's logit bias and OpenAI presence / frequency penalties, in place: logits [V] (float32),
+    generated [n] the ids it has generated so far (on the logits' device)."""
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        logits[torch.tensor(ids, device=logits.device)] += torch.tensor(bias, device=logits.device)
+    if (params.presence_penalty or params.frequency_penalty) and generated.numel():
+        counts = torch.bincount(generated, minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                  generated: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """One token per row of logits [B, V] (rows with temperature below GREEDY_BELOW greedy), as a [B] int64 tensor
-    on the logits' device, without waiting for it (no host sync)."""
+    on the logits' device, without waiting for it (no host sync). Rows whose params adjust their logits (bias,
+    penalties) need their generated ids in `generated`; `logits` itself is left as it is."""
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        logits = logits.float().clone()
+        for i in adjusted:
+            adjust_logits(logits[i], params[i], generated[i])
     rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
     if not rows:  # all greedy: argmax over the logits as they are (no float32 copy)
         return logits.argmax(dim=-1)

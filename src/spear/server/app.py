@@ -78,7 +78,8 @@ class OpenAIServing:
 
     async def serve(self, req: _SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
         params = self._sampling_params(req, prompt_ids)
-        builder = ResponseBuilder(chat, self.model_name)
+        builder = ResponseBuilder(chat, self.model_name, self.tokenizer)
+        echo = self._echo(req, prompt_ids)
         timer = RequestTimer(self.metrics)
         try:
             stream = self.engine.generate(prompt_ids, params, request_id=builder.id)
@@ -88,9 +89,9 @@ class OpenAIServing:
         try:
             if req.stream:
                 first = await _unless_disconnected(request, anext(stream))
-                events = self._events(stream, first, builder, timer, req.include_usage)
+                events = self._events(stream, first, builder, timer, req.include_usage, echo)
                 return _EventStream(events, media_type="text/event-stream")
-            text, last = await _unless_disconnected(request, self._collect(stream, timer))
+            text, last, logprobs = await _unless_disconnected(request, self._collect(stream, timer, builder))
         except _ClientGone:
             await stream.aclose()
             self.metrics.aborted.inc()
@@ -98,7 +99,13 @@ class OpenAIServing:
         except SpearError:
             self.metrics.failed.inc()
             raise
-        return JSONResponse(builder.response(text, last))
+        return JSONResponse(builder.response(echo + text, last, logprobs))
+
+    def _echo(self, req: _SamplingRequest, prompt_ids: list[int]) -> str:
+        """The prompt's text when a completion asks for it back (echo), else ''."""
+        if not getattr(req, "echo", False):
+            return ""
+        return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
 
     def _sampling_params(self, req: _SamplingRequest, prompt_ids: list[int]):
         if req.model is not None and req.model != self.model_name:
@@ -115,30 +122,41 @@ class OpenAIServing:
         if n + max_tokens > limit:
             raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the model's context "
                                f"of {limit} tokens; lower max_tokens", "max_tokens", code="context_length_exceeded")
+        vocab = self.prompts.vocab
+        if bad := [k for k in req.logit_bias or {} if int(k) >= vocab]:
+            raise RequestError(f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab})", "logit_bias")
         return req.sampling_params(max_tokens)
 
-    async def _collect(self, stream: RequestStream, timer: RequestTimer) -> tuple[str, RequestOutput]:
-        parts = []
+    async def _collect(self, stream: RequestStream, timer: RequestTimer,
+                       builder: ResponseBuilder) -> tuple[str, RequestOutput, dict | None]:
+        """The whole text, the last output and the logprobs object (None unless asked for)."""
+        parts, ids, logprobs = [], [], None
         async with aclosing(stream):
             async for out in stream:
                 timer.tokens_arrived(len(out.new_token_ids))
                 parts.append(out.new_text)
+                ids += out.new_token_ids
+                if out.logprobs is not None:
+                    logprobs = (logprobs or []) + out.logprobs
         self._finished(out)
-        return "".join(parts), out
+        return "".join(parts), out, builder.logprobs(ids, logprobs)
 
     async def _events(self, stream: RequestStream, out: RequestOutput, builder: ResponseBuilder,
-                      timer: RequestTimer, include_usage: bool) -> AsyncIterator[str]:
+                      timer: RequestTimer, include_usage: bool, echo: str) -> AsyncIterator[str]:
         """Server-sent events; starlette cancels this on disconnect, and closing the stream aborts the request."""
         ended = False  # finished or failed; otherwise the client left (closing this generator)
         try:
             async with aclosing(stream):
                 if builder.chat:
                     yield _sse(builder.chunk(None, role=True))
+                if echo:
+                    yield _sse(builder.chunk(echo))
                 try:
                     while True:
                         timer.tokens_arrived(len(out.new_token_ids))
                         if out.new_token_ids or out.new_text:  # one chunk per token, even while its text is held back
-                            yield _sse(builder.chunk(out.new_text))
+                            logprobs = builder.logprobs(out.new_token_ids, out.logprobs)
+                            yield _sse(builder.chunk(out.new_text, logprobs=logprobs))
                         if out.finished:
                             break
                         out = await anext(stream)

@@ -9,13 +9,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from spear.errors import SpearError
-from spear.runtime.requests import RequestOutput, SamplingParams
+from spear.runtime.requests import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprobs
 
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
+MAX_LOGIT_BIAS = 300  # entries
 
 
 def _valid_unicode(text: str) -> str:
@@ -39,13 +40,7 @@ StopString = Annotated[Text, AfterValidator(_nonempty_stop)]
 # OpenAI parameters this server does not implement, with the values that leave them off: those are accepted (a
 # client may send its defaults), anything else is a 400 naming the parameter.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "repetition_penalty": (1,),  # vLLM's extension
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
     "response_format": ({"type": "text"},),
@@ -80,13 +75,11 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # not implemented: NEUTRAL_VALUES
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -94,17 +87,33 @@ class _SamplingRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
 
-    @field_validator(*[k for k in NEUTRAL_VALUES if k not in ("echo", "best_of", "suffix")])
+    @field_validator(*[k for k in NEUTRAL_VALUES if k not in ("best_of", "suffix")])
     @classmethod
     def _only_neutral(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral(value, info)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit()):  # the vocabulary's size is checked with the tokenizer (bias_token_ids)
+                raise ValueError(f"its keys are token ids, got {key!r}")
+        return value
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            logprobs=self.requested_logprobs,
         )
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Top tokens to report at each position (0: the sampled token's alone); None: no log-probabilities."""
+        raise NotImplementedError
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -126,11 +135,24 @@ def _neutral(value: Any, info: ValidationInfo) -> Any:
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None  # the prompt's text before the completion's
     best_of: int | None = None
     suffix: Text | None = None
 
-    @field_validator("echo", "best_of", "suffix")
+    @field_validator("echo")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("with logprobs it would need the prompt's log-probabilities, which this server does "
+                             "not compute; send one or the other")
+        return value
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("best_of", "suffix")
     @classmethod
     def _only_neutral_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral(value, info)
@@ -146,6 +168,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -175,34 +210,66 @@ def usage(out: RequestOutput) -> dict:
 class ResponseBuilder:
     """The response objects and stream chunks of one request, in OpenAI's shapes."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, tokenizer):
         self.chat = chat
         self.model = model
+        self.tokenizer = tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._offset = 0  # completions' text_offset: characters of the tokens reported so far
 
     def _envelope(self, object: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, text: str, last: RequestOutput) -> dict:
+    def response(self, text: str, last: RequestOutput, logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": last.finish_reason}
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             body = self._envelope("text_completion", [choice])
         return {**body, "usage": usage(last)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
         """One stream chunk; `role`: chat's opening chunk, which names the assistant."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, last: RequestOutput) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": usage(last)}
+
+    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> dict | None:
+        """OpenAI's logprobs object of these tokens: chat's `content` list, or completions' tokens, token_logprobs,
+        top_logprobs (the sampled token's entry included, as vLLM) and text_offset. None when none were asked for."""
+        if logprobs is None:
+            return None
+        texts = [self._text(i) for i in token_ids]
+        if self.chat:
+            return {"content": [{**_entry(text, lp.logprob), "top_logprobs": [_entry(self._text(i), v) for i, v in lp.top]}
+                                for text, lp in zip(texts, logprobs)]}
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": texts, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{**{self._text(i): _finite(v) for i, v in lp.top}, text: _finite(lp.logprob)}
+                                 for text, lp in zip(texts, logprobs)],
+                "text_offset": offsets}
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # as OpenAI and vLLM: JSON has no -Infinity
+
+
+def _entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
