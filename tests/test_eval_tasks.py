@@ -104,6 +104,8 @@ def test_rolling_windows_cover_every_token_once(tiny):
     assert [len(c) for _, c in windows] == [128, 128, 128, 6]
     assert sum((c for _, c in windows), []) == tok.encode(text)
     assert windows[0][0] == [tok.bos_token_id] and windows[1][0] == [windows[0][1][-1]]
+    ids = tok.encode(text)
+    assert windows[3][0] == ids[390 - 128 - 1 : 384]  # the last window: 123 + 6 tokens, so 128 inputs
 
 
 def test_metrics_follow_lm_eval():

@@ -200,13 +200,14 @@ def score_tokens(
     batch_size: int = 16,
     progress: bool = True,
     desc: str = "log-likelihoods",
+    max_length: int | None = None,
 ) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), continuation is the greedy one) for each (context, continuation).
 
-    Longest first, right-padded batches; an input keeps its last `context_length` tokens (lm-eval's truncation).
-    Only the positions that predict continuation tokens go through the LM head (logits_to_keep).
+    Longest first, right-padded batches; an input keeps its last `max_length` tokens (default: the model's context;
+    lm-eval's truncation). Only the positions that predict continuation tokens go through the LM head.
     """
-    max_length = context_length(model)
+    max_length = max_length or context_length(model)
     device = next(model.parameters()).device
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i][0]) - len(requests[i][1]))
     results: list[tuple[float, bool] | None] = [None] * len(requests)
@@ -236,18 +237,23 @@ def score_tokens(
 
 
 def loglikelihoods(model: nn.Module, tokenizer, requests: list[tuple[str, str]], batch_size: int = 16,
-                   progress: bool = True, desc: str = "log-likelihoods") -> list[tuple[float, bool]]:
+                   progress: bool = True, desc: str = "log-likelihoods",
+                   max_length: int | None = None) -> list[tuple[float, bool]]:
     """lm-eval's `loglikelihood` on (context, continuation) strings."""
     tokens = [encode_pair(tokenizer, context, continuation) for context, continuation in requests]
-    return score_tokens(model, tokens, batch_size, progress, desc)
+    return score_tokens(model, tokens, batch_size, progress, desc, max_length)
 
 
 def rolling_loglikelihood_requests(tokenizer, text: str, max_length: int) -> list[tuple[list[int], list[int]]]:
-    """lm-eval's loglikelihood_rolling windows of one text: disjoint `max_length`-token windows, each conditioned on
-    the token before it (the prefix token for the first)."""
+    """lm-eval's loglikelihood_rolling windows of one text: each scores the next `max_length` tokens (fewer in the
+    last), conditioned on as many tokens before them as fill the window (the prefix token first)."""
     tokens = tokenizer.encode(text)
-    sequence = [prefix_token(tokenizer), *tokens]
-    return [([sequence[start]], tokens[start : start + max_length]) for start in range(0, len(tokens), max_length)]
+    sequence = [prefix_token(tokenizer), *tokens]  # sequence[i + 1] = tokens[i]
+    windows = []
+    for start in range(0, len(tokens), max_length):
+        end = min(start + max_length, len(tokens))
+        windows.append((sequence[max(0, end - max_length) : start + 1], tokens[start:end]))
+    return windows
 
 
 def _mean_stderr(values: list[float]) -> float:
