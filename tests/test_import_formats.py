@@ -33,11 +33,11 @@ def random_grid(groups: int, asym: bool, seed: int = 0):
     return codes, zeros, scales
 
 
-def act_order_g_idx(group_size: int, seed: int = 0) -> torch.Tensor:
+def act_order_g_idx(in_features: int, group_size: int, seed: int = 0) -> torch.Tensor:
     """GPTQ's act-order: columns quantized in a permuted order, group = position in that order // group size."""
-    perm = torch.randperm(IN, generator=torch.Generator().manual_seed(seed))
-    g_idx = torch.empty(IN, dtype=torch.int32)
-    g_idx[perm] = (torch.arange(IN) // group_size).to(torch.int32)
+    perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(in_features) // group_size).to(torch.int32)
     return g_idx
 
 
@@ -66,7 +66,7 @@ def test_unpack_inverts_packing():
 def test_gptq_matches_its_dequantization_formula(asym, act_order, v1):
     gs = 32
     codes, zeros, scales = random_grid(IN // gs, asym)
-    g_idx = act_order_g_idx(gs) if act_order else torch.arange(IN, dtype=torch.int32) // gs
+    g_idx = act_order_g_idx(IN, gs) if act_order else torch.arange(IN, dtype=torch.int32) // gs
     record = gptq_record("m", pack_gptq(codes, zeros, scales, g_idx, v1), OUT, IN, gs, v1)
     # AutoGPTQ's reader (qlinear_cuda.py, torch path): scales[g_idx] * (weight - zeros[g_idx]), in fp16
     g = g_idx.long()
@@ -103,7 +103,7 @@ def test_gptq_against_autogptq(asym, act_order):
     qlinear = _load_file_module("auto_gptq", "nn_modules/qlinear/qlinear_cuda.py")
     gs = 32
     codes, zeros, scales = random_grid(IN // gs, asym, seed=1)
-    g_idx = act_order_g_idx(gs, seed=1) if act_order else torch.arange(IN, dtype=torch.int32) // gs
+    g_idx = act_order_g_idx(IN, gs, seed=1) if act_order else torch.arange(IN, dtype=torch.int32) // gs
     g = g_idx.long()
     linear = nn.Linear(IN, OUT, bias=False)
     linear.weight.data = (codes - zeros[:, g]).float() * scales[:, g].float()
@@ -218,7 +218,8 @@ def test_malformed_tensors_are_one_clear_error():
 def test_record_with_g_idx_and_offsets_round_trips_and_refuses_the_kernels():
     codes, zeros, scales = random_grid(IN // 32, asym=True)
     offsets = torch.randn(OUT, IN // 32)
-    record = QuantizedWeight(codes.to(torch.uint8), scales, zeros.to(torch.uint8), 4, 32, act_order_g_idx(32), offsets)
+    record = QuantizedWeight(codes.to(torch.uint8), scales, zeros.to(torch.uint8), 4, 32, act_order_g_idx(IN, 32),
+                             offsets)
     again = QuantizedWeight.from_tensors(record.tensors("m"), "m", 4)
     assert torch.equal(again.dequantize(), record.dequantize())
     g = record.g_idx.long()

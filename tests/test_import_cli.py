@@ -1,0 +1,203 @@
+"""`spear import` end to end on tiny checkpoints: the artifact evaluates exactly as the format's own dequantized
+model, compensates against its --base, and a malformed checkpoint is one line, exit 2, nothing written."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_byte_tokenizer, make_tiny_llama
+from spear.artifact import load_artifact
+from spear.cli import main
+from spear.models import load_float_model
+from spear.models.layerwise import quantizable_linears
+from spear.quant.record import QuantConfig, rtn_quantize
+from test_import_formats import act_order_g_idx, pack_gptq
+
+EVAL_ARGS = ["--seqlen", "64", "--max-windows", "2", "--device", "cpu", "--json"]
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True,
+               "checkpoint_format": "gptq"}
+
+
+def run_cli(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_clean_error(rc, err, match):
+    assert rc == 2 and "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.startswith("spear:")]
+    assert len(lines) == 1 and match in lines[0], err
+
+
+def write_gptq_checkpoint(path, reference_path=None, quantization_config=GPTQ_CONFIG, drop=None, reshape=None):
+    """A tiny Llama as GPTQ v1 with act-order (every decoder linear), and optionally the float model holding
+    the weights AutoGPTQ's formula dequantizes them to (scales[g_idx] * (q - zeros[g_idx]), in float32)."""
+    model = make_tiny_llama()
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    for i, (name, linear) in enumerate(quantizable_linears(model).items()):
+        record = rtn_quantize(linear.weight, QuantConfig(group_size=32, sym_grid="gptq"))
+        g_idx = act_order_g_idx(linear.in_features, 32, seed=i)
+        codes, zeros, scales = record.codes.long(), record.zeros.long(), record.scales
+        packed = pack_gptq(codes, zeros, scales, g_idx)
+        del tensors[f"{name}.weight"]
+        tensors |= {f"{name}.{k[2:]}": v for k, v in packed.items()}
+        g = g_idx.long()
+        linear.weight.data = (codes - zeros[:, g]).float() * scales[:, g].float()
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1].clone()
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    config = model.config.to_dict() | {"quantization_config": quantization_config}
+    (path / "config.json").write_text(json.dumps(config))
+    make_byte_tokenizer().save_pretrained(path)
+    if reference_path is not None:
+        model.save_pretrained(reference_path)
+        make_byte_tokenizer().save_pretrained(reference_path)
+    return path
+
+
+def test_gptq_import_evaluates_as_its_dequantized_model_and_compensates(tiny_model_dir, tmp_path, capsys):
+    src = write_gptq_checkpoint(tmp_path / "gptq", reference_path=tmp_path / "dequantized")
+    art = tmp_path / "art"
+    rc, _, err = run_cli(capsys, "import", src, "--out", art, "--base", tiny_model_dir)
+    assert rc == 0, err
+    config = json.loads((art / "config.json").read_text())
+    assert config["quant"]["method"] == "gptq" and config["base_model"] == str(tiny_model_dir)
+
+    lm = load_artifact(art, torch.device("cpu"), torch.float32)
+    reference = load_float_model(str(tmp_path / "dequantized"), torch.device("cpu"), torch.float32)
+    ref_linears = quantizable_linears(reference.model)
+    for name, layer in quantizable_linears(lm.model).items():
+        assert layer.g_idx is not None  # act-order survives the artifact
+        assert torch.equal(layer.weight, ref_linears[name].weight)
+
+    _, out_art, _ = run_cli(capsys, "eval", art, *EVAL_ARGS)
+    _, out_ref, _ = run_cli(capsys, "eval", tmp_path / "dequantized", *EVAL_ARGS)
+    assert json.loads(out_art)["ppl"] == json.loads(out_ref)["ppl"]
+
+    rc, _, err = run_cli(capsys, "compensate", art, "--kind", "lorc", "--budget", "30%", "--calib-samples", "4",
+                         "--calib-len", "32", "--device", "cpu")
+    assert rc == 0, err
+    assert json.loads((art / "config.json").read_text())["ec_modules"]
+
+
+def test_compensating_an_import_without_base_exits_2(tmp_path, capsys):
+    src = write_gptq_checkpoint(tmp_path / "gptq")
+    assert run_cli(capsys, "import", src, "--out", tmp_path / "art")[0] == 0
+    rc, _, err = run_cli(capsys, "compensate", tmp_path / "art", "--device", "cpu")
+    assert_clean_error(rc, err, "imported without its float model")
+
+
+@pytest.mark.parametrize("case, match", [
+    ({"drop": "model.layers.0.mlp.up_proj.qzeros"}, "missing tensor model.layers.0.mlp.up_proj.qzeros"),
+    ({"drop": "model.norm.weight"}, "missing tensor model.norm.weight"),
+    ({"reshape": "model.layers.1.self_attn.q_proj.qweight"}, "q_proj.qweight has shape"),
+    ({"quantization_config": GPTQ_CONFIG | {"bits": 3}}, "3-bit gptq"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes'"),
+    ({"quantization_config": None}, "no quantization_config"),
+])
+def test_malformed_checkpoint_is_one_line_exit_2_nothing_written(case, match, tmp_path, capsys):
+    src = write_gptq_checkpoint(tmp_path / "bad", **case)
+    rc, _, err = run_cli(capsys, "import", src, "--out", tmp_path / "art")
+    assert_clean_error(rc, err, match)
+    assert not (tmp_path / "art").exists() and [p.name for p in tmp_path.iterdir()] == ["bad"]
+
+
+# --- GGUF ------------------------------------------------------------------------------------
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 256
+
+
+def write_gguf(path, kind: str, down_kind: str | None = None):
+    """A one-layer Llama GGUF whose linears are `kind` (Q4_K: random superblocks; else gguf.quants.quantize)."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from tokenizers import pre_tokenizers
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_vocab_size(VOCAB)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet())[:VOCAB])
+    w.add_token_scores([0.0] * VOCAB)
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def linear(rows, cols, k):
+        if k == "Q4_K":
+            b = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+            b[..., 0:4] = (rng.standard_normal((rows, cols // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+            return b.reshape(rows, -1)
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, T[k])
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(HIDDEN, np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+    kv = HIDDEN // HEADS * KV_HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    for name, (rows, cols) in shapes.items():
+        k = down_kind if name == "ffn_down" and down_kind else kind
+        w.add_tensor(f"blk.0.{name}.weight", linear(rows, cols, k), raw_dtype=T[k])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_import_matches_transformers_reading(kind, tmp_path, capsys):
+    """The import checks every layer against transformers' reading of the file (gguf.quants, q/k rows
+    un-permuted as transformers does) and refuses to write on any difference."""
+    src = write_gguf(tmp_path / "tiny.gguf", kind)
+    rc, _, err = run_cli(capsys, "import", src, "--out", tmp_path / "art")
+    assert rc == 0, err
+    config = json.loads((tmp_path / "art" / "config.json").read_text())
+    assert config["quant"]["gguf_types"] == [kind] and config["quant"]["group_size"] == 32
+
+
+def test_gguf_import_evaluates_as_the_gguf(tmp_path, capsys):
+    """Q4_K (two-level scales, float32 in the record): the artifact's perplexity is the GGUF's own, to the last bit."""
+    src = write_gguf(tmp_path / "tiny.gguf", "Q4_K")
+    assert run_cli(capsys, "import", src, "--out", tmp_path / "art")[0] == 0
+    _, out_art, _ = run_cli(capsys, "eval", tmp_path / "art", *EVAL_ARGS)
+    _, out_gguf, _ = run_cli(capsys, "eval", src, *EVAL_ARGS)
+    assert json.loads(out_art)["ppl"] == json.loads(out_gguf)["ppl"]
+
+
+def test_gguf_with_a_linear_of_another_type_is_refused(tmp_path, capsys):
+    src = write_gguf(tmp_path / "mixed.gguf", "Q4_0", down_kind="Q8_0")
+    rc, _, err = run_cli(capsys, "import", src, "--out", tmp_path / "art")
+    assert_clean_error(rc, err, "blk.0.ffn_down.weight is Q8_0")
+    assert not (tmp_path / "art").exists()
+
+
+def test_gguf_import_refuses_a_layer_that_differs_from_transformers_reading(tmp_path, monkeypatch):
+    """Without the q/k row order llama.cpp stores, attn_q differs from transformers' reading: refused, nothing written."""
+    from spear.errors import SpearError
+    from spear.quant import importer
+
+    src = write_gguf(tmp_path / "tiny.gguf", "Q4_0")
+    monkeypatch.setattr(importer, "_row_order", lambda processor, name, rows, names: torch.arange(rows))
+    with pytest.raises(SpearError, match=r"blk.0.attn_q.weight \(Q4_0\) does not dequantize to transformers' reading"):
+        importer.import_checkpoint(str(src), tmp_path / "art")
+    assert not (tmp_path / "art").exists()
