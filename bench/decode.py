@@ -33,25 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from common import copy_bandwidth, refuse_real_shapes_on_cpu, write_json
-from fixtures import random_model
+from shapes import MODELS
 
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.kernels.w4 import decode_tune_rows
-from spear.runtime.model import ModelArgs, Transformer
+from spear.runtime.model import Transformer, random_model
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
 from spear.runtime.tp import RowParallelLinear, launch
 from spear.runtime.tp_serve import StepChannel, follow, shard_for_serving
 
-MODELS = {
-    "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
-                           vocab=32000, max_seq_len=4096),
-    "llama3-8b": ModelArgs(dim=4096, intermediate=14336, n_heads=32, n_kv_heads=8, head_dim=128, n_layers=32,
-                           vocab=128256, rope_theta=500000.0, max_seq_len=8192),
-    "tiny": ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256),
-}
 EC_FRACTIONS = {"w4": 0.0, "w4+ec15": 0.15, "w4+ec38": 0.38, "w4+ec60": 0.60}
 
 

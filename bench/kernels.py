@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.nn.functional as F
 from common import copy_bandwidth, provenance, write_json
+from shapes import SHORT, linears
 
-from spear.layer import ErrorCompensator
+from spear.compensate.ec import ErrorCompensator
 from spear.kernels.pack import PackedEC, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.timing import time_in_graph as time_graph
@@ -39,12 +40,7 @@ from spear.kernels.w4 import (
 from spear.quant.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer
-MODELS = {
-    "7b": [("qkvo", 4096, 4096), ("gate_up", 11008, 4096), ("down", 4096, 11008)],
-    "8b": [("q_o", 4096, 4096), ("k_v", 1024, 4096), ("gate_up", 14336, 4096), ("down", 4096, 14336)],
-    "13b": [("qkvo", 5120, 5120), ("gate_up", 13824, 5120), ("down", 5120, 13824)],
-    "70b": [("q_o", 8192, 8192), ("k_v", 1024, 8192), ("gate_up", 28672, 8192), ("down", 8192, 28672)],
-}
+MODELS = {m: [(name, n, k) for name, (n, k) in linears(m).items()] for m in SHORT}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 RANKS = [16, 32, 64]
 L2_FLUSH_BYTES = 256 << 20  # weight bytes per timed graph: several times the H200's 50 MB L2
@@ -134,7 +130,7 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         for r, ec in ecs.items():
             us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec, x=x: w4_linear(x, w, ec) for w in w4s])
         # W4 and W4+EC32 again, alternating (W4, EC, W4, EC; the fastest of each): the arms above run in a fixed order
-        # after torch's int4 kernel, and in session 17 two readings of one kernel there differed by up to 3%, on a
+        # after torch's int4 kernel, and two readings of one kernel there have differed by up to 3% (c40eaf8), on a
         # target (W4+EC ≤ 1.05× W4) that leaves 5%
         paired = [time_graph([lambda w=w, x=x, ec=ec: w4_linear(x, w, ec) for w in w4s]) for ec in (None, ecs[32]) * 2]
         us["w4_paired"], us["w4_ec_r32_paired"] = min(paired[0::2]), min(paired[1::2])

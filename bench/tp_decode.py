@@ -41,23 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from common import refuse_real_shapes_on_cpu, write_json
-from fixtures import random_model
+from shapes import MODELS
 from torch.multiprocessing.spawn import ProcessException
 
 from spear.quant.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime import model as model_module
-from spear.runtime.model import ModelArgs, Transformer, use_kernels
+from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
 from spear.runtime.runner import DecodeGraph
 from spear.runtime.tp import CollectiveReduce, RowParallelLinear, apply_tp, launch, set_reduction
 
-MODELS = {
-    "llama2-7b": ModelArgs(dim=4096, intermediate=11008, n_heads=32, n_kv_heads=32, head_dim=128, n_layers=32,
-                           vocab=32000, max_seq_len=4096),
-    "llama2-13b": ModelArgs(dim=5120, intermediate=13824, n_heads=40, n_kv_heads=40, head_dim=128, n_layers=40,
-                            vocab=32000, max_seq_len=4096),
-    "tiny": ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256),
-}
 EC_FRACTION, EC_RANK = 0.38, 32
 BLOCK = 16
 

@@ -46,8 +46,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
-from spear.layer import ErrorCompensator, SpearLinear
+from spear.layer import SpearLinear
 
 TEACHER_MODES = ("online", "topk")
 SCHEDULES = ("cosine", "constant")

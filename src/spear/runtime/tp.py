@@ -57,10 +57,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, pow2_at_least_16
-from spear.layer import ErrorCompensator, SpearLinear
+from spear.layer import SpearLinear
 from spear.quant.record import QuantizedWeight
 from spear.runtime.model import Transformer
 
