@@ -14,7 +14,7 @@ from spear.cli import main
 from spear.models import load_float_model
 from spear.models.layerwise import quantizable_linears
 from spear.quant.record import QuantConfig, rtn_quantize
-from test_import_formats import act_order_g_idx, pack_gptq
+from test_import_formats import act_order_g_idx, pack_gptq, pack_words
 
 EVAL_ARGS = ["--seqlen", "64", "--max-windows", "2", "--device", "cpu", "--json"]
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True,
@@ -109,6 +109,64 @@ def test_malformed_checkpoint_is_one_line_exit_2_nothing_written(case, match, tm
     assert not (tmp_path / "art").exists() and [p.name for p in tmp_path.iterdir()] == ["bad"]
 
 
+def write_awq_or_compressed_tensors(path, fmt: str) -> dict[str, torch.Tensor]:
+    """A tiny Llama as AWQ GEMM (packed here in AutoAWQ's order) or compressed-tensors pack-quantized (written by
+    the library, asymmetric, bf16 scales); returns the weights the format's reader dequantizes each linear to."""
+    from spear.quant.formats import AWQ_SHIFT_OF_COLUMN
+
+    model = make_tiny_llama()
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    expected = {}
+    for name, linear in quantizable_linears(model).items():
+        record = rtn_quantize(linear.weight, QuantConfig(group_size=32, sym=False))
+        codes, zeros, scales = record.codes.long(), record.zeros.long(), record.scales
+        del tensors[f"{name}.weight"]
+        if fmt == "awq":
+            tensors |= {f"{name}.qweight": pack_words(codes.t(), AWQ_SHIFT_OF_COLUMN),
+                        f"{name}.qzeros": pack_words(zeros.t(), AWQ_SHIFT_OF_COLUMN), f"{name}.scales": scales.t()}
+            expected[name] = record.dequantize(torch.float16)
+        else:
+            from compressed_tensors.compressors import PackedQuantizationCompressor
+
+            state = {"weight": record.dequantize(torch.bfloat16), "weight_scale": scales.bfloat16(),
+                     "weight_zero_point": (zeros - 8).to(torch.int8)}
+            compressed = PackedQuantizationCompressor.compress(state, ct_scheme())
+            tensors |= {f"{name}.{k}": v for k, v in compressed.items()}
+            expected[name] = PackedQuantizationCompressor.decompress(compressed, ct_scheme())["weight"]
+    if fmt == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    else:
+        from compressed_tensors.quantization import QuantizationConfig
+
+        qc = QuantizationConfig(config_groups={"group_0": ct_scheme()}, format="pack-quantized",
+                                quant_method="compressed-tensors").model_dump(mode="json")
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(model.config.to_dict() | {"quantization_config": qc}))
+    make_byte_tokenizer().save_pretrained(path)
+    return expected
+
+
+def ct_scheme():
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
+    return QuantizationScheme(targets=["Linear"], weights=args)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
+def test_awq_and_compressed_tensors_import(fmt, tmp_path, capsys):
+    if fmt == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+    expected = write_awq_or_compressed_tensors(tmp_path / fmt, fmt)
+    rc, _, err = run_cli(capsys, "import", tmp_path / fmt, "--out", tmp_path / "art")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "art" / "config.json").read_text())["quant"]["method"] == fmt
+    lm = load_artifact(tmp_path / "art", torch.device("cpu"), torch.float32)
+    for name, layer in quantizable_linears(lm.model).items():
+        assert torch.equal(layer.qweight.dequantize(expected[name].dtype), expected[name])
+
+
 # --- GGUF ------------------------------------------------------------------------------------
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 256
@@ -192,7 +250,7 @@ def test_gguf_with_a_linear_of_another_type_is_refused(tmp_path, capsys):
 
 
 def test_gguf_import_refuses_a_layer_that_differs_from_transformers_reading(tmp_path, monkeypatch):
-    """Without the q/k row order llama.cpp stores, attn_q differs from transformers' reading: refused, nothing written."""
+    """Without the q/k row order llama.cpp stores, attn_q differs from transformers' reading: refused, none written."""
     from spear.errors import SpearError
     from spear.quant import importer
 

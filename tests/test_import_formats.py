@@ -227,3 +227,13 @@ def test_record_with_g_idx_and_offsets_round_trips_and_refuses_the_kernels():
     assert torch.equal(record.dequantize(), expected)
     with pytest.raises(SpearError, match="g_idx, offsets or float32 scales"):
         pack_w4(record)
+
+
+def test_tensor_parallelism_refuses_to_split_an_imported_record():
+    from spear.layer import SpearLinear
+    from spear.runtime.tp import RowParallelLinear
+
+    codes, zeros, scales = random_grid(IN // 32, asym=True)
+    record = QuantizedWeight(codes.to(torch.uint8), scales, zeros.to(torch.uint8), 4, 32, act_order_g_idx(IN, 32))
+    with pytest.raises(SpearError, match="cannot be split yet"):
+        RowParallelLinear(SpearLinear(record), rank=0, world=2)

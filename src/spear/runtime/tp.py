@@ -57,11 +57,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, pow2_at_least_16
-from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.record import QuantizedWeight
 from spear.runtime.model import Transformer
 
@@ -70,6 +69,14 @@ TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVS
 
 Reduction = Literal["collective", "symmetric", "p2p"]
 GRACE_SECONDS = 10  # after one rank fails, how long the others may take to end by themselves before SIGTERM
+
+
+def _shardable(lin: SpearLinear) -> QuantizedWeight:
+    """The layer's record, where sharding rows or columns of codes, scales and zeros shards the weight."""
+    if not lin.qweight.standard_form:
+        raise SpearError("tensor parallelism splits (q - z) * s records; an imported layer with g_idx, offsets or "
+                         "float32 scales cannot be split yet: serve it with --tp 1")
+    return lin.qweight
 
 
 def _rows(t: torch.Tensor | None, rank: int, world: int) -> torch.Tensor | None:
@@ -100,7 +107,7 @@ def column_shard(lin: nn.Module, rank: int, world: int) -> nn.Module:
         shard.weight = _param(_rows(lin.weight, rank, world))
         shard.bias = None if lin.bias is None else _param(_rows(lin.bias, rank, world))
         return shard
-    q = lin.qweight
+    q = _shardable(lin)
     record = QuantizedWeight(_rows(q.codes, rank, world), _rows(q.scales, rank, world), _rows(q.zeros, rank, world),
                              q.bits, q.group_size)
     shard = SpearLinear(record, _rows(lin.bias, rank, world), lin.weight_hat.dtype)
@@ -291,7 +298,7 @@ class RowParallelLinear(nn.Module):
             self.base = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
             self.base.weight = _param(_cols(lin.weight.detach(), rank, world))
         else:
-            q = lin.qweight
+            q = _shardable(lin)
             if q.group_size != lin.in_features and self.in_features % q.group_size:
                 raise SpearError(f"quantization groups of {q.group_size} do not align with the {world}-way split "
                                  f"of {lin.in_features} inputs; use a group size that divides {self.in_features}")
