@@ -28,7 +28,7 @@ import spear.compensate.init as ec_init  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import gate_spread  # noqa: E402
-from spear.compensate.ec import ErrorCompensator  # noqa: E402
+from spear.layer import ErrorCompensator  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402

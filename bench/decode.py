@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 from common import copy_bandwidth, refuse_real_shapes_on_cpu, write_json
 from shapes import MODELS
+from fixtures import random_model
 
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.kernels.w4 import decode_tune_rows
-from spear.runtime.model import Transformer, random_model
+from spear.runtime.model import Transformer
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
 from spear.runtime.tp import RowParallelLinear, launch

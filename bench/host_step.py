@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from common import write_json
+from fixtures import random_model
 from decode import NoText
 
 from spear.runtime.engine import Engine, EngineConfig, make_runner
-from spear.runtime.model import ModelArgs, random_model
+from spear.runtime.model import ModelArgs
 from spear.runtime.requests import SamplingParams
 
 VOCAB = 256  # the logits' width: argmax cost stays out of the host time

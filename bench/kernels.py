@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from common import copy_bandwidth, provenance, write_json
 from shapes import SHORT, linears
 
-from spear.compensate.ec import ErrorCompensator
+from spear.layer import ErrorCompensator
 from spear.kernels.pack import PackedEC, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.timing import time_in_graph as time_graph

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from common import write_json
 from decode import EC_FRACTIONS, MODELS, NoText
+from fixtures import random_model
 
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
-from spear.runtime.model import random_model
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
 

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 from common import refuse_real_shapes_on_cpu, write_json
 from decode import MODELS, NoText, synchronize
+from fixtures import random_model
 from serve import RequestRecord, percentiles, sample_lengths, summarize
 
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.runtime.latency import default_grid, profile
-from spear.runtime.model import random_model
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
 from spear.runtime.slo import SLOPolicy

@@ -42,12 +42,13 @@ import torch
 import torch.distributed as dist
 from common import refuse_real_shapes_on_cpu, write_json
 from shapes import MODELS
+from fixtures import random_model
 from torch.multiprocessing.spawn import ProcessException
 
 from spear.quant.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime import model as model_module
-from spear.runtime.model import ModelArgs, Transformer, random_model, use_kernels
+from spear.runtime.model import ModelArgs, Transformer, use_kernels
 from spear.runtime.runner import DecodeGraph
 from spear.runtime.tp import CollectiveReduce, RowParallelLinear, apply_tp, launch, set_reduction
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,9 @@ if not torch.cuda.is_available():
 
 # One spear cache for the whole test session, never the user's ~/.cache/spear.
 os.environ.setdefault("SPEAR_CACHE", tempfile.mkdtemp(prefix="spear-test-cache-"))
+
+# bench/ importable as the benchmark scripts see it (fixtures.random_model: runtime models with random weights).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
 def make_tiny_llama(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = 256):

@@ -20,9 +20,8 @@ from spear.compensate.calibrate import (
     mean_kl,
     teacher_topk,
 )
-from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
-from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.pipeline import QuantSettings, quantize_model
 from spear.quant.record import QuantConfig
 

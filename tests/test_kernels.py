@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.kernels import tune_cache as tune_cache_module
 from spear.kernels import w4 as w4_module
@@ -33,7 +32,7 @@ from spear.kernels.w4 import (
     w4_prefill,
     w4_prefill_fused,
 )
-from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -185,7 +184,7 @@ def test_folded_norm_matches_add_rms_norm_between_two_launches(with_ec, gen):
     the consumer's output (plain or SwiGLU) against ops.add_rms_norm between two reference layers; every main
     loop (fp16x2 word chains at one row, float32 GEMV, tensor-core dots) and split-K on both sides."""
     from spear.kernels.w4 import w4_decode_add_norm
-    from spear.runtime.ops import add_rms_norm_ref
+    from spear.kernels.ops import add_rms_norm_ref
 
     k, n, n2 = 256, 192, 128
     producer = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
@@ -694,7 +693,7 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
 def test_pdl_chain_in_a_graph_matches_serial_launches(gen, monkeypatch):
     """A chain of dependent launches (W4, norm, W4+EC with SiLU·up, W4+EC), each reading the one before, captured in a
     CUDA graph and replayed many times with PDL: every replay gives the bits of the same chain launched without it."""
-    from spear.runtime.ops import add_rms_norm
+    from spear.kernels.ops import add_rms_norm
 
     k = 576
     up = pack_w4(random_w4(2 * 1536, k, -1, gen)).to(DEVICE)

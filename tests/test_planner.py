@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spear.compensate.cka import ModuleDamage, SensitivityTable
-from spear.compensate.ec import ErrorCompensator
+from spear.layer import ErrorCompensator
 from spear.compensate.planner import (
     Plan,
     PlannerConfig,

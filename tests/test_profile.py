@@ -7,12 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fixtures import random_model
 
 from spear.cli import main
 from spear.quant.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.runtime.latency import TABLE_FILE, LatencyTable, profile
-from spear.runtime.model import ModelArgs, random_model
+from spear.runtime.model import ModelArgs
 from spear.server.launch import serving_table
 
 TINY = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, vocab=256, max_seq_len=256)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import random_model
 from test_kernels import DEVICE, SEED, assert_close, random_ec
 
 from spear.errors import SpearError
@@ -18,7 +19,7 @@ from spear.kernels.w4 import w4_linear
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
-from spear.runtime.model import FusedLinear, ModelArgs, fuse_projections, random_model
+from spear.runtime.model import FusedLinear, ModelArgs, fuse_projections
 
 K = 128
 SIZES = [128, 64, 64]  # q, k, v-like: out sizes must be multiples of 64

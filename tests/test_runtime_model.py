@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_llama
+from fixtures import random_model
 
 from spear.errors import SpearError
-from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.pipeline import QuantSettings, quantize_model
 from spear.quant.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
@@ -15,7 +16,6 @@ from spear.runtime.model import (
     ModelArgs,
     Transformer,
     build_runtime_model,
-    random_model,
 )
 
 CPU = torch.device("cpu")
@@ -56,7 +56,6 @@ def test_tiny_llama_matches_transformers():
 
 def test_quantized_with_ecs_reuses_spear_linears_and_matches(tiny_model_dir):
     from spear.api import load
-    from spear.compensate.ec import ErrorCompensator
 
     hf = load(str(tiny_model_dir), CPU, torch.float32).model
     quantize_model(hf, QuantSettings("rtn", QuantConfig(4, -1)))

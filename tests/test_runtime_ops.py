@@ -10,11 +10,12 @@ import os
 
 import pytest
 import torch
+from fixtures import random_model
 
 from spear.runtime import model as model_module
-from spear.runtime import ops
+from spear.kernels import ops
 from spear.runtime.kv_cache import NULL_BLOCK, Batch, Chunk, KVCache
-from spear.runtime.model import ModelArgs, random_model, rope_inv_freq
+from spear.runtime.model import ModelArgs, rope_inv_freq
 
 SEED = int.from_bytes(os.urandom(4), "little")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures import random_model
 
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.quant.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
-from spear.runtime.model import ModelArgs, Transformer, random_model
+from spear.runtime.model import ModelArgs, Transformer
 from spear.runtime.tp import RowParallelLinear, apply_tp, launch, set_reduction
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +203,7 @@ def test_p2p_epilogue_folds_the_next_norm_on_both_ranks():
     """PeerReduce.receive_add_norm (the p2p epilogue with the next add + RMSNorm folded in, kernels.norm_fold): two
     simulated ranks (TRITON_INTERPRET) give the same h, h ⊙ w and Σ h² partials bit for bit, and h and the norm
     they imply match ops.add_rms_norm over the unsharded layer's output."""
-    from spear.runtime.ops import add_rms_norm_ref
+    from spear.kernels.ops import add_rms_norm_ref
     from spear.runtime.tp import PEER_BLOCK_N
 
     args = ModelArgs(dim=192, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=48, n_layers=1, vocab=64)

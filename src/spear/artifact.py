@@ -20,9 +20,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
-from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, _first_line, default_device, default_dtype
 from spear.quant.record import QuantizedWeight, fp16_if_exact

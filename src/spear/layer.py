@@ -1,12 +1,19 @@
-"""The one shared abstraction: a linear layer with a quantized weight and an optional EC.
+"""The one shared abstraction: a linear layer with a quantized weight and an optional error compensator (EC).
 
-    y = dequant(Q) x + bias + alpha * B (gamma(A x) ⊙ A x)
+    y = dequant(Q) x + bias + ec(x),    ec(x) = alpha * B (gamma(A x) ⊙ A x),    gamma(u) = 1 + tanh(MLP(u))
+
+The EC: A r×in, B out×r, MLP r → h → r with its last layer zero-initialised, so gamma ≡ 1 at the
+start and the EC begins as the static correction alpha * B A x. Without a gate (gate_hidden 0) the
+EC *is* a static low-rank correction (LoRC / LQER / QERA).
 
 The PyTorch backend (the specification) keeps the dequantized weight as a non-persistent
 buffer in the compute dtype, so forward is one matmul plus the EC branch; the codes, scales
 and zeros stay the source of truth. For inference on CUDA, `use_kernels()` packs the weight
 (and a snapshot of the EC) for the Triton W4A16 kernels (spear.kernels.w4): fp16 inputs
 then take the kernels, with the decode or prefill path picked by the number of rows.
+
+This module is the bottom of the model stack: quantizers, compensators, kernels and the runtime
+all import it; it imports only the quantized-weight record and (when packing) the kernels.
 """
 
 from __future__ import annotations
@@ -15,8 +22,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spear.compensate.ec import ErrorCompensator
 from spear.quant.record import QuantizedWeight
+
+
+class ErrorCompensator(nn.Module):
+    def __init__(self, in_features: int, out_features: int, rank: int, gate_hidden: int = 0, alpha: float = 1.0):
+        super().__init__()
+        self.rank = rank
+        self.A = nn.Parameter(torch.zeros(rank, in_features))
+        self.B = nn.Parameter(torch.zeros(out_features, rank))
+        self.alpha = nn.Parameter(torch.tensor(float(alpha)))
+        self.gate: nn.Sequential | None = None
+        if gate_hidden > 0:
+            self.gate = nn.Sequential(nn.Linear(rank, gate_hidden), nn.SiLU(), nn.Linear(gate_hidden, rank))
+            nn.init.zeros_(self.gate[2].weight)
+            nn.init.zeros_(self.gate[2].bias)
+
+    @property
+    def gate_hidden(self) -> int:
+        return 0 if self.gate is None else self.gate[0].out_features
+
+    def gamma(self, u: torch.Tensor) -> torch.Tensor:
+        """The gate gamma(u) = 1 + tanh(MLP(u)) for rank-space activations u [..., r] (ones without a gate)."""
+        if self.gate is None:
+            return torch.ones_like(u)
+        return 1 + torch.tanh(self.gate.to(u.dtype)(u))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = x @ self.A.to(x.dtype).t()  # [..., r]
+        if self.gate is not None:
+            u = u * self.gamma(u)  # gamma(u) ⊙ u
+        return self.alpha.to(x.dtype) * (u @ self.B.to(x.dtype).t())
+
+    def nbytes(self, bytes_per_param: int = 2) -> int:
+        """Bytes as served in fp16: A, B, the gate MLP and alpha."""
+        return sum(p.numel() for p in self.parameters()) * bytes_per_param
 
 
 class SpearLinear(nn.Module):

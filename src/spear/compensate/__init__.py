@@ -1,10 +1,10 @@
-"""Error compensators: the EC module, closed-form inits, CKA sensitivity, planner, calibration."""
+"""Error compensators: closed-form inits, CKA sensitivity, planner, calibration (the EC module is spear.layer's)."""
 
 from spear.compensate.cka import SensitivityConfig, SensitivityTable, linear_cka, module_sensitivity
-from spear.compensate.ec import ErrorCompensator
 from spear.compensate.init import attach_ec, init_ec
 from spear.compensate.planner import BytesCost, CostModel, Plan, PlannerConfig, plan_ecs
 from spear.compensate.stats import InputStats, collect_input_stats
+from spear.layer import ErrorCompensator
 
 __all__ = [
     "BytesCost", "CostModel", "ErrorCompensator", "InputStats", "Plan", "PlannerConfig", "SensitivityConfig",

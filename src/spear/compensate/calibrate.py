@@ -46,9 +46,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
-from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 
 TEACHER_MODES = ("online", "topk")
 SCHEDULES = ("cosine", "constant")

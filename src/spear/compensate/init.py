@@ -16,16 +16,12 @@ and the rank-space activations A x have second moment Σ_r under QERA.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from spear.compensate.ec import ErrorCompensator
 from spear.compensate.stats import InputStats
 from spear.errors import SpearError
-
-if TYPE_CHECKING:  # spear.layer imports spear.compensate
-    from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 
 KINDS = ("lorc", "lqer", "qera")
 LQER_SCALE_MIN = 1e-4  # clamp of E|x| before normalising, as in the LQER reference code

@@ -223,8 +223,8 @@ def variants() -> dict[str, tuple]:
                                       "res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32},
                                      dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
                                           BLOCK_H=16, ADD_NORM=True), 4)
-    # decode attention (runtime.ops), rows alone or tiled
-    from spear.runtime import ops
+    # decode attention (kernels.ops), rows alone or tiled
+    from spear.kernels import ops
 
     attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")},
                       **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},

@@ -26,12 +26,15 @@ the ECs go block-diagonal.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.quant.record import QuantizedWeight
+
+if TYPE_CHECKING:  # spear.layer packs through this module: it sits above the kernels
+    from spear.layer import ErrorCompensator
 
 BLOCK = 128  # columns per packed block
 

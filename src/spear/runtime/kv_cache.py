@@ -5,7 +5,7 @@ A sequence's token at position p lives in block `table[p // block_size]` at offs
 block: never allocated, it is where padding rows (CUDA-graph buckets) write and what
 padded block-table entries point at, so padding never touches a live sequence.
 
-The new K/V reach their slots through spear.runtime.ops.rope_write_kv (with RoPE). Attention
+The new K/V reach their slots through spear.kernels.ops.rope_write_kv (with RoPE). Attention
 splits a step's chunks once, when the Batch is built: every one-token chunk (a decode, or a
 one-token prefill piece: the same query) takes ops.paged_decode_attention (a Triton
 flash-decoding kernel on CUDA) over its own block table, with no gather; the longer chunks
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spear.errors import SpearError
-from spear.runtime.ops import paged_decode_attention
+from spear.kernels.ops import paged_decode_attention
 
 NULL_BLOCK = 0
 

@@ -2,11 +2,11 @@
 
 Activations are flat over the step's tokens ([T, dim]), so the linear layers see only
 real tokens; attention regroups them per sequence (kv_cache.paged_attention). Between the
-linears run the fused ops of spear.runtime.ops (Triton on CUDA): add + RMSNorm, RoPE + KV
+linears run the fused ops of spear.kernels.ops (Triton on CUDA): add + RMSNorm, RoPE + KV
 write, decode attention, SiLU * up. The residual stream is carried beside the sub-layers'
 outputs, vLLM-style: each norm first adds the previous sub-layer's output to it.
 `build_runtime_model` reuses a transformers model's modules (SpearLinear layers stay the
-same objects, ECs included); `random_model` builds one of a real shape for benchmarks.
+same objects, ECs included); bench/fixtures.py builds one of a real shape with random weights.
 On CUDA, q/k/v and gate/up each run as one launch: a W4 launch once packed for the kernels (FusedLinear), one
 cuBLAS GEMM over the stacked weights where they are float (FusedDenseLinear), as gpt-fast's fp16 model does.
 """
@@ -21,15 +21,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.compensate.ec import ErrorCompensator
 from spear.errors import SpearError
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
 from spear.layer import SpearLinear
-from spear.quant.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
-from spear.runtime.ops import add_rms_norm, rope_write_kv, silu_mul
+from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 
 # silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
 # launch a layer fewer. Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused, 2.40 / 4.31 not
@@ -513,68 +511,3 @@ def use_dense_kernels(model: Transformer, tune: bool = True) -> int:
         for m in tqdm(weights.values(), desc="tuning the fp16 GEMV", unit="shape", leave=False):
             tune_gemv(m.weight, m.bias)
     return count
-
-
-@torch.no_grad()
-def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction: float = 0.0, rank: int = 32,
-                 dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", seed: int = 0,
-                 kernels: bool = True, tune_rows: tuple[int, ...] | None = None) -> Transformer:
-    """Random weights (~N(0, 1/in)) in the shapes of `args`, generated on `device`.
-
-    With `quant`, every decoder linear is RTN-quantized to a SpearLinear; gated ECs
-    (gate_hidden 8) of rank `rank` with random factors go on `ec_fraction` of them,
-    spread evenly over the depth. With `kernels` (on CUDA) the 4-bit linears are packed for the
-    Triton kernels and their dense copies freed (their configs tuned at `tune_rows`, use_kernels); pass False to
-    shard the model (tp.apply_tp) first.
-    """
-    device = torch.device(device)
-    gen = torch.Generator(device).manual_seed(seed)
-
-    def randn(*shape: int, std: float) -> nn.Parameter:
-        return nn.Parameter(torch.randn(shape, generator=gen, device=device, dtype=dtype) * std, requires_grad=False)
-
-    def float_linear(in_f: int, out_f: int, bias: bool = False) -> nn.Linear:
-        lin = nn.Linear(in_f, out_f, bias=bias, device="meta")
-        lin.weight = randn(out_f, in_f, std=in_f**-0.5)
-        lin.bias = randn(out_f, std=0.02) if bias else None
-        return lin
-
-    def linear(in_f: int, out_f: int, bias: bool = False) -> nn.Module:
-        lin = float_linear(in_f, out_f, bias)
-        return lin if quant is None else SpearLinear(rtn_quantize(lin.weight, quant), lin.bias, dtype)
-
-    def norm() -> RMSNorm:
-        return RMSNorm(nn.Parameter(torch.ones(args.dim, device=device, dtype=dtype), requires_grad=False), args.norm_eps)
-
-    q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    layers = []
-    for _ in range(args.n_layers):
-        attention = Attention(args, linear(args.dim, q_out, args.attention_bias), linear(args.dim, kv_out, args.attention_bias),
-                              linear(args.dim, kv_out, args.attention_bias), linear(q_out, args.dim))
-        ffn = FeedForward(linear(args.dim, args.intermediate), linear(args.dim, args.intermediate),
-                          linear(args.intermediate, args.dim))
-        layers.append(Block(attention, ffn, norm(), norm()))
-
-    embed = nn.Embedding(args.vocab, args.dim, _weight=randn(args.vocab, args.dim, std=1.0), _freeze=True)
-    head = float_linear(args.dim, args.vocab)
-    if args.tie_embeddings:
-        head.weight = embed.weight
-    model = Transformer(args, embed, layers, norm(), head).eval()
-    if quant is not None and ec_fraction > 0:
-        spear_linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
-        for i, lin in enumerate(spear_linears):
-            if math.floor((i + 1) * ec_fraction) > math.floor(i * ec_fraction):  # evenly spread, floor(n * fraction) in all
-                lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn)
-    if kernels:
-        use_kernels(model, drop_dense=True, tune_rows=tune_rows)
-    return model
-
-
-def _random_ec(in_f: int, out_f: int, rank: int, randn) -> ErrorCompensator:
-    ec = ErrorCompensator(in_f, out_f, rank, gate_hidden=8)
-    ec.A, ec.B = randn(rank, in_f, std=in_f**-0.5), randn(out_f, rank, std=0.01 * rank**-0.5)
-    ec.alpha = nn.Parameter(torch.ones((), dtype=ec.A.dtype, device=ec.A.device), requires_grad=False)
-    for layer in (ec.gate[0], ec.gate[2]):
-        layer.weight = randn(*layer.weight.shape, std=layer.in_features**-0.5)
-        layer.bias = randn(*layer.bias.shape, std=0.01)
-    return ec

@@ -26,7 +26,7 @@ import torch
 from spear.errors import SpearError
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv, paged_attention
 from spear.runtime.model import Transformer
-from spear.runtime.ops import attention_tile_rows
+from spear.kernels.ops import attention_tile_rows
 
 
 class DecodeGraph:

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the runtime model's non-linear work, each beside its PyTorch reference.
+"""Fused Triton kernels for the runtime model's non-linear work (spear.runtime.model), each beside its PyTorch reference.
 
 A decode step of a 7B model is mostly small kernels between the W4 linears; in plain PyTorch
 each layer launches ~40 of them. Fused here, one launch each:
