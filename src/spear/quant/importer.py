@@ -10,6 +10,10 @@ against transformers' own reading of the file (gguf.quants) before anything is w
 The float model the checkpoint was quantized from is not in it: `base` names it (an HF directory
 or GGUF), the teacher of `spear compensate`; without it the artifact evaluates and serves but
 cannot be compensated.
+
+A command of its own (`spear import`), not an option of `spear quantize`: none of quantize's settings
+(method, bits, group size, grid, calibration) apply, the checkpoint fixes them all, as `vllm serve`
+reads them from the checkpoint rather than from flags.
 """
 
 from __future__ import annotations
@@ -58,7 +62,10 @@ def import_checkpoint(src: str, out_dir: str | Path, base: str | None = None) ->
 def _read_hf_dir(path: Path, src: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpearError(f"cannot read the config of {src}: {_first_line(e)}") from None
     qc = config.pop("quantization_config", None)
     if not isinstance(qc, dict):
         raise SpearError(f"{src} has no quantization_config: not a pre-quantized checkpoint (use spear quantize)")
@@ -172,7 +179,8 @@ def _read_gguf(path: Path, src: str):
     lm = load_float_model(str(path), torch.device("cpu"), torch.float32)  # transformers' reading: the reference
     model = lm.model
     reader = gguf.GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    field = reader.fields.get("general.architecture")
+    arch = "" if field is None else bytes(field.parts[-1]).decode()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
     hf_names = get_gguf_hf_weights_map(model, processor)
     linears = quantizable_linears(model)
