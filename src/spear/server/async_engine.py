@@ -113,11 +113,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: SyncEngine, max_waiting: int = 256):
+    """`fatal_step_errors`: a failed step stops the engine (under tensor parallelism the ranks are then out of step:
+    a rank died, say); every request fails and later ones get 503. Otherwise only the step's requests fail."""
+
+    def __init__(self, engine: SyncEngine, max_waiting: int = 256, fatal_step_errors: bool = False):
         if max_waiting < 1:
             raise SpearError(f"max_waiting must be at least 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.fatal_step_errors = fatal_step_errors
         self._cond = threading.Condition()
         self._adds: list[_Add] = []  # inbox, guarded by _cond
         self._aborts: list[str] = []
@@ -125,6 +129,7 @@ class AsyncEngine:
         self._in_engine: set[str] = set()  # ids the engine holds; engine thread only
         self._stats = EngineStats(kv_blocks_total=engine.kv_blocks_total)
         self._stopping = False
+        self._stop_reason = "the server is shutting down"
         self._thread = threading.Thread(target=self._run, name="spear-engine", daemon=True)
 
     @property
@@ -150,7 +155,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
             if self._stopping or not self._thread.is_alive():
-                raise EngineDeadError("the engine is not running")
+                raise EngineDeadError(self._stop_reason if self._stopping else "the engine is not running")
             if self._really_waiting() >= self.max_waiting:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
             if request_id in self._sinks:
@@ -177,6 +182,13 @@ class AsyncEngine:
     # --- the engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # however the thread ends (shutdown, a fatal step, SystemExit: a rank gone), no request waits on
+            self._stopping = True
+            self._fail_all(EngineDeadError(self._stop_reason))
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished()):
@@ -190,11 +202,13 @@ class AsyncEngine:
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
                 self._publish_stats()  # before the outputs: a client never sees stats older than its tokens
                 self._deliver(outputs)
-            except Exception:  # a bug in a step: fail every live request, keep serving
+            except Exception:  # a bug in a step: fail every live request, keep serving (unless fatal)
                 log.exception("engine step failed")
+                if self.fatal_step_errors:
+                    self._stop_reason = "the engine stopped after a failed step; the server is stopping"
+                    return
                 self._fail_all(EngineDeadError(REQUEST_FAILED))
                 self._publish_stats()
-        self._fail_all(EngineDeadError("the engine shut down"))
 
     def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
         for request_id in aborts:

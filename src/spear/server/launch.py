@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import signal
@@ -12,11 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
 import torch
+import uvicorn
 
 from spear.errors import SpearError
 from spear.server.guard import GuardConfig, raise_open_file_limit, uvicorn_config
 
 if TYPE_CHECKING:
+    from spear.server.async_engine import AsyncEngine
     from spear.runtime.engine import Engine, EngineConfig
     from spear.runtime.latency import LatencyTable
     from spear.runtime.tp_serve import StepChannel
@@ -59,16 +62,36 @@ def serve(spec: str, config: ServeConfig, device: torch.device | None = None) ->
     if config.tp == 1:
         _serve(spec, config, device)
         return
+    from torch.multiprocessing import ProcessExitedException
+
     from spear.runtime.tp import launch
 
     cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
-    launch(_serve_rank, config.tp, spec, config, cuda, cuda=cuda)
+    try:
+        launch(_serve_rank, config.tp, spec, config, cuda, cuda=cuda)
+    except ProcessExitedException as e:  # a rank killed or crashed: rank 0 answered 503 and stopped
+        raise SpearError(f"the server stopped: tensor-parallel {e}") from None
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn's server bound to the engine's life: a signal stops the engine first, so that requests in flight end
+    at once with an error (an error event in a stream) rather than holding the exit; and the server exits by itself
+    when the engine has stopped (a failed tensor-parallel step)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def on_tick(self, counter: int) -> bool:
+        return await super().on_tick(counter) or not self.engine.is_running()
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+        await super().shutdown(sockets)
 
 
 def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel: StepChannel | None = None) -> None:
     """Serve on this process; with a `channel`, as rank 0 of a tensor-parallel group."""
-    import uvicorn
-
     from spear import api
     from spear.runtime.engine import build_engine
     from spear.runtime.slo import SLOPolicy
@@ -91,12 +114,13 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
             if (warning := slo_warning(table, config.itl_slo_ms, config.max_num_seqs)) is not None:
                 print(warning, file=sys.stderr, flush=True)
             engine.policy = SLOPolicy(table, config.itl_slo_ms, max_chunk=config.chunk_tokens)
-        app = build_app(AsyncEngine(engine, config.max_waiting), tokenizer, spec, engine.max_model_len)
+        async_engine = AsyncEngine(engine, config.max_waiting, fatal_step_errors=channel is not None)
+        app = build_app(async_engine, tokenizer, spec, engine.max_model_len)
         host, port = sock.getsockname()[:2]
         tp = "" if channel is None else f", tensor parallel over {config.tp} ranks"
         print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens{tp})", flush=True)
         raise_open_file_limit()
-        uvicorn.Server(uvicorn_config(app, config.host, config.http, log_level="info")).run(sockets=[sock])
+        EngineServer(uvicorn_config(app, config.host, config.http, log_level="info"), async_engine).run(sockets=[sock])
     finally:
         sock.close()
 
