@@ -109,16 +109,16 @@ def test_malformed_checkpoint_is_one_line_exit_2_nothing_written(case, match, tm
     assert not (tmp_path / "art").exists() and [p.name for p in tmp_path.iterdir()] == ["bad"]
 
 
-def write_awq_or_compressed_tensors(path, fmt: str) -> dict[str, torch.Tensor]:
+def write_awq_or_compressed_tensors(path, fmt: str, sym: bool = False) -> dict[str, torch.Tensor]:
     """A tiny Llama as AWQ GEMM (packed here in AutoAWQ's order) or compressed-tensors pack-quantized (written by
-    the library, asymmetric, bf16 scales); returns the weights the format's reader dequantizes each linear to."""
+    the library, bf16 scales); returns the weights the format's reader dequantizes each linear to."""
     from spear.quant.formats import AWQ_SHIFT_OF_COLUMN
 
     model = make_tiny_llama()
     tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     expected = {}
     for name, linear in quantizable_linears(model).items():
-        record = rtn_quantize(linear.weight, QuantConfig(group_size=32, sym=False))
+        record = rtn_quantize(linear.weight, QuantConfig(group_size=32, sym=sym))
         codes, zeros, scales = record.codes.long(), record.zeros.long(), record.scales
         del tensors[f"{name}.weight"]
         if fmt == "awq":
@@ -130,15 +130,15 @@ def write_awq_or_compressed_tensors(path, fmt: str) -> dict[str, torch.Tensor]:
 
             state = {"weight": record.dequantize(torch.bfloat16), "weight_scale": scales.bfloat16(),
                      "weight_zero_point": (zeros - 8).to(torch.int8)}
-            compressed = PackedQuantizationCompressor.compress(state, ct_scheme())
+            compressed = PackedQuantizationCompressor.compress(state, ct_scheme(sym))
             tensors |= {f"{name}.{k}": v for k, v in compressed.items()}
-            expected[name] = PackedQuantizationCompressor.decompress(compressed, ct_scheme())["weight"]
+            expected[name] = PackedQuantizationCompressor.decompress(compressed, ct_scheme(sym))["weight"]
     if fmt == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
     else:
         from compressed_tensors.quantization import QuantizationConfig
 
-        qc = QuantizationConfig(config_groups={"group_0": ct_scheme()}, format="pack-quantized",
+        qc = QuantizationConfig(config_groups={"group_0": ct_scheme(sym)}, format="pack-quantized",
                                 quant_method="compressed-tensors").model_dump(mode="json")
     path.mkdir()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
@@ -147,18 +147,18 @@ def write_awq_or_compressed_tensors(path, fmt: str) -> dict[str, torch.Tensor]:
     return expected
 
 
-def ct_scheme():
+def ct_scheme(sym: bool):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, strategy="group", group_size=32)
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
-def test_awq_and_compressed_tensors_import(fmt, tmp_path, capsys):
+@pytest.mark.parametrize("fmt, sym", [("awq", False), ("compressed-tensors", False), ("compressed-tensors", True)])
+def test_awq_and_compressed_tensors_import(fmt, sym, tmp_path, capsys):
     if fmt == "compressed-tensors":
         pytest.importorskip("compressed_tensors")
-    expected = write_awq_or_compressed_tensors(tmp_path / fmt, fmt)
+    expected = write_awq_or_compressed_tensors(tmp_path / fmt, fmt, sym)
     rc, _, err = run_cli(capsys, "import", tmp_path / fmt, "--out", tmp_path / "art")
     assert rc == 0, err
     assert json.loads((tmp_path / "art" / "config.json").read_text())["quant"]["method"] == fmt

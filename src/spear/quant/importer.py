@@ -36,11 +36,11 @@ from spear.quant.pipeline import replace_with_quantized
 from spear.quant.record import QuantizedWeight
 
 FORMATS = ("gptq", "awq", "compressed-tensors", "gguf")
-# tensor names a quantized linear stores instead of `weight`, by format
+# tensor names a quantized linear stores instead of `weight`, by format; the first three are required
 STORED = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
-    "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"),
 }
 
 
@@ -97,7 +97,7 @@ def _read_hf_dir(path: Path, src: str):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise SpearError(f"cannot load the tokenizer of {src}: {_first_line(e)}") from None
-    group = {"gptq": group_size, "awq": group_size}.get(fmt, _common_group_size(records))
+    group = _common_group_size(records) if fmt == "compressed-tensors" else group_size
     return model, tokenizer, {"method": fmt, "bits": bits, "group_size": group, "sym": sym, "imported": True}
 
 
@@ -164,10 +164,10 @@ def _load_float_tensors(model: nn.Module, tensors: dict, records: dict[str, Quan
                          "(a quantized module outside the decoder linears?)")
 
 
-def _common_group_size(records: dict[str, QuantizedWeight]) -> int:
-    """One group size for the artifact's config: -1 where every layer is per-channel, else the common size."""
+def _common_group_size(records: dict[str, QuantizedWeight]) -> int | None:
+    """The artifact config's group size: -1 where every layer is per-channel, the common size, or None (mixed)."""
     sizes = {-1 if r.group_size == r.shape[1] else r.group_size for r in records.values()}
-    return sizes.pop() if len(sizes) == 1 else -2
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 # --- GGUF ------------------------------------------------------------------------------------
