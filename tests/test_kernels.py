@@ -118,7 +118,7 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
 
 def test_one_row_tuning_also_times_the_gemv_loop_split_fixed_ways():
     """At one row the tuner times each GEMV-loop candidate with the automatic split and with K split each of
-    GEMV_SPLITS ways (session 22: fixed splits won on 7B o and down); at 2–4 rows the automatic split alone, above 4
+    GEMV_SPLITS ways (82ce0f1: fixed splits won on 7B o and down); at 2–4 rows the automatic split alone, above 4
     the dot loop alone."""
     from spear.kernels.w4 import GEMV_SPLITS, _tune_candidates
 
@@ -436,7 +436,7 @@ def test_prefill_rank_programs_only_on_idle_sms():
 
 def test_prefill_tile_gemm_config_follows_rows_and_scales():
     """Untuned, the prefill tile GEMM widens its tile to 128 × 256 from 1024 rows, per-channel only (with groups the
-    wide tile's per-group scale FMAs made it 1.8–2.4× slower on the H200, BENCHMARKS §4 session 15)."""
+    wide tile's per-group scale FMAs made it 1.8–2.4× slower on the H200, b844374)."""
     from spear.kernels.w4 import prefill_config
 
     assert (prefill_config(512, True).block_n, prefill_config(1024, True).block_n) == (128, 256)
@@ -504,9 +504,9 @@ def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
 
 def test_prefill_path_follows_rows_scales_and_tiles():
     """Per-channel weights take the tile GEMM up to 2048 rows; grouped ones up to 512, where dequantize + cuBLAS draws
-    level (it is 13–35% ahead at 1024 rows on the H200, session 16); a weight too narrow to give half the SMs a tile
+    level (it is 13–35% ahead at 1024 rows on the H200); a weight too narrow to give half the SMs a tile
     takes dequantize + cuBLAS (70b k/v: 3× faster there), and so does one whose 128 × 256 tiles leave the last wave
-    mostly empty (13b q/k/v/o and down: 1.3–1.45× faster through cuBLAS, session 17)."""
+    mostly empty (13b q/k/v/o and down: 1.3–1.45× faster through cuBLAS, ced68cb)."""
     from spear.kernels.w4 import takes_tile_gemm
 
     h200 = dict(n=4096, sms=132)  # 7b q/k/v/o: 128 tiles of 128 × 256 at 1024 rows
