@@ -147,3 +147,20 @@ def test_cli_eval_tasks(tiny_model_dir, tmp_path, capsys):
     assert "boolq" in capsys.readouterr().out
     assert main(["eval", str(tiny_model_dir), "--tasks", "nope"]) == 2
     assert "unknown task nope" in capsys.readouterr().err
+
+
+def test_zero_shot_bench_script_writes_fp_and_w4_rows(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "zero_shot.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "zero_shot.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", str(tiny_model_dir), "--tasks", "piqa,winogrande",
+                                      "--limit", "2", "--device", "cpu", "--json", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    record = json.loads(out.read_text())
+    assert "commit" in record["provenance"] and record["w4_quant"]["method"] == "rtn" and record["limit"] == 2
+    assert list(record["rows"]) == ["FP", "W4"]
+    assert [r["task"] for r in record["rows"]["W4"]] == ["piqa", "winogrande"]
+    assert capsys.readouterr().out.splitlines()[-1].startswith("W4")
