@@ -147,6 +147,8 @@ def test_cli_eval_tasks(tiny_model_dir, tmp_path, capsys):
     assert "boolq" in capsys.readouterr().out
     assert main(["eval", str(tiny_model_dir), "--tasks", "nope"]) == 2
     assert "unknown task nope" in capsys.readouterr().err
+    assert main(["eval", "no/such/model", "--tasks", "piqa", "--limit", "0"]) == 2
+    assert "--limit must be at least 1" in capsys.readouterr().err
 
 
 def test_zero_shot_bench_script_writes_fp_and_w4_rows(tiny_model_dir, tmp_path, monkeypatch, capsys):

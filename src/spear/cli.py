@@ -265,6 +265,8 @@ def _eval_tasks(args) -> int:
     tasks = parse_tasks(args.tasks)
     args.batch_size = args.batch_size or 16
     _check_eval_args(args)
+    if args.limit is not None and args.limit < 1:  # before the model loads
+        raise SpearError(f"--limit must be at least 1, got {args.limit}")
     lm = api.load(args.model, device=_device(args))
     results = evaluate_tasks(lm.model, lm.tokenizer, tasks, args.limit, args.batch_size)
     record = {"model": args.model, "limit": args.limit, "tasks": [r.to_dict() for r in results]}
