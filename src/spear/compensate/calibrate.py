@@ -139,6 +139,14 @@ def _hidden_and_layers(model: nn.Module, ids: torch.Tensor, layers: bool) -> tup
     return out.last_hidden_state.flatten(0, 1), tuple(out.hidden_states[1:-1]) if layers else ()
 
 
+def _logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The model's logits from its last hidden states: the head, then the final soft-capping of the families
+    that have one (Gemma 2: cap · tanh(logits / cap)), as the model's own forward computes them."""
+    logits = model.get_output_embeddings()(h)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
 def _layer_discrepancy(student_layers: tuple, teacher_layers: tuple) -> torch.Tensor:
     """1/(n−1) Σ_l ‖h_s^l − h_t^l‖² / ‖h_t^l‖² (module docstring)."""
     terms = [(s.float() - t.float()).square().sum() / t.float().square().sum().clamp(min=1e-12)
@@ -165,7 +173,7 @@ class OnlineTeacher:
     def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, tuple], sl: slice) -> torch.Tensor:
         """Σ over the chunk's tokens of KL(p ‖ q), float32."""
         with torch.no_grad():
-            t_logp = self.model.get_output_embeddings()(prepared[0][sl]).float().log_softmax(-1).to(s_logits.device)
+            t_logp = _logits(self.model, prepared[0][sl]).float().log_softmax(-1).to(s_logits.device)
         s_logp = s_logits.float().log_softmax(-1)
         return (t_logp.exp() * (t_logp - s_logp)).sum()
 
@@ -204,15 +212,15 @@ def teacher_topk(
 ) -> TeacherTopK:
     """Cache the teacher's targets for `ids` [N, L] on CPU (see TeacherTopK)."""
     device = next(teacher.parameters()).device
-    head = teacher.get_output_embeddings()
-    if not 0 < k < head.out_features:
-        raise SpearError(f"top-k must be between 1 and vocab − 1 = {head.out_features - 1}, got {k}")
+    vocab = teacher.get_output_embeddings().out_features
+    if not 0 < k < vocab:
+        raise SpearError(f"top-k must be between 1 and vocab − 1 = {vocab - 1}, got {k}")
     idx, logp, log_tail = [], [], []
     for start in range(0, len(ids), batch_size):
         batch = ids[start : start + batch_size]
         h, _ = _hidden_and_layers(teacher, batch.to(device), False)
         for sl in _chunks(len(h), chunk_tokens):
-            lp = head(h[sl]).float().log_softmax(-1)
+            lp = _logits(teacher, h[sl]).float().log_softmax(-1)
             top = lp.topk(k, dim=-1)
             idx.append(top.indices.int().cpu())
             logp.append(top.values.cpu())
@@ -233,11 +241,10 @@ def _batch_kl(student: nn.Module, target, rows: torch.Tensor, ids: torch.Tensor,
     layers = backward and hidden_weight > 0
     h, s_layers = _hidden_and_layers(student, ids, layers)  # [T, H]
     h_leaf = h.detach().requires_grad_(backward)
-    head = student.get_output_embeddings()
     prepared = target.prepare(rows, ids)
     total = torch.zeros((), device=h.device)
     for sl in _chunks(len(h), chunk_tokens):
-        kl = target.kl(head(h_leaf[sl]), prepared, sl) / len(h)
+        kl = target.kl(_logits(student, h_leaf[sl]), prepared, sl) / len(h)
         if backward:
             kl.backward()
         total += kl.detach()
