@@ -4,8 +4,7 @@ per process).
 
     spear bench quality --model $GGUF --out OUTDIR --suite tables      # the four settings: static baselines, SPEAR, gate off
     spear bench quality --model $GGUF --out OUTDIR --suite ablations   # the hard case (W4 RTN per-channel): every ablation
-    spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, steps, gate
-                                                                       # form; W3 gate off
+    spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, gate form
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
 
@@ -60,18 +59,17 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("abl_data_random", table, PC + ["--calib-first-token", "random", "--only", "+SPEAR", "gate off (static"]),
             ("abl_data_top_p", table, PC + ["--calib-first-token", "random", "--calib-temperature", "0.9",
                                             "--calib-top-p", "0.95", "--only", "+SPEAR"]),
-            ("abl_data_512", table, PC + ["--calib-samples", "512", "--only", "+SPEAR"]),
             ("abl_data_wikivalid", table, PC + ["--calib-file", wiki_valid, "--only", "+SPEAR"]),
         ],
-        "data": [
-            ("abl_data_512", table, PC + ["--calib-samples", "512", "--only", "+SPEAR"]),
-            ("abl_data_512_gateoff", table, PC + ["--calib-samples", "512", "--only", "gate off (static"]),
-            ("abl_steps400", table, PC + ["--steps", "400", "--only", "+SPEAR"]),
-            ("abl_token_gate", table, PC + ["--only", "per-token scalar gate"]),
-            ("abl_gate32", table, PC + ["--only", "gate hidden 32"]),
-            ("abl_data_top_p095", table, PC + ["--calib-top-p", "0.95", "--only", "+SPEAR"]),
-            ("abl_data_temp12", table, PC + ["--calib-temperature", "1.2", "--only", "+SPEAR"]),
-            ("tab_gptq_w3g64_gateoff", table, G3 + ["--only", "gate off (static"]),
+        "data": [  # the self-sampler's count and settings (defaults: 512 sequences, top-p 0.95), and the gate's form
+            ("data_128_p1", table, PC + ["--calib-samples", "128", "--calib-top-p", "1", "--only", "+SPEAR"]),
+            ("data_128_p09", table, PC + ["--calib-samples", "128", "--calib-top-p", "0.9", "--only", "+SPEAR"]),
+            ("data_512_p1", table, PC + ["--calib-top-p", "1", "--only", "+SPEAR"]),
+            ("data_512", table, PC + ["--only", "+SPEAR", "gate off (static"]),
+            ("data_512_p09", table, PC + ["--calib-top-p", "0.9", "--only", "+SPEAR"]),
+            ("data_512_t08", table, PC + ["--calib-top-p", "1", "--calib-temperature", "0.8", "--only", "+SPEAR"]),
+            ("data_512_token_gate", table, PC + ["--only", "per-token scalar gate"]),
+            ("data_1024", table, PC + ["--calib-samples", "1024", "--only", "+SPEAR"]),
         ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
@@ -79,7 +77,7 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
 
 
 def warm_up(model: str, counts: list[int]) -> None:
-    """Convert the model and cache its self-sampled calibration ids (128 and, for `data`, 512 sequences of 512)."""
+    """Convert the model and cache its self-sampled calibration ids (the default sampler; `counts` sequences of 512)."""
     from spear.api import model_key
     from spear.data.calibration import CalibConfig, calibration_ids
     from spear.models import load_float_model
@@ -96,11 +94,12 @@ def main() -> None:
     p.add_argument("--suite", default="tables", choices=["tables", "ablations", "data", "quant", "warm"])
     p.add_argument("--time-limit", type=int, default=540, help="seconds each row's process may run")
     args = p.parse_args()
+    from spear.data.calibration import CalibConfig
     from spear.eval.perplexity import data_dir
 
     rows = suites(str(data_dir()))[args.suite]
     args.out.mkdir(parents=True, exist_ok=True)
-    warm_up(args.model, [128, 512] if args.suite in ("data", "warm") else [128])
+    warm_up(args.model, [CalibConfig.num_sequences])
     procs = []
     for name, script, options in rows:
         cmd = ["timeout", str(args.time_limit), sys.executable, str(BENCH / script), "--model", args.model,
