@@ -86,3 +86,27 @@ def test_cli_budget_parse_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["compensate", "x", "--budget", "lots"])
     assert e.value.code == 2 and "budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["0", "0%", "150%", "1.5"])
+def test_cli_budget_out_of_range(budget, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compensate", "x", "--budget", budget])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "budget must be between 0% and 100%" in err and len(err.splitlines()) == 1
+
+
+def test_model_without_linear_layers_is_refused():
+    from types import SimpleNamespace
+
+    from spear.quant.pipeline import check_shapes
+
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(num_hidden_layers=2)
+    model.layers = torch.nn.ModuleList([torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)])
+    with pytest.raises(SpearError, match="no linear layers"):
+        check_shapes(model, QuantConfig(bits=4))
+    with pytest.raises(SpearError, match="no linear layers"):
+        quantize_model(model, QuantSettings("rtn", QuantConfig(bits=4)))
+    with pytest.raises(SpearError, match="no quantized layers"):
+        compensate(model, model, torch.zeros(2, 4, dtype=torch.long))

@@ -18,7 +18,7 @@ from spear.errors import SpearError
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's stack of decoder layers (the ModuleList with num_hidden_layers entries)."""
-    n = getattr(model.config, "num_hidden_layers", None)
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == n:
             return module

@@ -44,8 +44,12 @@ def replace_with_quantized(model: nn.Module, name: str, qweight: QuantizedWeight
 
 
 def check_shapes(model: nn.Module, cfg: QuantConfig) -> None:
-    """Fail fast, before any work, on a group size that does not divide some input size."""
-    for m in quantizable_linears(model).values():
+    """Fail fast, before any work, on a model with nothing to quantize or a group size that does not divide some
+    input size."""
+    linears = quantizable_linears(model)
+    if not linears:
+        raise SpearError(f"{type(model).__name__} has no linear layers in its decoder layers: nothing to quantize")
+    for m in linears.values():
         cfg.group_size_for(m.in_features)
 
 
