@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from common import copy_bandwidth, provenance, write_json
 from shapes import SHORT, linears
 
-from spear.layer import ErrorCompensator
 from spear.kernels.pack import PackedEC, pack_ec, pack_w4
 from spear.kernels.reference import ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.timing import time_in_graph as time_graph
@@ -37,6 +36,7 @@ from spear.kernels.w4 import (
     w4_prefill,
     w4_prefill_fused,
 )
+from spear.layer import ErrorCompensator
 from spear.quant.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer

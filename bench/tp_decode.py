@@ -45,9 +45,9 @@ from shapes import MODELS
 from fixtures import random_model
 from torch.multiprocessing.spawn import ProcessException
 
+from spear.kernels import options
 from spear.quant.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
-from spear.runtime import model as model_module
 from spear.runtime.model import ModelArgs, Transformer, use_kernels
 from spear.runtime.runner import DecodeGraph
 from spear.runtime.tp import CollectiveReduce, RowParallelLinear, apply_tp, launch, set_reduction
@@ -159,7 +159,7 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
             current = None
             for reduction in reductions:
                 base_reduction = reduction.removesuffix("+fold")
-                model_module.FOLD_NORM_TP = reduction.endswith("+fold")
+                options.OPTIONS = dataclasses.replace(options.OPTIONS, fold_norm_tp=reduction.endswith("+fold"))
                 if reduction != "-" and base_reduction != current:
                     set_reduction(model, "collective" if reduction == "none" else base_reduction, max(opts["batches"]))
                     current = base_reduction

@@ -3,10 +3,13 @@ conftest); the float runtime model's DenseLinear routing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_kernels import DEVICE, SEED
 
+from spear.kernels import options
 from spear.kernels.f16_gemv import CUBLAS, GemvConfig, _TUNED, _key, dense_linear, f16_gemv
 
 
@@ -74,12 +77,12 @@ def test_dense_linear_is_linear_off_the_gpu(gen, monkeypatch):
 
 
 def test_gemv_switched_off_keeps_cublas_without_timing(gen, monkeypatch):
-    """SPEAR_F16_GEMV=0 (USE_GEMV False): tune_gemv picks cuBLAS at once, timing nothing (so it runs on CPU too)
+    """SPEAR_F16_GEMV=0 (options' f16_gemv "0"): tune_gemv picks cuBLAS at once, timing nothing (so it runs on CPU too)
     and remembers it for dense_linear."""
     from spear.kernels import f16_gemv as mod
 
     w = torch.randn(64, 128, generator=gen).half()
-    monkeypatch.setattr(mod, "USE_GEMV", False)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, f16_gemv="0"))
     monkeypatch.delitem(_TUNED, _key(w), raising=False)
     assert mod.tune_gemv(w) == CUBLAS
     assert _TUNED.pop(_key(w)) == CUBLAS
@@ -92,4 +95,4 @@ def test_gemv_mode_is_checked():
 
     run = subprocess.run([sys.executable, "-c", "import spear.kernels.f16_gemv"], capture_output=True, text=True,
                          env={**__import__("os").environ, "SPEAR_F16_GEMV": "yes"})
-    assert run.returncode != 0 and "SPEAR_F16_GEMV must be 0, 1 or always" in run.stderr
+    assert run.returncode != 0 and "SPEAR_F16_GEMV is 0, 1 or always" in run.stderr

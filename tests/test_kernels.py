@@ -15,14 +15,16 @@ import pytest
 import torch
 
 from spear.errors import SpearError
+from spear.kernels import options
 from spear.kernels import tune_cache as tune_cache_module
 from spear.kernels import w4 as w4_module
+from spear.kernels.w4 import config as w4_config
+from spear.kernels.w4 import decode as w4_decode_module
+from spear.kernels.w4 import prefill as w4_prefill_module
+from spear.kernels.w4 import tuning as w4_tuning
 from spear.kernels.pack import pack_ec, pack_w4, unpack_w4
 from spear.kernels.reference import dequantize_w4, ec_gated_rank_ref, w4_linear_ref
 from spear.kernels.w4 import (
-    _WORKSPACE,
-    DECODE_CANDIDATES,
-    READS_SHIFT,
     DecodeConfig,
     PrefillConfig,
     dequantize_w4_into,
@@ -32,6 +34,9 @@ from spear.kernels.w4 import (
     w4_prefill,
     w4_prefill_fused,
 )
+from spear.kernels.w4.config import DECODE_CANDIDATES
+from spear.kernels.w4.decode import _WORKSPACE
+from spear.kernels.w4.epilogue import READS_SHIFT
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
 
@@ -118,33 +123,34 @@ def test_decode_kernel_matches_reference(group, with_ec, gen):
 
 def test_one_row_tuning_also_times_the_gemv_loop_split_fixed_ways():
     """At one row the tuner times each GEMV-loop candidate with the automatic split and with K split each of
-    GEMV_SPLITS ways (82ce0f1: fixed splits won on 7B o and down); at 2–4 rows the automatic split alone, above 4
+    options' gemv_splits ways (fixed splits won on 7B o and down); at 2–4 rows the automatic split alone, above 4
     the dot loop alone."""
-    from spear.kernels.w4 import GEMV_SPLITS, _tune_candidates
+    from spear.kernels.w4.config import _tune_candidates
 
+    splits = options.OPTIONS.gemv_splits
     gemv = [c for c in DECODE_CANDIDATES if c.gemv_rows]
     one, four, sixteen = _tune_candidates(1), _tune_candidates(4), _tune_candidates(16)
-    assert GEMV_SPLITS and all(c.split_k == 0 for c in four) and not any(c.gemv_rows for c in sixteen)
-    fixed = [dataclasses.replace(c, split_k=s) for c in gemv for s in GEMV_SPLITS]
+    assert splits and all(c.split_k == 0 for c in four) and not any(c.gemv_rows for c in sixteen)
+    fixed = [dataclasses.replace(c, split_k=s) for c in gemv for s in splits]
     assert one == four + fixed and len(set(one)) == len(one)
 
 
-def test_dot_loop_split_for_more_programs_an_sm_matches_reference(gen):
-    """DecodeConfig.fill (the dot-loop candidates split for 4 and 8 programs an SM): more splits, same result."""
-    from spear.kernels.w4 import DOT_FILLS, split_count
+def test_dot_loop_split_k_matches_reference(gen):
+    """split_count: K split until the grid has decode.FILL programs an SM (at most one a step), or as the config
+    says; the dot loop's result does not depend on the split."""
+    from spear.kernels.w4.decode import split_count
 
-    assert split_count(DecodeConfig(block_n=64, gemv_rows=0, fill=2), tiles=2, steps=8, sms=4) == 4
-    assert split_count(DecodeConfig(block_n=64, gemv_rows=0, fill=8), tiles=2, steps=8, sms=4) == 8  # one step each
-    assert split_count(DecodeConfig(block_n=64, split_k=3, fill=8), tiles=2, steps=8, sms=4) == 3  # explicit wins
-    assert {c.fill for c in DECODE_CANDIDATES if c.gemv_rows == 0} == set(DOT_FILLS)
+    assert split_count(DecodeConfig(block_n=64, gemv_rows=0), tiles=2, steps=8, sms=4) == 4
+    assert split_count(DecodeConfig(block_n=64, gemv_rows=0), tiles=2, steps=3, sms=4) == 3  # one step each
+    assert split_count(DecodeConfig(block_n=64, split_k=3), tiles=2, steps=8, sms=4) == 3  # explicit wins
     n, k = 128, 1024
     packed = pack_w4(random_w4(n, k, -1, gen, sym=True)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
     x = torch.randn(16, k, generator=gen).half().to(DEVICE)
-    for fill in (2, 8):
-        y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=64, gemv_rows=0, num_warps=4, fill=fill),
+    for split_k in (0, 8):
+        y = w4_decode(x, packed, ec, None, DecodeConfig(block_n=64, split_k=split_k, gemv_rows=0, num_warps=4),
                       out=poisoned(16, n))
-        assert_close(y, w4_linear_ref(x, packed, ec), f"dot loop fill={fill}")
+        assert_close(y, w4_linear_ref(x, packed, ec), f"dot loop split_k={split_k}")
 
 
 @pytest.mark.parametrize("group", [-1, 128])
@@ -161,11 +167,10 @@ def test_wide_dot_loop_takes_a_partial_last_block(group, gen):
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_wide_dot_loop_with_groups_matches_reference(group, gen, monkeypatch):
-    """SPEAR_W4_DOT_WIDE=2 (the default): groups of 64 and 32 columns take one dot each (_span_wide: the half block's
+    """Groups of 64 and 32 columns take one dot each (_span_wide: the half block's
     planes joined back into column order), a group of 128 one a block. The decode kernel scales each group's float32
     partial tile; the prefill tile GEMM multiplies the codes by their scale in fp16 (SCALE_CODES: W_hat as the
     reference rounds it). With and without the EC, partial last block included."""
-    monkeypatch.setattr(w4_module, "DOT_WIDE", 2)
     n, k = 64, 320 if group < 128 else 384
     packed = pack_w4(random_w4(n, k, group, gen, sym=False)).to(DEVICE)
     ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE)
@@ -286,11 +291,11 @@ def test_decode_gemv_f16x2_loop_matches_reference(group, with_ec, gen):
 @pytest.mark.parametrize("chain", ["1", "2", "4"])
 @pytest.mark.parametrize("k", [576, 1024])  # partial last steps (masked loads), whole ones (w4_decode's `even`)
 def test_decode_gemv_f16x2_word_chains_match_reference_and_take_large_x(chain, k, gen, monkeypatch):
-    """One row, per-channel: the fp16 chains over 2 or 4 words (SPEAR_W4_WORD_CHAIN, codes (q − z) / 256) match the
+    """One row, per-channel: the fp16 chains over 2 or 4 words (decode.WORD_CHAIN, codes (q − z) / 256) match the
     reference, with split K and partial steps, and stay finite for x = 30,000 everywhere: the one-word chain's codes
     (q − z) / 16 overflow fp16 there (row 0's chains of four products 15/16 · 30,000); 2 words of (q − z) / 256
     reach 8 · 15/256 · 30,000 = 14,063."""
-    monkeypatch.setattr(w4_module, "f16x2_word_chain", lambda: int(chain))  # SPEAR_W4_WORD_CHAIN, read once a process
+    monkeypatch.setattr(w4_decode_module, "WORD_CHAIN", int(chain))
     n = 64
     w = torch.randn(n, k, generator=gen).abs() * 1e-3  # small scales: y stays within fp16 for the large x below
     w[0, :64] = 0.005  # row 0's largest weights: q − z = 15 on the first 64 columns, whole chains of them
@@ -310,7 +315,7 @@ def test_decode_gemv_f16x2_word_chains_match_reference_and_take_large_x(chain, k
 
 @pytest.mark.parametrize("f16x2", [False, True])
 def test_decode_gemv_preload_changes_no_bit(f16x2, gen, monkeypatch):
-    """Loading each step's codes a step ahead (SPEAR_W4_PRELOAD, the first before the PDL wait) only moves loads:
+    """Loading each step's codes a step ahead (options' w4_preload, the first before the PDL wait) only moves loads:
     the single-stage GEMV loops give the same bits with it and without, over several steps and splits of K."""
     n, k = 64, 1024
     packed = pack_w4(random_w4(n, k, 128, gen)).to(DEVICE)
@@ -318,11 +323,11 @@ def test_decode_gemv_preload_changes_no_bit(f16x2, gen, monkeypatch):
     x = torch.randn(2, k, generator=gen).half().to(DEVICE)
     cfg = DecodeConfig(block_n=32, split_k=2, gemv_rows=4, block_kw=16, num_stages=1, gemv_f16x2=f16x2)
     out = {}
-    for preload in ("0", "1"):
-        monkeypatch.setenv("SPEAR_W4_PRELOAD", preload)
+    for preload in (False, True):
+        monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, w4_preload=preload))
         out[preload] = w4_decode(x, packed, ec, None, cfg, out=poisoned(2, n))
-    assert torch.equal(out["0"], out["1"])
-    assert_close(out["1"], w4_linear_ref(x, packed, ec), f"gemv preload f16x2={f16x2}")
+    assert torch.equal(out[False], out[True])
+    assert_close(out[True], w4_linear_ref(x, packed, ec), f"gemv preload f16x2={f16x2}")
 
 
 def test_decode_kernel_leaves_its_workspace_ready_for_the_next_launch(gen):
@@ -425,19 +430,19 @@ def test_prefill_rank_programs_only_on_idle_sms():
     """Rank programs only with the 128 × 256 tile (one CTA an SM): the fewest that take PREFILL_RANK_BLOCKS (2) row
     blocks each, where the last wave leaves that many SMs idle; else none (ec_rank's launch before the GEMM)."""
     wide, narrow = PrefillConfig(block_n=256), PrefillConfig()
-    assert w4_module.prefill_rank_programs(8, 128, wide, 132) == 4  # 7B q/k/v/o at 1024 rows: 4 SMs idle, 2 blocks each
-    assert w4_module.prefill_rank_programs(8, 128, narrow, 132) == 0
-    assert w4_module.prefill_rank_programs(8, 344, wide, 132) == 4  # 52 idle: still 2 blocks each
-    assert w4_module.prefill_rank_programs(16, 256, wide, 132) == 8  # 2048 rows: 8 idle
-    assert w4_module.prefill_rank_programs(18, 250, wide, 132) == 0  # 14 idle, but 9 programs (8 at most)
-    assert w4_module.prefill_rank_programs(8, 131, wide, 132) == 0  # 1 idle SM for 8 blocks
-    assert w4_module.prefill_rank_programs(8, 264, wide, 132) == 0  # two full waves
+    assert w4_prefill_module.prefill_rank_programs(8, 128, wide, 132) == 4  # 7B q/k/v/o at 1024 rows: 4 SMs idle, 2 blocks each
+    assert w4_prefill_module.prefill_rank_programs(8, 128, narrow, 132) == 0
+    assert w4_prefill_module.prefill_rank_programs(8, 344, wide, 132) == 4  # 52 idle: still 2 blocks each
+    assert w4_prefill_module.prefill_rank_programs(16, 256, wide, 132) == 8  # 2048 rows: 8 idle
+    assert w4_prefill_module.prefill_rank_programs(18, 250, wide, 132) == 0  # 14 idle, but 9 programs (8 at most)
+    assert w4_prefill_module.prefill_rank_programs(8, 131, wide, 132) == 0  # 1 idle SM for 8 blocks
+    assert w4_prefill_module.prefill_rank_programs(8, 264, wide, 132) == 0  # two full waves
 
 
 def test_prefill_tile_gemm_config_follows_rows_and_scales():
     """Untuned, the prefill tile GEMM widens its tile to 128 × 256 from 1024 rows, per-channel only (with groups the
-    wide tile's per-group scale FMAs made it 1.8–2.4× slower on the H200, b844374)."""
-    from spear.kernels.w4 import prefill_config
+    wide tile's per-group scale FMAs made it 1.8–2.4× slower on the H200, BENCHMARKS §4)."""
+    from spear.kernels.w4.prefill import prefill_config
 
     assert (prefill_config(512, True).block_n, prefill_config(1024, True).block_n) == (128, 256)
     assert prefill_config(2048, False).block_n == 128
@@ -451,7 +456,7 @@ def test_prefill_tile_gemm_compiles_once_for_any_row_count():
     import sys
 
     # outside the interpreter (CI runs the tests under it), where the kernel is a JITFunction; no GPU needed
-    code = ("from spear.kernels import w4; "
+    code = ("from spear.kernels.w4 import prefill as w4; "
             "print([[p.name for p in k.params if p.do_not_specialize] "
             "for k in (w4._w4_prefill_kernel, w4._ec_rank_kernel, w4._ec_gate_kernel, w4._ec_rank_programs_kernel)])")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -497,7 +502,7 @@ def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
         ref = w4_linear_ref(x.reshape(-1, k), w, ec, bias).view(2, m, n)
         assert_close(w4_linear(x, w, ec, bias), ref, f"dispatch m={m}")
         assert_close(layer(x), ref, f"SpearLinear m={m}", rtol=5e-3)  # CPU: the PyTorch backend; CUDA: the kernels
-    monkeypatch.setattr(w4_module, "FUSED_PREFILL_MAX_M_GROUPED", 139)  # 140 rows: dequantize + cuBLAS
+    monkeypatch.setattr(w4_prefill_module, "FUSED_PREFILL_MAX_M_GROUPED", 139)  # 140 rows: dequantize + cuBLAS
     assert_close(w4_linear(x, w, ec, bias), ref, "dispatch past FUSED_PREFILL_MAX_M_GROUPED")
     assert not SpearLinear(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32))).use_kernels()
 
@@ -506,7 +511,7 @@ def test_prefill_path_follows_rows_scales_and_tiles():
     """Per-channel weights take the tile GEMM up to 2048 rows; grouped ones up to 512, where dequantize + cuBLAS draws
     level (it is 13–35% ahead at 1024 rows on the H200); a weight too narrow to give half the SMs a tile
     takes dequantize + cuBLAS (70b k/v: 3× faster there), and so does one whose 128 × 256 tiles leave the last wave
-    mostly empty (13b q/k/v/o and down: 1.3–1.45× faster through cuBLAS, ced68cb)."""
+    mostly empty (13b q/k/v/o and down: 1.3–1.45× faster through cuBLAS)."""
     from spear.kernels.w4 import takes_tile_gemm
 
     h200 = dict(n=4096, sms=132)  # 7b q/k/v/o: 128 tiles of 128 × 256 at 1024 rows
@@ -524,12 +529,12 @@ def test_decode_config_prefers_the_one_tuned_with_the_ec(gen, monkeypatch):
     packed = pack_w4(random_w4(128, 256, -1, gen))
     ec16, ec64 = pack_ec(random_ec(128, 256, 16, gen)), pack_ec(random_ec(128, 256, 64, gen))
     w4_pick, ec_pick = DecodeConfig(block_n=64, num_warps=4), DecodeConfig(block_n=16, num_warps=4, block_kw=64)
-    monkeypatch.setattr(w4_module, "_TUNED", {w4_module._tune_key(packed, 1): w4_pick,
-                                             w4_module._tune_key(packed, 1, ec16): ec_pick})
-    assert w4_module.decode_config(packed, 1, ec16) == ec_pick
-    assert w4_module.decode_config(packed, 1) == w4_pick
-    assert w4_module.decode_config(packed, 1, ec64) == w4_pick  # rank 64 was not tuned
-    assert w4_module.decode_config(packed, 16, ec16) == DecodeConfig()  # nothing tuned at 16 rows
+    monkeypatch.setattr(w4_config, "_TUNED", {w4_config._tune_key(packed, 1): w4_pick,
+                                             w4_config._tune_key(packed, 1, ec16): ec_pick})
+    assert w4_config.decode_config(packed, 1, ec16) == ec_pick
+    assert w4_config.decode_config(packed, 1) == w4_pick
+    assert w4_config.decode_config(packed, 1, ec64) == w4_pick  # rank 64 was not tuned
+    assert w4_config.decode_config(packed, 16, ec16) == DecodeConfig()  # nothing tuned at 16 rows
 
 
 @pytest.fixture
@@ -537,7 +542,7 @@ def tune_cache(tmp_path, monkeypatch) -> Path:
     """tune_w4's cache file in this test's tmp dir (never the user's), and nothing tuned yet in this process."""
     path = tmp_path / "cache" / "w4_tuning.json"
     monkeypatch.setenv("SPEAR_TUNE_CACHE", str(path))
-    monkeypatch.setattr(w4_module, "_TUNED", {})
+    monkeypatch.setattr(w4_config, "_TUNED", {})
     return path
 
 
@@ -559,7 +564,7 @@ def fake_timer(monkeypatch) -> list:
         return tune_score(calls[0].keywords["cfg"])
 
     monkeypatch.setattr(timing, "time_in_graph", fake_time)
-    monkeypatch.setattr(w4_module, "TUNE_BYTES", 1)
+    monkeypatch.setattr(w4_tuning, "TUNE_BYTES", 1)
     return timed
 
 
@@ -580,13 +585,13 @@ def test_tune_w4_with_an_ec_times_the_ec_launch_and_keeps_w4_s_pick(gen, monkeyp
 
     w4_pick = DecodeConfig(block_n=64, num_warps=4)
     monkeypatch.setattr(timing, "time_in_graph", fake_time)
-    monkeypatch.setattr(w4_module, "TUNE_BYTES", 1)
-    monkeypatch.setattr(w4_module, "_TUNED", {w4_module._tune_key(packed, 1): w4_pick})
+    monkeypatch.setattr(w4_tuning, "TUNE_BYTES", 1)
+    monkeypatch.setattr(w4_config, "_TUNED", {w4_config._tune_key(packed, 1): w4_pick})
     chosen = w4_module.tune_w4(packed, (1, 256), ec=ec)
-    best = min(w4_module._tune_candidates(1), key=lambda c: c.block_n + c.num_warps / 100)
+    best = min(w4_config._tune_candidates(1), key=lambda c: c.block_n + c.num_warps / 100)
     assert list(chosen) == [1] and chosen[1] == best  # 256 rows is not a decode launch: not tuned with the EC
-    assert all(e is ec for e in launched) and len(launched) == len(w4_module._tune_candidates(1))
-    assert w4_module.decode_config(packed, 1, ec) == best and w4_module.decode_config(packed, 1) == w4_pick
+    assert all(e is ec for e in launched) and len(launched) == len(w4_config._tune_candidates(1))
+    assert w4_config.decode_config(packed, 1, ec) == best and w4_config.decode_config(packed, 1) == w4_pick
 
 
 def test_tune_w4_reuses_the_choices_of_an_earlier_process(gen, monkeypatch, tune_cache):
@@ -594,10 +599,10 @@ def test_tune_w4_reuses_the_choices_of_an_earlier_process(gen, monkeypatch, tune
     packed = pack_w4(random_w4(128, 256, -1, gen)).to(DEVICE)
     timed = fake_timer(monkeypatch)
     first = w4_module.tune_w4(packed, (1, 256))  # a decode bucket and a prefill one
-    assert first == {1: min(w4_module._tune_candidates(1), key=tune_score),
-                     256: min(w4_module.PREFILL_CANDIDATES, key=tune_score)}
+    assert first == {1: min(w4_config._tune_candidates(1), key=tune_score),
+                     256: min(w4_config.PREFILL_CANDIDATES, key=tune_score)}
     assert first[1] != DecodeConfig() and first[256] != PrefillConfig()  # not what an untuned launch would take
-    assert len(timed) == len(w4_module._tune_candidates(1)) + len(w4_module.PREFILL_CANDIDATES)
+    assert len(timed) == len(w4_config._tune_candidates(1)) + len(w4_config.PREFILL_CANDIDATES)
     entries = json.loads(tune_cache.read_text())
     written = sorted(entries.values(), key=lambda e: e["kind"])
     assert [{k: e[k] for k in ("kind", "fields")} for e in written] == [
@@ -609,17 +614,17 @@ def test_tune_w4_reuses_the_choices_of_an_earlier_process(gen, monkeypatch, tune
     assert all(key.startswith(str(DEVICE.type) if DEVICE.type != "cuda" else torch.cuda.get_device_name(DEVICE))
                for key in entries)
 
-    monkeypatch.setattr(w4_module, "_TUNED", {})  # a new process
+    monkeypatch.setattr(w4_config, "_TUNED", {})  # a new process
     timed.clear()
     assert w4_module.tune_w4(packed, (1, 256)) == first and timed == []
-    assert w4_module.decode_config(packed, 1) == first[1]
+    assert w4_config.decode_config(packed, 1) == first[1]
     assert w4_module.tune_w4(packed, (1,), timings={}) == {1: first[1]}  # an explicit timing request re-times
-    assert len(timed) == len(w4_module._tune_candidates(1))
-    monkeypatch.setattr(w4_module, "_TUNED", {})  # a new process with changed kernels: the old choices do not apply
+    assert len(timed) == len(w4_config._tune_candidates(1))
+    monkeypatch.setattr(w4_config, "_TUNED", {})  # a new process with changed kernels: the old choices do not apply
     monkeypatch.setattr(tune_cache_module, "_kernel_hash", lambda: "changed")
     timed.clear()
     w4_module.tune_w4(packed, (1,))
-    assert len(timed) == len(w4_module._tune_candidates(1))
+    assert len(timed) == len(w4_config._tune_candidates(1))
 
 
 def test_a_corrupt_or_stale_tune_cache_is_timed_again_and_rewritten(gen, monkeypatch, tune_cache):
@@ -631,7 +636,7 @@ def test_a_corrupt_or_stale_tune_cache_is_timed_again_and_rewritten(gen, monkeyp
     tune_cache.parent.mkdir()
     tune_cache.write_text('{"truncated": ')
     chosen = w4_module.tune_w4(packed, (1,))
-    assert len(timed) == len(w4_module._tune_candidates(1))
+    assert len(timed) == len(w4_config._tune_candidates(1))
     (key, entry), = json.loads(tune_cache.read_text()).items()
     assert {k: entry[k] for k in ("kind", "fields")} == {"kind": "DecodeConfig", "fields": dataclasses.asdict(chosen[1])}
 
@@ -644,11 +649,28 @@ def test_a_corrupt_or_stale_tune_cache_is_timed_again_and_rewritten(gen, monkeyp
              "decode"]
     for bad in stale:
         tune_cache.write_text(json.dumps({key: bad}))
-        monkeypatch.setattr(w4_module, "_TUNED", {})
+        monkeypatch.setattr(w4_config, "_TUNED", {})
         timed.clear()
         assert w4_module.tune_w4(packed, (1,)) == chosen, bad
-        assert len(timed) == len(w4_module._tune_candidates(1)), f"{bad} was taken from the cache"
+        assert len(timed) == len(w4_config._tune_candidates(1)), f"{bad} was taken from the cache"
         assert json.loads(tune_cache.read_text()) == {key: entry}
+
+
+def test_tune_cache_key_follows_the_kernel_code_and_the_switches_not_the_prose(tmp_path, monkeypatch):
+    """code_hash ignores comments and docstrings (editing prose keeps the tuned choices) and follows any code change;
+    the key also names the kernels.options switches off their defaults."""
+    source = 'def f(x):\n    """Doubles."""\n    return 2 * x  # twice\n'
+    file = tmp_path / "k.py"
+    file.write_text(source)
+    before = tune_cache_module.code_hash(file)
+    file.write_text(source.replace("Doubles.", "Twice x.").replace("# twice", "# 2x"))
+    assert tune_cache_module.code_hash(file) == before
+    file.write_text(source.replace("2 * x", "3 * x"))
+    assert tune_cache_module.code_hash(file) != before
+    default = tune_cache_module.key(torch.device("cpu"), (1,))
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, w4_even=False))
+    changed = tune_cache_module.key(torch.device("cpu"), (1,))
+    assert "w4_even=False" in changed and "w4_even" not in default
 
 
 def test_tune_cache_off_or_unwritable(gen, monkeypatch, tmp_path):
@@ -662,17 +684,17 @@ def test_tune_cache_off_or_unwritable(gen, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SPEAR_TUNE_CACHE", "0")
     for _ in range(2):  # the second time as a new process: no cache to read, timed again
-        monkeypatch.setattr(w4_module, "_TUNED", {})
+        monkeypatch.setattr(w4_config, "_TUNED", {})
         timed.clear()
-        assert w4_module.tune_w4(packed, (1,)) == {1: min(w4_module.DECODE_CANDIDATES, key=tune_score)}
-        assert len(timed) == len(w4_module._tune_candidates(1))
+        assert w4_module.tune_w4(packed, (1,)) == {1: min(w4_config.DECODE_CANDIDATES, key=tune_score)}
+        assert len(timed) == len(w4_config._tune_candidates(1))
     assert list(tmp_path.rglob("*")) == []
 
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("SPEAR_TUNE_CACHE", str(tmp_path / "a_file" / "w4_tuning.json"))  # its folder is a file
     monkeypatch.setattr(tune_cache_module, "_warned", False)
     with pytest.warns(UserWarning, match="not written"):
-        assert w4_module.tune_w4(packed, (4,)) == {4: min(w4_module.DECODE_CANDIDATES, key=tune_score)}
+        assert w4_module.tune_w4(packed, (4,)) == {4: min(w4_config.DECODE_CANDIDATES, key=tune_score)}
     assert [p.name for p in tmp_path.rglob("*")] == ["a_file"]
 
 
@@ -682,11 +704,11 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
     from spear.kernels.pdl import launch_options, uses_pdl
 
     assert launch_options(torch.empty(1)) == {"PDL": False}
-    monkeypatch.setenv("SPEAR_PDL", "0")
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, pdl=False))
     assert not uses_pdl(torch.empty(1, device=DEVICE))
-    monkeypatch.setenv("SPEAR_PDL", "1")
-    options = launch_options(torch.empty(1, device=DEVICE))
-    assert options.get("launch_pdl", False) == options["PDL"]
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, pdl=True))
+    launch = launch_options(torch.empty(1, device=DEVICE))
+    assert launch.get("launch_pdl", False) == launch["PDL"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a GPU")
@@ -709,12 +731,12 @@ def test_pdl_chain_in_a_graph_matches_serial_launches(gen, monkeypatch):
         return w4_decode(w4_decode(y, up, ec_up, swiglu=True), down, ec_down)
 
     inputs = [torch.randn(1, k, generator=gen).half().to(DEVICE) for _ in range(20)]
-    monkeypatch.setenv("SPEAR_PDL", "0")
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, pdl=False))
     serial = []  # a replay whose launches overlap unordered would read the previous input's intermediates
     for x_i in inputs:
         x.copy_(x_i)
         serial.append(chain())
-    monkeypatch.setenv("SPEAR_PDL", "1")
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, pdl=True))
     chain()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

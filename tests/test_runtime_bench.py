@@ -85,9 +85,9 @@ def test_decode_history_marks_runs_off_todays_defaults():
 
 def test_lab_switches_reject_bad_values():
     """The kernels' lab switches are read at import: a bad value stops there with one line naming the switch."""
-    for module, env in (("spear.kernels.w4", {"SPEAR_W4_DOT_ASM": "yes"}),
-                        ("spear.kernels.w4", {"SPEAR_W4_DOT_WIDE": "3"}),
-                        ("spear.kernels.ops", {"SPEAR_ATTN_BLOCK_N": "48"})):
+    for module, env in (("spear.kernels.w4", {"SPEAR_W4_EVEN": "yes"}),
+                        ("spear.kernels.w4", {"SPEAR_W4_GEMV_SPLITS": "2 x"}),
+                        ("spear.kernels.ops", {"SPEAR_PDL": "2"})):
         proc = subprocess.run([sys.executable, "-c", f"import {module}"], check=False, capture_output=True, text=True,
                               env={**os.environ, **env})
         name = next(iter(env))

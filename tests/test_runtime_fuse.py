@@ -7,12 +7,15 @@ the concatenation of the separate outputs up to fp16 rounding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from fixtures import random_model
 from test_kernels import DEVICE, SEED, assert_close, random_ec
 
 from spear.errors import SpearError
+from spear.kernels import options
 from spear.kernels.pack import concat_ec, concat_w4, pack_ec, pack_w4
 from spear.kernels.reference import w4_linear_ref
 from spear.kernels.w4 import w4_linear
@@ -200,20 +203,20 @@ def packed_fused_model(n_layers: int):
 
 
 def test_swiglu_in_the_epilogue_keeps_the_model_logits(monkeypatch, gen):
-    """The runtime model with FUSE_SWIGLU (gate/up's activation from the launch's epilogue, the default) against
+    """The runtime model with options' fuse_swiglu (gate/up's activation from the launch's epilogue, the default) against
     the separate SiLU·up op: the fused launch runs on every decode-sized step (the 5-token prefill included) and
     the logits stay the same."""
     from spear.runtime import model as model_module
 
     model = packed_fused_model(n_layers=2)
     ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
-    monkeypatch.setattr(model_module, "FUSE_SWIGLU", False)
-    monkeypatch.setattr(model_module, "FOLD_NORM", False)  # test_folded_norms_keep_the_model_logits
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fuse_swiglu=False))
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=False))  # test_folded_norms_keep_the_model_logits
     ref = logits(model, ids, prefill=5)
     calls = []
     fused = FusedLinear.swiglu
     monkeypatch.setattr(FusedLinear, "swiglu", lambda self, x, **kw: calls.append(x.shape[0]) or fused(self, x, **kw))
-    monkeypatch.setattr(model_module, "FUSE_SWIGLU", True)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fuse_swiglu=True))
     out = logits(model, ids, prefill=5)
     assert calls == [5, 5, 1, 1, 1, 1], f"swiglu launches by rows: {calls}"
     err = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -221,7 +224,7 @@ def test_swiglu_in_the_epilogue_keeps_the_model_logits(monkeypatch, gen):
 
 
 def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
-    """The runtime model with FOLD_NORM (each layer's two add + RMSNorm launches folded into the W4 launches
+    """The runtime model with options' fold_norm (each layer's two add + RMSNorm launches folded into the W4 launches
     around them, kernels.w4.FoldedNorm) against the separate norm op: on every decode-sized step, the 5-token
     prefill included, o and down hand a FoldedNorm on (down's to the next layer only: the last layer's goes to
     the final norm) and the logits stay the same."""
@@ -230,13 +233,13 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
 
     model = packed_fused_model(n_layers=3)
     ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
-    monkeypatch.setattr(model_module, "FOLD_NORM", False)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=False))
     ref = logits(model, ids, prefill=5)
     folds = []
     add_norm = w4_module.w4_decode_add_norm
     monkeypatch.setattr(w4_module, "w4_decode_add_norm",
                         lambda x, *a, **kw: folds.append(x.shape[0]) or add_norm(x, *a, **kw))
-    monkeypatch.setattr(model_module, "FOLD_NORM", True)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=True))
     out = logits(model, ids, prefill=5)
     per_step = 2 * model.args.n_layers - 1  # o in every layer, down in all but the last
     assert folds == [5] * per_step + [1] * per_step * 2, f"folded norms by rows: {folds}"
@@ -245,8 +248,8 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
 
 
 def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypatch):
-    """runtime.model._folds_norm: a packed SpearLinear folds with FOLD_NORM; a row-parallel layer (a module with
-    folds_norm, tp.RowParallelLinear) only with FOLD_NORM_TP as well, and only where its reduction takes the rows."""
+    """runtime.model._folds_norm: a packed SpearLinear folds with options' fold_norm; a row-parallel layer (a module with
+    folds_norm, tp.RowParallelLinear) only with options' fold_norm_tp as well, and only where its reduction takes the rows."""
     from spear.runtime import model as model_module
 
     class RowParallel(torch.nn.Module):  # tp.RowParallelLinear's side of the contract
@@ -255,14 +258,14 @@ def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypa
 
     consumer = object()
     x = torch.zeros(2, 8, dtype=torch.float16)
-    monkeypatch.setattr(model_module, "FOLD_NORM", True)
-    monkeypatch.setattr(model_module, "FOLD_NORM_TP", False)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=True))
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=False))
     assert not model_module._folds_norm(RowParallel(), consumer, x)
-    monkeypatch.setattr(model_module, "FOLD_NORM_TP", True)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=True))
     assert model_module._folds_norm(RowParallel(), consumer, x)
     assert not model_module._folds_norm(RowParallel(), consumer, torch.zeros(5, 8, dtype=torch.float16))
     assert not model_module._folds_norm(RowParallel(), None, x)  # no fused consumer
     assert not model_module._folds_norm(RowParallel(), consumer, x.float())  # not the kernels' dtype
-    monkeypatch.setattr(model_module, "FOLD_NORM", False)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=False))
     assert not model_module._folds_norm(RowParallel(), consumer, x)
 

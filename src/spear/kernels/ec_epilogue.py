@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from spear.kernels.w4 import store_add_norm
+from spear.kernels.w4.epilogue import store_add_norm
 
 
 def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,

@@ -11,24 +11,23 @@ multiplies in float32, one accumulator an element, summed once a row block.
 `CUBLAS`); `dense_linear` then takes the tuned choice for one-row fp16 inputs on CUDA, cuBLAS for everything else.
 The reference is `torch.nn.functional.linear`.
 
-Session 21 timed the add + RMSNorm before the GEMV and SiLU·up after gate|up's folded into it (three launches a layer
+Folding the add + RMSNorm before the GEMV and SiLU·up after gate|up's folded into it (three launches a layer
 fewer; built at fb8a2ac, timed at 3e55312): the folded GEMV was 0.89–0.92× the launches it replaced on 7B shapes,
-and Llama-2-7B fp16 no faster through the engine (BENCHMARKS §5 "Session 21"), so the folds were removed.
+and Llama-2-7B fp16 no faster through the engine (BENCHMARKS §5), so the folds were removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from spear.kernels import tune_cache
-from spear.kernels.pdl import launch_options, pdl_enter, pdl_release, runs_compiled
+from spear.kernels import options, tune_cache
+from spear.kernels.pdl import launch_options, pdl_enter, runs_compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,23 +40,12 @@ class GemvConfig:
 
 CUBLAS = GemvConfig(0, 0, 0)
 # Where BLOCK_K = 256 × num_warps, every warp's lanes lie along K and x takes the weight tile's layout as it loads;
-# narrower steps move x through shared memory each step (a barrier; offline SASS). Session 19's first call
+# narrower steps move x through shared memory each step (a barrier; offline SASS). The first timing
 # (f16_gemv_h200_5788136.json) had such configs best on 12 of 16 shapes; the 2-warp ones came after it.
 CANDIDATES = [CUBLAS] + [GemvConfig(*c) for c in (
     (2, 512, 2), (4, 512, 2), (8, 512, 2), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 4), (8, 256, 4),
     (16, 256, 4), (4, 1024, 8), (8, 512, 8), (16, 512, 8),
     (2, 1024, 4, 4), (2, 1024, 4, 8), (4, 1024, 4, 4), (2, 512, 2, 8), (4, 512, 2, 4), (16, 256, 4, 4))]
-# SPEAR_F16_GEMV=0: tune_gemv keeps cuBLAS on every shape (the float fusion stays: its A/B against the GEMV);
-# "always": the fastest kernel config even where cuBLAS is faster alone (cuBLAS's launches take no part in PDL)
-GEMV_MODE = os.environ.get("SPEAR_F16_GEMV", "1")
-if GEMV_MODE not in ("0", "1", "always"):
-    raise ValueError(f"SPEAR_F16_GEMV must be 0, 1 or always, got {GEMV_MODE!r}")
-USE_GEMV = GEMV_MODE != "0"
-# When the next launch may start (PDL): "early" (the default), right after the wait, so that the next launch starts
-# during this one's last wave (its prologue, and a GEMV's first weight tile, under this one's tail); "late", after
-# the program's stores (the W4 kernel's choice). Session 20 (S20C): Llama-2-7B fp16 at batch 1, 4.12-4.17 ms early
-# against 4.30-4.32 late, in both orders. SPEAR_F16_GEMV_RELEASE=late to time it again.
-EARLY_RELEASE = os.environ.get("SPEAR_F16_GEMV_RELEASE", "early") == "early"
 TUNE_BYTES = 256 << 20  # weight bytes per timed graph when tuning: five times the H200's 50 MB L2
 _TUNED: dict[tuple, GemvConfig] = {}
 
@@ -65,7 +53,7 @@ _TUNED: dict[tuple, GemvConfig] = {}
 @triton.jit
 def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                     EVEN_K: tl.constexpr, EARLY_RELEASE: tl.constexpr, PDL: tl.constexpr):
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # A program owns ROW_BLOCKS blocks of BLOCK_N output rows (f16_gemv checks the division) and walks them as one
     # run of (row block, K step) tiles, each loaded a tile ahead, across row blocks too.
     rows = tl.arange(0, BLOCK_N)
@@ -76,7 +64,10 @@ def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
         w = tl.load(w_base, eviction_policy="evict_first")
     else:
         w = tl.load(w_base, mask=cols[None, :] < K, other=0.0, eviction_policy="evict_first")
-    pdl_enter(PDL, LATE=not EARLY_RELEASE)  # x is the launch before's output
+    # x is the launch before's output. The next launch may start right after the wait, during this one's last wave
+    # (its prologue, and a GEMV's first weight tile, under this one's tail): Llama-2-7B fp16 at batch 1 took
+    # 4.12-4.17 ms so against 4.30-4.32 with the release after the stores, in both orders (bench/NOTES-kernels.md).
+    pdl_enter(PDL)
     for block in range(ROW_BLOCKS):
         ptrs = w_base + block * (BLOCK_N * stride_w)
         # the next row block's first tile (the last block's: the first block's again, not past the program's rows)
@@ -99,8 +90,6 @@ def _f16_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, stride_w,
         if HAS_BIAS:
             y += tl.load(b_ptr + out_rows).to(tl.float32)
         tl.store(y_ptr + out_rows, y.to(tl.float16))
-    if not EARLY_RELEASE:
-        pdl_release(PDL)
 
 
 def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: GemvConfig,
@@ -117,7 +106,7 @@ def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     _f16_gemv_kernel[(n // (cfg.block_n * cfg.row_blocks),)](
         x, weight, bias if bias is not None else weight, y, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
-        EVEN_K=k % cfg.block_k == 0, EARLY_RELEASE=EARLY_RELEASE, num_warps=cfg.num_warps, num_stages=1,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=1,
         **launch_options(x))
     return y
 
@@ -136,9 +125,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 @functools.cache
 def _source_hash() -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return tune_cache.code_hash(Path(__file__))
 
 
 def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -146,8 +133,9 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
     """The fastest of cuBLAS and the kernel's configs for one fp16 row on this weight shape (CUDA, outside graph
     capture; timed in a CUDA graph over copies that overflow L2), kept for `dense_linear` and in the tuning cache
     (kernels.tune_cache: a later process on the same GPU and versions reads it instead). With `timings`, every
-    candidate is timed again and its (median µs, config) goes into the list, fastest first. SPEAR_F16_GEMV=0 picks
-    cuBLAS untimed, "always" the fastest kernel config (GEMV_MODE)."""
+    candidate is timed again and its (median µs, config) goes into the list, fastest first. kernels.options's
+    f16_gemv: "0" picks cuBLAS untimed (the stacked float layers stay: their A/B against the GEMV), "always" the
+    fastest kernel config even where cuBLAS is faster alone (cuBLAS's launches take no part in PDL)."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
@@ -155,13 +143,13 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
 
     if timings is None and _key(weight) in _TUNED:
         return _TUNED[_key(weight)]
-    if not USE_GEMV and timings is None:
+    mode = options.OPTIONS.f16_gemv
+    if mode == "0" and timings is None:
         _TUNED[_key(weight)] = CUBLAS
         return CUBLAS
     n, k = weight.shape
     cache = tune_cache.path()
-    release = "early" if EARLY_RELEASE else "late"
-    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k, GEMV_MODE, release),
+    cache_key = tune_cache.key(weight.device, ("f16_gemv", n, k),
                                source=f"f16_gemv.py {_source_hash()}")
     if cache is not None and timings is None:
         cached = tune_cache.config(tune_cache.read(cache).get(cache_key), (GemvConfig,), CANDIDATES)
@@ -181,7 +169,7 @@ def tune_gemv(weight: torch.Tensor, bias: torch.Tensor | None = None,
         except (OutOfResources, CompilationError):
             pass
     ranked = sorted(measured, key=lambda t: t[0])
-    if GEMV_MODE == "always" and timings is None:  # cuBLAS only where no kernel config runs the shape
+    if mode == "always" and timings is None:  # cuBLAS only where no kernel config runs the shape
         ranked = [t for t in ranked if t[1] != CUBLAS] or ranked
     if timings is not None:
         timings.extend(ranked)

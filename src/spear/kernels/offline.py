@@ -89,69 +89,70 @@ _DIVISIBLE = ("KW", "K", "N", "stride_xm", "stride_ym", "k_per_split", "ax_k_per
 
 def variants() -> dict[str, tuple]:
     """name → (kernel, pointer types, constexprs, num_warps) for each kernel variant the host code launches."""
-    from spear.kernels import ec_epilogue, w4
+    from spear.kernels import ec_epilogue
+    from spear.kernels.w4 import decode, prefill
 
     f16 = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
                             "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
                    "reads_ptr": I64}
     out = {}
-    lab_off = dict(EC_ABLATE=0, GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True,  # GEMV loop unpipelined
+    lab_off = dict(GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True,  # GEMV loop unpipelined
                    PDL=False, PDL_LATE=False, PRELOAD=False)
     for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
                                            (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
                                            (0, True, 8, True, 64), (0, True, 2, False, 128)):
         const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=bm, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=w4.u_chunk(bm, 32), **lab_off)
+                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=decode.u_chunk(bm, 32), **lab_off)
         name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
-        out[name] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
-    # the dot loop at 16 rows as the tuner picks it since session 14 (BN 64 / 128, 4 warps: wgmma, one K = 128 dot a
+        out[name] = (decode._w4_decode_kernel, decode_ptrs, const, 4)
+    # the dot loop at 16 rows as the tuner picks it (BN 64 / 128, 4 warps: wgmma, one K = 128 dot a
     # block, _w4_block_wide)
     for bn in (64, 128):
         const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=32, H=16, BM=16, BN=bn, BK=128, SPG=8, GEMV_ROWS=0,
-                     BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=w4.u_chunk(16, 32), **lab_off)
-        out[f"decode rows=dot ec=False bn={bn} wide"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
-    # groups of 64 and 32 with one dot a group (SPEAR_W4_DOT_WIDE=2, the kernel's WIDE)
+                     BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=decode.u_chunk(16, 32), **lab_off)
+        out[f"decode rows=dot ec=False bn={bn} wide"] = (decode._w4_decode_kernel, decode_ptrs, const, 4)
+    # groups of 64 and 32 with one dot a group
     for spg in (4, 2):
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=128, BK=128, SPG=spg, GEMV_ROWS=0,
-                     BKW=64, PER_CHANNEL=False, PEERS=0, U_CHUNK=w4.u_chunk(16, 32), WIDE=2, **lab_off)
-        out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2"] = (w4._w4_decode_kernel, decode_ptrs, const, 4)
-    # the wide loops with their codes through inline PTX (SPEAR_W4_DOT_ASM=1, the kernels' DOT_ASM; the default)
+                     BKW=64, PER_CHANNEL=False, PEERS=0, U_CHUNK=decode.u_chunk(16, 32), **lab_off)
+        out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2"] = (decode._w4_decode_kernel, decode_ptrs, const, 4)
+    # the wide loops with their codes through inline PTX (DOT_ASM: what compiled code launches)
     out["decode rows=dot ec=False bn=128 wide asm"] = (
-        w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=False bn=128 wide"][2], "DOT_ASM": True}, 4)
+        decode._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=False bn=128 wide"][2], "DOT_ASM": True}, 4)
     out["decode rows=dot ec=True bn=128 spg=4 wide=2 asm"] = (
-        w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "DOT_ASM": True}, 4)
+        decode._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "DOT_ASM": True}, 4)
     # g = 128 with one dot a block (the decode kernel's float32 scale a group; the compile test's contrast)
     out["decode rows=dot ec=True bn=128 spg=8 wide=2 grouped"] = (
-        w4._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "SPG": 8}, 4)
+        decode._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "SPG": 8}, 4)
     for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
-        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=w4.ax_block(1, 128), SPG=8,
+        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=decode.ax_block(1, 128), SPG=8,
                      GEMV_ROWS=1, BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
-        out[f"decode rows=1 ec={ec} warps=8"] = (w4._w4_decode_kernel, decode_ptrs, const, 8)
-    # the same with as many columns of A a u-program step as GEMV words a step (what w4.ax_block avoids), for the test
-    out["decode rows=1 ec=False warps=8 bk=128"] = (w4._w4_decode_kernel, decode_ptrs,
+        out[f"decode rows=1 ec={ec} warps=8"] = (decode._w4_decode_kernel, decode_ptrs, const, 8)
+    # the same with as many columns of A a u-program step as GEMV words a step (what decode.ax_block avoids), for the test
+    out["decode rows=1 ec=False warps=8 bk=128"] = (decode._w4_decode_kernel, decode_ptrs,
                                                     {**const, "HAS_EC": False, "GATED": False, "BK": 128}, 8)
     for rows in (1, 0):  # gate/up with silu(gate) ⊙ up in the epilogue (model.FUSE_SWIGLU), GEMV and dot loops
-        out[f"decode rows={rows or 'dot'} ec=True swiglu"] = (w4._w4_decode_kernel, decode_ptrs,
+        out[f"decode rows={rows or 'dot'} ec=True swiglu"] = (decode._w4_decode_kernel, decode_ptrs,
                                                               {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
                                                                "GEMV_ROWS": rows}, 8)
     # the GEMV loop pipelined through shared memory (as the tuner's 3-stage candidates run it)
-    out["decode rows=1 ec=False warps=8 stages=3"] = (w4._w4_decode_kernel, decode_ptrs,
+    out["decode rows=1 ec=False warps=8 stages=3"] = (decode._w4_decode_kernel, decode_ptrs,
                                                       {**const, "HAS_EC": False, "GATED": False, "GEMV_STAGES": 3}, 8)
     # the GEMV loop in fp16x2 (DecodeConfig.gemv_f16x2): as the 8-warp one-row GEMV above, and at 4 warps, 16 rows of W
     # and 256 words a step, 2 stages (both loops there); its 4-row and grouped (g = 32, 128) branches
-    f16x2 = {**const, "HAS_EC": False, "GATED": False, "GEMV_F16X2": True, "WORD_CHAIN": w4.f16x2_word_chain()}
-    out["decode rows=1 ec=False warps=8 f16x2"] = (w4._w4_decode_kernel, decode_ptrs, f16x2, 8)
+    f16x2 = {**const, "HAS_EC": False, "GATED": False, "GEMV_F16X2": True, "WORD_CHAIN": decode.WORD_CHAIN}
+    out["decode rows=1 ec=False warps=8 f16x2"] = (decode._w4_decode_kernel, decode_ptrs, f16x2, 8)
     for on in (False, True):
         out["decode rows=1 ec=False warps=4 bn=16 bkw=256 stages=2" + " f16x2" * on] = (
-            w4._w4_decode_kernel, decode_ptrs, {**f16x2, "GEMV_F16X2": on, "BN": 16, "BKW": 256, "GEMV_STAGES": 2,
-                                                "BK": w4.ax_block(1, 256)}, 4)
+            decode._w4_decode_kernel, decode_ptrs, {**f16x2, "GEMV_F16X2": on, "BN": 16, "BKW": 256, "GEMV_STAGES": 2,
+                                                "BK": decode.ax_block(1, 256)}, 4)
     for rows, spg, per_channel in ((4, 8, True), (1, 2, False), (1, 8, False)):
         out[f"decode rows={rows} ec=True spg={spg} per_channel={per_channel} f16x2"] = (
-            w4._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True, "GEMV_ROWS": rows, "SPG": spg,
+            decode._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True, "GEMV_ROWS": rows, "SPG": spg,
                                                 "PER_CHANNEL": per_channel, "BKW": 64, "BK": 128}, 4)
     # launched dependent on the launch before (kernels.pdl): griddepcontrol.wait first, the release after the loop
-    out["decode rows=1 ec=True f16x2 pdl"] = (w4._w4_decode_kernel, decode_ptrs,
+    out["decode rows=1 ec=True f16x2 pdl"] = (decode._w4_decode_kernel, decode_ptrs,
                                               {**f16x2, "HAS_EC": True, "GATED": True, "BKW": 64, "BK": 128,
                                                "PDL": True, "PDL_LATE": True}, 4)
     # each step's codes loaded a step ahead, the first before griddepcontrol.wait (PRELOAD: W4Launch.preload), as the
@@ -160,54 +161,52 @@ def variants() -> dict[str, tuple]:
                                ("decode rows=1 ec=False warps=8 f16x2 preload", f16x2, 8),
                                ("decode rows=1 ec=True warps=4 f16x2 preload", {**f16x2, "HAS_EC": True, "GATED": True,
                                                                                 "BKW": 64, "BK": 128}, 4)):
-        out[name] = (w4._w4_decode_kernel, decode_ptrs, {**extra, "PDL": True, "PDL_LATE": True, "PRELOAD": True}, warps)
+        out[name] = (decode._w4_decode_kernel, decode_ptrs, {**extra, "PDL": True, "PDL_LATE": True, "PRELOAD": True}, warps)
     # an RMSNorm folded across two launches (kernels.norm_fold): the producer's add + Σ h² epilogue, the consumer's
     # rstd scaling (SwiGLU, as gate/up takes it), both as the tuner's 4-warp fp16x2 EC candidate runs under PDL
     fold = {**f16x2, "HAS_EC": True, "GATED": True, "BKW": 64, "BK": 128, "PDL": True, "PDL_LATE": True, "PRELOAD": True}
-    out["decode rows=1 ec=True f16x2 add_norm"] = (w4._w4_decode_kernel, {**decode_ptrs, "res_ptr": F16, "nw_ptr": F16,
+    out["decode rows=1 ec=True f16x2 add_norm"] = (decode._w4_decode_kernel, {**decode_ptrs, "res_ptr": F16, "nw_ptr": F16,
                                                                          "hw_ptr": F16, "ssq_ptr": F32},
                                                    {**fold, "ADD_NORM": True}, 4)
     for rows in (1, 0):
         out[f"decode rows={rows or 'dot'} ec=True swiglu rms_in"] = (
-            w4._w4_decode_kernel, {**decode_ptrs, "ssq_ptr": F32, "eps": "fp32"},
+            decode._w4_decode_kernel, {**decode_ptrs, "ssq_ptr": F32, "eps": "fp32"},
             {**fold, "SWIGLU": True, "GEMV_ROWS": rows, "RMS_IN": True, "SSQ_BLOCK": 128}, 4)
-    out["decode rows=dot ec=True swiglu pdl"] = (w4._w4_decode_kernel, decode_ptrs,
+    out["decode rows=dot ec=True swiglu pdl"] = (decode._w4_decode_kernel, decode_ptrs,
                                                  {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
                                                   "GEMV_ROWS": 0, "PDL": True}, 4)
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
                  BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
-    out["decode rows=1 float32 out"] = (w4._w4_decode_kernel, {**decode_ptrs, "y_ptr": F32, "bias_ptr": F32}, const, 4)
+    out["decode rows=1 float32 out"] = (decode._w4_decode_kernel, {**decode_ptrs, "y_ptr": F32, "bias_ptr": F32}, const, 4)
     for rows in (1, 0):  # tensor parallelism: the partials y_r and u_r into two ranks' buffers, then the signals
         const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=rows,
                      BKW=64, PER_CHANNEL=True, PEERS=2, U_CHUNK=8, **lab_off)
-        out[f"decode rows={rows or 'dot'} to peers"] = (w4._w4_decode_kernel, {**decode_ptrs, "peer_rows_ptr": I64,
+        out[f"decode rows={rows or 'dot'} to peers"] = (decode._w4_decode_kernel, {**decode_ptrs, "peer_rows_ptr": I64,
                                                                                "peer_signals_ptr": I64}, const, 4)
     for split in (False, True):  # the EC's rank-space kernel for the prefill paths: whole K, or K split
-        out["ec_rank" + " split" * split] = (w4._ec_rank_kernel, {**f16, "u_part_ptr": F32 if split else F16},
+        out["ec_rank" + " split" * split] = (prefill._ec_rank_kernel, {**f16, "u_part_ptr": F32 if split else F16},
                                              dict(GATED=True, R=32, H=16, BM=32, BK=64, SPLIT=split), 4)
-    out["ec_gate"] = (w4._ec_gate_kernel, {**f16, "u_part_ptr": F32}, dict(GATED=True, R=32, H=16, BM=32), 4)
-    out["dequant"] = (w4._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
-    out["prefill_fused"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-                            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=64, BN=64, SPG=8, GROUP_M=8, PER_CHANNEL=True), 4)
+    out["ec_gate"] = (prefill._ec_gate_kernel, {**f16, "u_part_ptr": F32}, dict(GATED=True, R=32, H=16, BM=32), 4)
+    out["dequant"] = (prefill._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
     for spg in (8, 4):  # the wide dot loop (one dot a block, or a group of 64 with its codes scaled) in the prefill
         # tile GEMM
         out[f"prefill_fused wide=2 spg={spg}"] = (
-            w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8, WIDE=2,
+            prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8,
                  SCALE_CODES=spg != 8), 8)
-    out["prefill_fused wide=2 spg=8 asm"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+    out["prefill_fused wide=2 spg=8 asm"] = (prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                                              {**out["prefill_fused wide=2 spg=8"][2], "DOT_ASM": True}, 8)
-    # g = 128: the float32 scale a group (session 15's, the compile test's contrast), and the codes scaled (launched)
+    # g = 128: the float32 scale a group (the compile test's contrast), and the codes scaled (launched)
     grouped = {**out["prefill_fused wide=2 spg=8"][2], "PER_CHANNEL": False, "SCALE_CODES": False}
-    out["prefill_fused wide=2 spg=8 grouped"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, grouped, 8)
+    out["prefill_fused wide=2 spg=8 grouped"] = (prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32}, grouped, 8)
     out["prefill_fused wide=2 spg=8 scale_codes asm"] = (
-        w4._w4_prefill_kernel, {**f16, "qw_ptr": I32}, {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
+        prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32}, {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
     # from 1024 rows with an EC: the 128 × 256 tile as the programmatic dependent of the rank programs beside it
-    out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = (w4._w4_prefill_kernel, {**f16, "qw_ptr": I32},
+    out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = (prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32},
                                                       {**out["prefill_fused wide=2 spg=8 asm"][2], "BN": 256,
                                                        "PDL": True}, 8)
-    out["ec_rank_programs pdl"] = (w4._ec_rank_programs_kernel, f16,
+    out["ec_rank_programs pdl"] = (prefill._ec_rank_programs_kernel, f16,
                                    dict(GATED=True, R=32, H=16, BM=128, BK=128, PDL=True), 8)
     for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
         out[f"ec_epilogue ec={has_ec}"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32,
@@ -238,12 +237,12 @@ def variants() -> dict[str, tuple]:
     from spear.kernels import f16_gemv
 
     gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
-    # (block_n, block_k, warps, row_blocks, even K, early release)
-    for block_n, block_k, warps, row_blocks, even, early in ((2, 1024, 4, 1, True, False), (4, 1024, 4, 4, False, True)):
-        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even} early={early}"] = (
+    # (block_n, block_k, warps, row_blocks, even K)
+    for block_n, block_k, warps, row_blocks, even in ((2, 1024, 4, 1, True), (4, 1024, 4, 4, False)):
+        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even}"] = (
             f16_gemv._f16_gemv_kernel, gemv_ptrs,
             dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even,
-                 EARLY_RELEASE=early, PDL=True), warps)
+                 PDL=True), warps)
     return out
 
 

@@ -22,8 +22,6 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -45,13 +43,11 @@ def _jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
     return fn if triton is None else triton.jit(fn, do_not_specialize=list(do_not_specialize))
 
 
-# Keys per inner step of the attention kernel (SPEAR_ATTN_BLOCK_N, a power of two >= 16). With a short context
-# each split is one step, so this also sets how many programs share a sequence's keys at batch 1. Session 15: 32
-# against 64 made Llama-2-7B W4 decode 7% faster per token at batch 8 and 10–12% at 16 (2 runs against 4).
-BLOCK_N = int(os.environ.get("SPEAR_ATTN_BLOCK_N", "32"))
-if BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):
-    raise ValueError(f"SPEAR_ATTN_BLOCK_N must be a power of two >= 16, got {BLOCK_N}")
-# Decode attention's splits of the keys (flash-decoding, decode_splits). Session 7's fixed 256-key partitions
+# Keys per inner step of the attention kernel (a power of two >= 16). With a short context each split is one step,
+# so this also sets how many programs share a sequence's keys at batch 1. 32 against 64 made Llama-2-7B W4 decode 7%
+# faster per token at batch 8 and 10–12% at 16 (bench/NOTES-kernels.md).
+BLOCK_N = 32
+# Decode attention's splits of the keys (flash-decoding, decode_splits). Fixed 256-key partitions
 # took 11 µs a layer at batch 1 on the H200 (Llama-2-7B, ~130 keys: 2-3 dependent steps in one program).
 MAX_SPLITS = 16
 ATTENTION_PROGRAMS_PER_SM = 4

@@ -12,7 +12,7 @@ The contract every PDL launch keeps (CUDA programming guide, "Programmatic Depen
   (the prefill rank programs, w4.py's `_ec_rank_programs_kernel`) lets the next launch (the tile GEMM) read that
   launch's inputs before its wait too: they were written before its dependent could start.
 
-Off under the Triton interpreter and before sm_90; `SPEAR_PDL=0` turns it off (to time the difference).
+Off under the Triton interpreter and before sm_90; kernels.options's `pdl` (SPEAR_PDL=0) turns it off.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from spear.kernels import options
 
 
 @functools.cache
@@ -47,7 +49,7 @@ def runs_compiled(x: torch.Tensor) -> bool:
 
 def uses_pdl(x: torch.Tensor) -> bool:
     """Whether launches on x's device go as programmatic dependent launches (compiled code on sm_90+)."""
-    return (runs_compiled(x) and os.environ.get("SPEAR_PDL", "1") != "0" and _triton_launches_pdl()
+    return (runs_compiled(x) and options.OPTIONS.pdl and _triton_launches_pdl()
             and _device_has_pdl(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
@@ -58,13 +60,13 @@ def launch_options(x: torch.Tensor) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class W4Launch:
-    """How the W4 decode kernel uses PDL (lab knobs SPEAR_PDL_LATE, SPEAR_PDL_LATE_GEMV, SPEAR_W4_PRELOAD): late, let
+    """How the W4 decode kernel uses PDL (kernels.options: pdl_late, pdl_late_gemv, w4_preload): late, let
     the next launch start after the main loops (else right after the wait) on launches of the dot loop; late_gemv,
-    the same on launches of the GEMV loop (a few rows). Both release late by default. Session 20 timed early
+    the same on launches of the GEMV loop (a few rows). Both release late by default. Early releases were timed
     releases twice on Llama-2-7B W4, each arm twice in alternating order, and the two calls disagree. S20D (every
     launch early): 1.97 ms at batch 1 against 2.04 late, but 2.92-3.00 at batch 8 against 2.87. S20E (the GEMV loop
     alone early): 2.01 against 1.96-1.97 late. So there is no default change. An L2 prefetch of each tile's first
-    codes before the wait (session 10) and of the next weights while attention runs (session 21) were refuted and
+    codes before the wait and of the next weights while attention runs were refuted and
     removed (bench/NOTES-kernels.md; the code is at 3a42402)."""
 
     late: bool
@@ -73,9 +75,8 @@ class W4Launch:
 
 
 def w4_launch() -> W4Launch:
-    env = os.environ.get
-    return W4Launch(env("SPEAR_PDL_LATE", "1") == "1", env("SPEAR_W4_PRELOAD", "1") == "1",
-                    env("SPEAR_PDL_LATE_GEMV", "1") == "1")
+    o = options.OPTIONS
+    return W4Launch(o.pdl_late, o.w4_preload, o.pdl_late_gemv)
 
 
 @triton.jit

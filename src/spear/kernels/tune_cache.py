@@ -2,13 +2,15 @@
 (`kernels.w4.tune_w4`; the file's entries: key → {"kind": config class name, "fields": its fields, "fastest_us":
 the fastest candidates' median µs and fields, for reading only}).
 
-The key holds the GPU's name, the Triton and torch versions and a hash of the kernel source (any of them can
-change the winner), then the tuner's own key (shape, row bucket, EC rank). A stale or corrupt entry is timed
+The key holds the GPU's name, the Triton and torch versions, a hash of the kernel code (`code_hash`: comments
+and docstrings do not count) and the switches off their defaults (kernels.options; any of them can change the
+winner), then the tuner's own key (shape, row bucket, EC rank). A stale or corrupt entry is timed
 again, never trusted: its fields must be the config class's, and the config one of the current candidates.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -19,6 +21,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from spear.kernels import options
 
 _warned = False  # an unwritable cache is reported once per process
 
@@ -36,18 +40,35 @@ def path() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spear" / "w4_tuning.json"
 
 
+def code_hash(*files: Path) -> str:
+    """12 hex digits of sha256 over the files' code as ast.unparse writes it without docstrings: editing a comment
+    or a docstring keeps the hash (and the tuned choices)."""
+    digest = hashlib.sha256()
+    for file in files:
+        tree = ast.parse(file.read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        digest.update(ast.unparse(tree).encode())
+    return digest.hexdigest()[:12]
+
+
 @functools.cache
 def _kernel_hash() -> str:
-    return hashlib.sha256((Path(__file__).parent / "w4.py").read_bytes()).hexdigest()[:12]
+    return code_hash(*sorted((Path(__file__).parent / "w4").glob("*.py")))
 
 
 def key(device: torch.device, tune_key: tuple, source: str | None = None) -> str:
-    """The entry's key; `source` names the kernel source and its hash (default the W4 kernels', w4.py)."""
+    """The entry's key; `source` names the kernel code and its hash (default the W4 kernels', kernels/w4/)."""
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return f"{name}|triton {triton.__version__}|torch {torch.__version__}|{source or f'w4.py {_kernel_hash()}'}|" + \
-        ",".join(map(str, tune_key))
+    switches = options.OPTIONS.changed() or "default switches"
+    return (f"{name}|triton {triton.__version__}|torch {torch.__version__}|{source or f'w4 {_kernel_hash()}'}|"
+            f"{switches}|" + ",".join(map(str, tune_key)))
 
 
 def read(file: Path) -> dict:

@@ -14,7 +14,6 @@ cuBLAS GEMM over the stacked weights where they are float (FusedDenseLinear), as
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.errors import SpearError
+from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
@@ -29,23 +29,18 @@ from spear.layer import SpearLinear
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 
-# silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode kernel takes: one
-# launch a layer fewer. Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused, 2.40 / 4.31 not
-# (session 9, decode_h200_fuse_*_71458e1.json). SPEAR_FUSE_SWIGLU=0 turns it off. (RoPE and the K/V write fused
-# into the q/k/v launch's epilogue measured 2.47 / 4.19 on top of it, slower at batch 1: removed.)
-FUSE_SWIGLU = os.environ.get("SPEAR_FUSE_SWIGLU", "1") == "1"
-# The add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those W4 decode
-# launches (kernels.norm_fold.FoldedNorm): two launches a layer fewer. SPEAR_FOLD_NORM=0 turns it off.
-FOLD_NORM = os.environ.get("SPEAR_FOLD_NORM", "1") == "1"
-# The same under tensor parallelism, into the row-parallel layers' p2p epilogue (tp.RowParallelLinear.add_norm): exact
-# on an H200 pair but level in time (session 14, BENCHMARKS §7: ±1.5% at TP 2), so off unless SPEAR_FOLD_NORM_TP=1.
-FOLD_NORM_TP = os.environ.get("SPEAR_FOLD_NORM_TP", "0") == "1"
-# A float model on CUDA: q/k/v and gate/up stacked into one GEMM each (FusedDenseLinear), and one-row steps through
-# the fp16 GEMV kernel where it beats cuBLAS on the shape (DenseLinear, kernels.f16_gemv). SPEAR_DENSE_KERNELS=0: the
-# transformers layout, every linear through cuBLAS (to time the difference).
-DENSE_KERNELS = os.environ.get("SPEAR_DENSE_KERNELS", "1") == "1"
-# (The add + RMSNorm and SiLU·up folded into those one-row GEMVs were slower on the H200 and removed: session 21, S21A,
-# BENCHMARKS §5.)
+# The fusions kernels.options switches (options.OPTIONS):
+# - fuse_swiglu: silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode
+#   kernel takes, one launch a layer fewer (Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused,
+#   2.40 / 4.31 not). RoPE and the K/V write fused into the q/k/v launch's epilogue were slower at batch 1: removed.
+# - fold_norm: the add + RMSNorm between o and gate/up, and between down and the next layer's q/k/v, folded into those
+#   W4 decode launches (kernels.norm_fold.FoldedNorm): two launches a layer fewer.
+# - fold_norm_tp: the same under tensor parallelism, into the row-parallel layers' p2p epilogue
+#   (tp.RowParallelLinear.add_norm): exact on an H200 pair but level in time (±1.5% at TP 2), so off by default.
+# - dense_kernels: a float model on CUDA stacks q/k/v and gate/up into one GEMM each (FusedDenseLinear) and runs
+#   one-row steps through the fp16 GEMV kernel where it beats cuBLAS (DenseLinear); off, the transformers layout.
+# The add + RMSNorm and SiLU·up folded into those one-row GEMVs were slower on the H200 and removed
+# (bench/NOTES-kernels.md).
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -242,7 +237,7 @@ class FusedDenseLinear(DenseLinear):
 
 def _decode_launch(x: torch.Tensor) -> bool:
     """Whether a W4 launch on x [T, K] takes the decode kernel (fp16, T ≤ DECODE_PATH_MAX_M): the steps whose
-    epilogue fusion (FUSE_SWIGLU) applies."""
+    epilogue fusion (options' fuse_swiglu) applies."""
     if x.dtype != torch.float16:  # the kernels' dtype (checked first: triton may be missing off the GPU)
         return False
     from spear.kernels.w4 import DECODE_PATH_MAX_M
@@ -252,13 +247,13 @@ def _decode_launch(x: torch.Tensor) -> bool:
 
 def _folds_norm(producer: nn.Module, consumer: FusedLinear | None, x: torch.Tensor) -> bool:
     """Whether the add + RMSNorm after `producer` (on the decode kernel's step x) folds into its launch and the
-    consumer's (FOLD_NORM, kernels.norm_fold.FoldedNorm): a packed SpearLinear, or with FOLD_NORM_TP a row-parallel
+    consumer's (options' fold_norm, kernels.norm_fold.FoldedNorm): a packed SpearLinear, or with fold_norm_tp a row-parallel
     layer whose reduction can take it (a module with `folds_norm(rows)` and `add_norm`: tp.RowParallelLinear)."""
-    if not (FOLD_NORM and consumer is not None and _decode_launch(x)):
+    if not (options.OPTIONS.fold_norm and consumer is not None and _decode_launch(x)):
         return False
     if isinstance(producer, SpearLinear):
         return producer.packed is not None
-    return FOLD_NORM_TP and hasattr(producer, "folds_norm") and producer.folds_norm(x.shape[0])
+    return options.OPTIONS.fold_norm_tp and hasattr(producer, "folds_norm") and producer.folds_norm(x.shape[0])
 
 
 def _add_norm(producer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> FoldedNorm:
@@ -301,7 +296,7 @@ class FeedForward(nn.Module):
         self.w_gate_up: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if FUSE_SWIGLU and isinstance(self.w_gate_up, FusedLinear) and _decode_launch(x):
+        if options.OPTIONS.fuse_swiglu and isinstance(self.w_gate_up, FusedLinear) and _decode_launch(x):
             return self.w_down(self.w_gate_up.swiglu(x))
         gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
         return self.w_down(silu_mul(gate, up))
@@ -337,7 +332,7 @@ class Block(nn.Module):
                         next_block: Block | None = None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
         """(attention output [T, H * D], residual) -> (FFN output, residual), as forward returns them."""
         ff = self.feed_forward
-        if FUSE_SWIGLU and _folds_norm(self.attention.wo, ff.w_gate_up, attn):  # o -> norm -> gate/up, folded
+        if options.OPTIONS.fuse_swiglu and _folds_norm(self.attention.wo, ff.w_gate_up, attn):  # o -> norm -> gate/up, folded
             normed = _add_norm(self.attention.wo, attn, residual, self.ffn_norm)
             act = ff.w_gate_up.swiglu(normed.hw, rms=normed)
             if next_block is not None and _folds_norm(ff.w_down, next_block.attention.wqkv, act):
@@ -461,8 +456,8 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
     if isinstance(model, Transformer) and model.embed.weight.device.type == "cuda":
         # float linears too (on CPU they stay as transformers has them)
         if fuse:
-            fuse_projections(model, dense=DENSE_KERNELS)
-        if DENSE_KERNELS:
+            fuse_projections(model, dense=options.OPTIONS.dense_kernels)
+        if options.OPTIONS.dense_kernels:
             use_dense_kernels(model, tune)
     if not packed:
         return 0

@@ -332,7 +332,7 @@ class RowParallelLinear(nn.Module):
 
     def folds_norm(self, rows: int) -> bool:
         """Whether add_norm can fold the next add + RMSNorm into this layer's reduction (the p2p epilogue) for a
-        step of `rows` rows (runtime.model: FOLD_NORM_TP)."""
+        step of `rows` rows (kernels.options: fold_norm_tp)."""
         return isinstance(self.reduce, PeerReduce) and self.reduce.fits(rows, self._staged_width())
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> FoldedNorm:
