@@ -18,8 +18,9 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(tree: ast.AST) -> list[str]:
-    """Every module name an import statement names (and `from m import n` as m.n), outside TYPE_CHECKING blocks."""
+def _imports(tree: ast.AST) -> list[str | tuple[str, str]]:
+    """Every module an import statement names, outside TYPE_CHECKING blocks: `import m` as m, `from m import n` as
+    (m, n)."""
     found = []
 
     def visit(node: ast.AST) -> None:
@@ -30,8 +31,7 @@ def _imports(tree: ast.AST) -> list[str]:
         if isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append(node.module)
-            found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+            found.extend((node.module, alias.name) for alias in node.names)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -46,6 +46,8 @@ def import_graph(packages: bool = True) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         for target in _imports(ast.parse(path.read_text())):
+            if isinstance(target, tuple):  # from m import n: the submodule m.n where n is one, else m
+                target = f"{target[0]}.{target[1]}" if f"{target[0]}.{target[1]}" in modules else target[0]
             if target not in modules:
                 continue
             a, b = (".".join(m.split(".")[:2]) if packages else m for m in (name, target))
