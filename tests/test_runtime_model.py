@@ -96,6 +96,34 @@ def test_rope_scaling_and_attention_bias_match(kind):
     check_against_hf(hf, ids, [33, 40])
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_family_matches_transformers(family, quantized):
+    """Mistral and Qwen3 (q/k norms before RoPE, an explicit head_dim) beside Llama: prefill, chunked prefill and
+    decode against transformers' own modeling code, float and 4-bit with a gated EC."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                  max_position_embeddings=256, tie_word_embeddings=False)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    args = ModelArgs.from_hf_config(hf.config)
+    assert args.qk_norm == (family == "qwen3") and args.head_dim == 24
+    if quantized:
+        quantize_model(hf, QuantSettings("rtn", QuantConfig(4, -1)))
+        k_proj = hf.model.layers[1].self_attn.k_proj
+        k_proj.ec = ErrorCompensator(k_proj.in_features, k_proj.out_features, 4, gate_hidden=8)
+        for t in (k_proj.ec.A, k_proj.ec.B, k_proj.ec.gate[2].weight):
+            torch.nn.init.normal_(t)
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    check_against_hf(hf, ids, [17, 20])
+
+
 def test_smollm2_matches_transformers(smollm2):
     ids = smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
     check_against_hf(smollm2.model, ids, [5, len(ids) - 9])

@@ -42,7 +42,7 @@ from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 # The add + RMSNorm and SiLU·up folded into those one-row GEMVs were slower on the H200 and removed
 # (bench/NOTES-kernels.md).
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -60,6 +60,7 @@ class ModelArgs:
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q, k, v have biases
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
     max_seq_len: int = 4096
 
     @classmethod
@@ -85,6 +86,7 @@ class ModelArgs:
             rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else None,
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             max_seq_len=min(config.max_position_embeddings, window or config.max_position_embeddings),
         )
 
@@ -268,10 +270,12 @@ def _add_norm(producer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, wq: nn.Module, wk: nn.Module, wv: nn.Module, wo: nn.Module):
+    def __init__(self, args: ModelArgs, wq: nn.Module, wk: nn.Module, wv: nn.Module, wo: nn.Module,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.q_norm, self.k_norm = q_norm, k_norm  # Qwen3's per-head norms (args.qk_norm), else None
         self.wqkv: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
 
     def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor,
@@ -283,9 +287,12 @@ class Attention(nn.Module):
         else:
             T = x.shape[0]
             q, k, v = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
-        q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
-        k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
+        q = q.reshape(T, self.n_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(T, self.n_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head's q and k normed over D, before RoPE
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
         return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots)
 
 
@@ -386,7 +393,9 @@ def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transforme
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
         layers.append(Block(
-            Attention(args, a.q_proj, a.k_proj, a.v_proj, a.o_proj),
+            Attention(args, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                      *((RMSNorm(a.q_norm.weight, args.norm_eps), RMSNorm(a.k_norm.weight, args.norm_eps))
+                        if args.qk_norm else ())),
             FeedForward(m.gate_proj, m.up_proj, m.down_proj),
             RMSNorm(layer.input_layernorm.weight, args.norm_eps),
             RMSNorm(layer.post_attention_layernorm.weight, args.norm_eps),
