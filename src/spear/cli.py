@@ -17,8 +17,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
-    from spear.data.calibration import CalibConfig
-
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"])
     p.add_argument("--bits", type=int, default=4, help="2 to 8 (default 4)")
     p.add_argument("--group-size", type=int, default=-1, help="-1 per-channel (default), or e.g. 32, 64, 128")
@@ -27,6 +25,12 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="symmetric grid: absmax s=max|w|/(2^(b-1)-1) (default) or gptq s=2max|w|/(2^b-1)")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: quantize columns in order of decreasing Hessian diagonal (default on; --no-act-order for the plain sweep)")
+    _add_calib_args(p)
+
+
+def _add_calib_args(p: argparse.ArgumentParser) -> None:
+    from spear.data.calibration import CalibConfig
+
     p.add_argument("--calib-samples", type=int, default=CalibConfig.num_sequences,
                    help=f"calibration sequences (default {CalibConfig.num_sequences})")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
@@ -82,8 +86,6 @@ BENCH_SUITES = {"quality": "quality", "decode": "decode", "kernels": "kernels", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spear.data.calibration import CalibConfig
-
     parser = _Parser(prog="spear", description="4-bit LLMs with input-adaptive error compensators")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -116,11 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compensate", help="add error compensators to a quantized artifact (in place)")
     c.add_argument("artifact", help="artifact directory written by `spear quantize`")
     _add_compensate_args(c)
-    c.add_argument("--calib-samples", type=int, default=CalibConfig.num_sequences,
-                   help=f"calibration sequences (default {CalibConfig.num_sequences})")
-    c.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
-    c.add_argument("--calib-file", default=None, help="a text file to calibrate on instead of self-sampled sequences")
-    c.add_argument("--seed", type=int, default=0)
+    _add_calib_args(c)
     c.add_argument("--device", default=None)
 
     r = sub.add_parser("run", help="the main job: quantize, plan, calibrate, evaluate and report on one model")
