@@ -76,15 +76,14 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
     }
 
 
-def warm_up(model: str, counts: list[int]) -> None:
-    """Convert the model and cache its self-sampled calibration ids (the default sampler; `counts` sequences of 512)."""
+def warm_up(model: str) -> None:
+    """Convert the model and cache its self-sampled calibration ids (CalibConfig's defaults, which most rows share)."""
     from spear.api import model_key
     from spear.data.calibration import CalibConfig, calibration_ids
     from spear.models import load_float_model
 
     lm = load_float_model(model)
-    for n in counts:
-        calibration_ids(lm.model, lm.tokenizer, CalibConfig(n, 512), model_key(model))
+    calibration_ids(lm.model, lm.tokenizer, CalibConfig(), model_key(model))
 
 
 def main() -> None:
@@ -94,12 +93,11 @@ def main() -> None:
     p.add_argument("--suite", default="tables", choices=["tables", "ablations", "data", "quant", "warm"])
     p.add_argument("--time-limit", type=int, default=540, help="seconds each row's process may run")
     args = p.parse_args()
-    from spear.data.calibration import CalibConfig
     from spear.eval.perplexity import data_dir
 
     rows = suites(str(data_dir()))[args.suite]
     args.out.mkdir(parents=True, exist_ok=True)
-    warm_up(args.model, [CalibConfig.num_sequences])
+    warm_up(args.model)
     procs = []
     for name, script, options in rows:
         cmd = ["timeout", str(args.time_limit), sys.executable, str(BENCH / script), "--model", args.model,

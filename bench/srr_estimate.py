@@ -22,8 +22,10 @@ from spear.models import load_float_model
 from spear.quant.record import QuantConfig, rtn_quantize
 
 
-def tail_energy(M: torch.Tensor, r: int) -> float:
-    return (torch.linalg.svdvals(M.double()) ** 2)[r:].sum().item()
+def tail_energies(M: torch.Tensor) -> torch.Tensor:
+    """t[r] = Σ_{i>r} σ_i²(M): what a best rank-r correction leaves of ‖M‖²."""
+    s2 = torch.linalg.svdvals(M.double()) ** 2
+    return s2.flip(0).cumsum(0).flip(0)
 
 
 def main() -> None:
@@ -39,19 +41,23 @@ def main() -> None:
     names = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n != "lm_head"][:: args.every]
     stats = collect_input_stats(lm.model, ids, names)
     quant = QuantConfig(4, -1)
+
+    def dequantized(w: torch.Tensor) -> torch.Tensor:
+        return rtn_quantize(w, quant).dequantize()
+
     rows = {}
     for name in names:
         W = modules[name].weight.float()
         S = sqrtm_psd(stats[name].r_xx.double()).float()
-        W4_error = tail_energy((W - rtn_quantize(W, quant).dequantize()) @ S, 0)
+        qera = tail_energies((W - dequantized(W)) @ S)  # qera[r]: left after the rank-r closed form; qera[0]: W4's error
         U, s, Vh = torch.linalg.svd((W @ S).double(), full_matrices=False)
-        row = {}
-        for r in (1, 2, 4):
-            row[f"qera{r}"] = tail_energy((W - rtn_quantize(W, quant).dequantize()) @ S, r) / W4_error
-            for k in range(1, r + 1):
-                L = (((U[:, :k] * s[:k]) @ Vh[:k]) @ torch.linalg.pinv(S.double())).float()
-                E = (W - L) - rtn_quantize(W - L, quant).dequantize()
-                row[f"srr{r}k{k}"] = tail_energy(E @ S, r - k) / W4_error
+        S_inv = torch.linalg.pinv(S.double())
+        row = {f"qera{r}": qera[r].item() / qera[0].item() for r in (1, 2, 4)}
+        for k in range(1, 5):
+            L = (((U[:, :k] * s[:k]) @ Vh[:k]) @ S_inv).float()  # the top-k whitened directions of W, unwhitened
+            srr = tail_energies((W - L - dequantized(W - L)) @ S)
+            for r in (r for r in (1, 2, 4) if r >= k):
+                row[f"srr{r}k{k}"] = srr[r - k].item() / qera[0].item()
         rows[name] = row
         print(name, {k: round(v, 3) for k, v in row.items()}, flush=True)
     for r in (1, 2, 4):
