@@ -34,6 +34,23 @@ def make_tiny_llama(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int
     return LlamaForCausalLM(config).eval()
 
 
+def make_tiny_family(family: str, noise: float = 0.1, **config):
+    """A tiny random model of any transformers family (`model_type`), its norms and biases perturbed by `noise`
+    (some families initialise them at zero or one, which would hide a missing norm or bias)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    shape = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**shape, **config})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(noise * torch.randn_like(p))
+    return model
+
+
 def make_byte_tokenizer(vocab: int = 256):
     """A byte-level BPE tokenizer with no merges: every byte is one token (no downloads)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

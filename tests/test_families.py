@@ -8,9 +8,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from conftest import make_byte_tokenizer
+from conftest import make_byte_tokenizer, make_tiny_family
 from spear.artifact import ArtifactInfo, load_artifact, save_artifact
 from spear.compensate.calibrate import CalibrateConfig, mean_kl
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers
@@ -29,19 +27,8 @@ FAMILIES = {  # what each brings beside Llama
 FAST = CalibrateConfig(steps=20, batch_size=4, eval_every=5, patience=10, progress=False)
 
 
-def make_tiny(family: str, vocab: int = 256) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        family, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        **FAMILIES[family],
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # some families initialise norms at zero or biases at zero: make every part matter
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+def make_tiny(family: str) -> torch.nn.Module:
+    return make_tiny_family(family, **FAMILIES[family])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

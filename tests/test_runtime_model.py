@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_family, make_tiny_llama
 from fixtures import random_model
 
 from spear.errors import SpearError
@@ -101,17 +101,7 @@ def test_rope_scaling_and_attention_bias_match(kind):
 def test_family_matches_transformers(family, quantized):
     """Mistral and Qwen3 (q/k norms before RoPE, an explicit head_dim) beside Llama: prefill, chunked prefill and
     decode against transformers' own modeling code, float and 4-bit with a gated EC."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                  max_position_embeddings=256, tie_word_embeddings=False)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
+    hf = make_tiny_family(family, noise=0.3, head_dim=24, tie_word_embeddings=False)
     args = ModelArgs.from_hf_config(hf.config)
     assert args.qk_norm == (family == "qwen3") and args.head_dim == 24
     if quantized:

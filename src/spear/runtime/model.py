@@ -392,10 +392,10 @@ def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transforme
     layers = []
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
+        qk_norms = (RMSNorm(a.q_norm.weight, args.norm_eps), RMSNorm(a.k_norm.weight, args.norm_eps)) if args.qk_norm \
+            else (None, None)
         layers.append(Block(
-            Attention(args, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
-                      *((RMSNorm(a.q_norm.weight, args.norm_eps), RMSNorm(a.k_norm.weight, args.norm_eps))
-                        if args.qk_norm else ())),
+            Attention(args, a.q_proj, a.k_proj, a.v_proj, a.o_proj, *qk_norms),
             FeedForward(m.gate_proj, m.up_proj, m.down_proj),
             RMSNorm(layer.input_layernorm.weight, args.norm_eps),
             RMSNorm(layer.post_attention_layernorm.weight, args.norm_eps),
