@@ -37,7 +37,7 @@ from shapes import MODELS
 from fixtures import random_model
 
 from spear.layer import SpearLinear
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.kernels.w4 import decode_tune_rows
 from spear.runtime.model import Transformer

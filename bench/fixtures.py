@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from spear.layer import ErrorCompensator, SpearLinear
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 from spear.runtime.model import Attention, Block, FeedForward, ModelArgs, RMSNorm, Transformer, use_kernels
 
 

@@ -37,7 +37,7 @@ from spear.kernels.w4 import (
     w4_prefill_fused,
 )
 from spear.layer import ErrorCompensator
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 
 # (name, N = out, K = in) of each distinct linear layer
 MODELS = {m: [(name, n, k) for name, (n, k) in linears(m).items()] for m in SHORT}

@@ -28,7 +28,7 @@ from common import write_json
 from decode import EC_FRACTIONS, MODELS, NoText
 from fixtures import random_model
 
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy

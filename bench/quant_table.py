@@ -23,7 +23,7 @@ from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402
 from spear.eval import perplexity  # noqa: E402
 from spear.models import load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
-from spear.quant.record import QuantConfig  # noqa: E402
+from spear.record import QuantConfig  # noqa: E402
 
 
 def settings_grid(bits_list: list[int]) -> list[QuantSettings]:

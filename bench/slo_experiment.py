@@ -32,7 +32,7 @@ from decode import MODELS, NoText, synchronize
 from fixtures import random_model
 from serve import RequestRecord, percentiles, sample_lengths, summarize
 
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.runtime.latency import default_grid, profile
 from spear.runtime.requests import SamplingParams

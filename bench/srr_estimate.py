@@ -19,7 +19,7 @@ import torch
 from spear.compensate.stats import collect_input_stats, sqrtm_psd
 from spear.eval.perplexity import data_dir
 from spear.models import load_float_model
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 
 
 def tail_energies(M: torch.Tensor) -> torch.Tensor:

@@ -222,7 +222,7 @@ def w4_layer_calls(shapes, device: torch.device, tune: bool = True) -> tuple[lis
     epilogue, down. The weights are the first copy's."""
     from spear.kernels.pack import pack_w4
     from spear.kernels.w4 import decode_config, tune_w4, w4_decode
-    from spear.quant.record import QuantConfig, rtn_quantize
+    from spear.record import QuantConfig, rtn_quantize
 
     packed = [pack_w4(rtn_quantize(torch.randn(n, k, device=device, dtype=torch.float16), QuantConfig(4, -1)))
               for n, k in shapes]

@@ -46,7 +46,7 @@ from fixtures import random_model
 from torch.multiprocessing.spawn import ProcessException
 
 from spear.kernels import options
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime.model import ModelArgs, Transformer, use_kernels
 from spear.runtime.runner import DecodeGraph

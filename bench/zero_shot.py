@@ -28,7 +28,7 @@ from spear.eval.tasks import evaluate_tasks, parse_tasks  # noqa: E402
 from spear.layer import SpearLinear  # noqa: E402
 from spear.models.loading import LoadedModel, default_device, default_dtype, load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
-from spear.quant.record import QuantConfig  # noqa: E402
+from spear.record import QuantConfig  # noqa: E402
 
 W4_RTN_PC = QuantSettings("rtn", QuantConfig(bits=4, group_size=-1, sym=True, sym_grid="absmax"))
 

@@ -13,7 +13,7 @@ from spear.models.layerwise import (
 )
 from spear.quant.awq import awq_scale_layer, fold_scale, scale_groups
 from spear.quant.pipeline import QuantSettings, quantize_model
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 
 
 def llama_with_outliers(kv_heads: int = 2, seed: int = 0) -> nn.Module:

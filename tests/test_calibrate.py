@@ -23,7 +23,7 @@ from spear.compensate.calibrate import (
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.pipeline import QuantSettings, quantize_model
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 
 FAST = CalibrateConfig(steps=30, batch_size=4, lr=1e-2, lr_ab=1e-3, holdout=0.25, eval_every=5, patience=100, progress=False)
 

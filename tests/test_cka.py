@@ -5,7 +5,7 @@ import torch
 
 from spear.compensate.cka import ModuleDamage, SensitivityConfig, SensitivityTable, linear_cka, module_sensitivity
 from spear.models.layerwise import quantizable_linears
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 
 
 def rand(n, d, seed):

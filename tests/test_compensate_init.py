@@ -7,7 +7,7 @@ from spear.compensate.init import attach_ec, init_ec
 from spear.compensate.stats import InputStats, collect_input_stats
 from spear.errors import SpearError
 from spear.layer import SpearLinear
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 
 OUT, IN, N = 48, 64, 4096
 

@@ -13,7 +13,7 @@ from spear.compensate.calibrate import CalibrateConfig
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers
 from spear.errors import SpearError
 from spear.quant.pipeline import QuantSettings, quantize_model
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 
 FAST = CalibrateConfig(steps=15, batch_size=4, eval_every=5, patience=10, progress=False)
 

@@ -13,7 +13,7 @@ from spear.artifact import ArtifactInfo, load_artifact, save_artifact
 from spear.compensate.calibrate import CalibrateConfig, mean_kl
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers
 from spear.quant.pipeline import QuantSettings, quantize_model
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 
 FAMILIES = {  # what each brings beside Llama
     "qwen2": {},  # q/k/v biases, untied head

@@ -10,7 +10,7 @@ from spear.layer import SpearLinear
 from spear.models.layerwise import quantizable_linears
 from spear.quant.gptq import Hessian, gptq_quantize, inverse_hessian_cholesky
 from spear.quant.pipeline import QuantSettings, quantize_model
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 
 
 def correlated_layer(seed: int = 0, out_f: int = 96, in_f: int = 128, n: int = 2048):

@@ -13,7 +13,7 @@ from spear.artifact import load_artifact
 from spear.cli import main
 from spear.models import load_float_model
 from spear.models.layerwise import quantizable_linears
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 from test_import_formats import act_order_g_idx, pack_gptq, pack_words
 
 EVAL_ARGS = ["--seqlen", "64", "--max-windows", "2", "--device", "cpu", "--json"]

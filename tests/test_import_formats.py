@@ -19,7 +19,7 @@ from spear.kernels.pack import pack_w4
 from spear.quant.formats import (
     AWQ_SHIFT_OF_COLUMN, awq_record, compressed_tensors_record, gguf_record, gptq_record, unpack_int32,
 )
-from spear.quant.record import QuantizedWeight
+from spear.record import QuantizedWeight
 
 OUT, IN = 64, 128
 

@@ -38,7 +38,7 @@ from spear.kernels.w4.config import DECODE_CANDIDATES
 from spear.kernels.w4.decode import _WORKSPACE
 from spear.kernels.w4.epilogue import READS_SHIFT
 from spear.layer import ErrorCompensator, SpearLinear
-from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
+from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
 
 SEED = int.from_bytes(os.urandom(4), "little")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -171,7 +171,7 @@ def test_quantized_model_bytes():
     from conftest import make_tiny_llama
 
     from spear.models.layerwise import quantizable_linears
-    from spear.quant.record import QuantConfig, rtn_quantize
+    from spear.record import QuantConfig, rtn_quantize
 
     model = make_tiny_llama()  # vocab 256 × 64, tied lm_head, 2 layers
     records = {n: rtn_quantize(m.weight, QuantConfig(bits=4)) for n, m in quantizable_linears(model).items()}

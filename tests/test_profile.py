@@ -10,7 +10,7 @@ import torch
 from fixtures import random_model
 
 from spear.cli import main
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.runtime.latency import TABLE_FILE, LatencyTable, profile
 from spear.runtime.model import ModelArgs

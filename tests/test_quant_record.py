@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spear.errors import SpearError
-from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
+from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
 
 CONFIGS = [
     QuantConfig(bits=b, group_size=g, sym=sym, sym_grid=grid)

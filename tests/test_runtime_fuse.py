@@ -20,7 +20,7 @@ from spear.kernels.pack import concat_ec, concat_w4, pack_ec, pack_w4
 from spear.kernels.reference import w4_linear_ref
 from spear.kernels.w4 import w4_linear
 from spear.layer import SpearLinear
-from spear.quant.record import QuantConfig, rtn_quantize
+from spear.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
 from spear.runtime.model import FusedLinear, ModelArgs, fuse_projections
 

@@ -10,7 +10,7 @@ from fixtures import random_model
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.pipeline import QuantSettings, quantize_model
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
 from spear.runtime.model import (
     ModelArgs,

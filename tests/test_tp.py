@@ -22,7 +22,7 @@ from fixtures import random_model
 
 from spear.errors import SpearError
 from spear.layer import SpearLinear
-from spear.quant.record import QuantConfig
+from spear.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
 from spear.runtime.model import ModelArgs, Transformer
 from spear.runtime.tp import RowParallelLinear, apply_tp, launch, set_reduction

@@ -24,7 +24,7 @@ from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, _first_line, default_device, default_dtype
-from spear.quant.record import QuantizedWeight, fp16_if_exact
+from spear.record import QuantizedWeight, fp16_if_exact
 from spear.util import atomic_dir, versions
 
 FORMAT = "spear-artifact"

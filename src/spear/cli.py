@@ -209,7 +209,7 @@ def _device(args):
 def _settings(args):
     from spear.data.calibration import CalibConfig
     from spear.quant.pipeline import QuantSettings
-    from spear.quant.record import QuantConfig
+    from spear.record import QuantConfig
 
     quant = QuantConfig(bits=args.bits, group_size=args.group_size, sym=not args.asym, sym_grid=args.sym_grid)
     if args.calib_samples < 1 or args.calib_len < 2:

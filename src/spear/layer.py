@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spear.quant.record import QuantizedWeight
+from spear.record import QuantizedWeight
 
 
 class ErrorCompensator(nn.Module):

@@ -36,7 +36,7 @@ from torch import nn
 from spear.compensate.cka import SensitivityTable
 from spear.errors import SpearError
 from spear.models.layerwise import quantizable_linears
-from spear.quant.record import QuantizedWeight
+from spear.record import QuantizedWeight
 
 if TYPE_CHECKING:
     import torch

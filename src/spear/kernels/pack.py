@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spear.errors import SpearError
-from spear.quant.record import QuantizedWeight
+from spear.record import QuantizedWeight
 
 if TYPE_CHECKING:  # spear.layer packs through this module: it sits above the kernels
     from spear.layer import ErrorCompensator

@@ -32,7 +32,7 @@ from spear.models.layerwise import (
     run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
-from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
+from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
 
 CALIB_BATCH = 8  # calibration sequences per forward pass
 CLIP_GRID = 20  # clip ratios 1, 0.95, ..., 0.55

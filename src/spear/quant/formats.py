@@ -1,7 +1,7 @@
 """Decode the 4-bit weights of other formats into our record, without re-quantizing.
 
 Each decoder takes one linear layer's stored tensors and returns a QuantizedWeight that
-dequantizes to the format's own weights bit for bit (spear.quant.record: the product
+dequantizes to the format's own weights bit for bit (spear.record: the product
 (q - z) * s is exact in float32, so casting it to the format's dtype rounds it as the format does).
 
   GPTQ  qweight [in/8, out] int32 (8 codes a word along in, code j at bits 4j), qzeros [groups, out/8]
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from spear.errors import SpearError
-from spear.quant.record import QuantizedWeight, fp16_if_exact
+from spear.record import QuantizedWeight, fp16_if_exact
 
 BITS = 4
 AWQ_SHIFT_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)  # AutoAWQ's packing order, inverted: where column j of a word sits

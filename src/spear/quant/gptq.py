@@ -35,7 +35,7 @@ from spear.models.layerwise import (
     capture_first_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
-from spear.quant.record import QuantConfig, QuantizedWeight, fit_grid, quantize_to_codes
+from spear.record import QuantConfig, QuantizedWeight, fit_grid, quantize_to_codes
 
 CALIB_BATCH = 8  # calibration sequences per forward pass
 

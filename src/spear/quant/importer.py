@@ -33,7 +33,7 @@ from spear.models.layerwise import quantizable_linears
 from spear.models.loading import _first_line, load_float_model, resolve_model_path
 from spear.quant.formats import awq_record, compressed_tensors_record, gguf_record, gptq_record
 from spear.quant.pipeline import replace_with_quantized
-from spear.quant.record import QuantizedWeight
+from spear.record import QuantizedWeight
 
 FORMATS = ("gptq", "awq", "compressed-tensors", "gguf")
 # tensor names a quantized linear stores instead of `weight`, by format; the first three are required

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.models.layerwise import quantizable_linears, set_module
-from spear.quant.record import QuantConfig, QuantizedWeight, rtn_quantize
+from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq")
 

@@ -61,7 +61,7 @@ from spear.errors import SpearError
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, pow2_at_least_16
 from spear.layer import ErrorCompensator, SpearLinear
-from spear.quant.record import QuantizedWeight
+from spear.record import QuantizedWeight
 from spear.runtime.model import Transformer
 
 # Set in every process before NCCL starts (../shared/GPU.md: multicast is unavailable on the host).
