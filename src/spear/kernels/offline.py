@@ -87,13 +87,20 @@ _DIVISIBLE = ("KW", "K", "N", "stride_xm", "stride_ym", "k_per_split", "ax_k_per
               "stride_wn", "H", "block_size", "stride_pool_block", "stride_pool_offset")  # as a Llama launch has them
 
 
+_F16_PTRS = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
+                                "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
+
+
 def variants() -> dict[str, tuple]:
     """name → (kernel, pointer types, constexprs, num_warps) for each kernel variant the host code launches."""
-    from spear.kernels import ec_epilogue
-    from spear.kernels.w4 import decode, prefill
+    return {**_decode_variants(), **_prefill_and_epilogue_variants(), **_attention_and_f16_variants()}
 
-    f16 = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
-                            "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
+
+def _decode_variants() -> dict[str, tuple]:
+    """The W4 decode kernel's variants (kernels.w4.decode)."""
+    from spear.kernels.w4 import decode
+
+    f16 = _F16_PTRS
     decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
                    "reads_ptr": I64}
     out = {}
@@ -184,6 +191,16 @@ def variants() -> dict[str, tuple]:
                      BKW=64, PER_CHANNEL=True, PEERS=2, U_CHUNK=8, **lab_off)
         out[f"decode rows={rows or 'dot'} to peers"] = (decode._w4_decode_kernel, {**decode_ptrs, "peer_rows_ptr": I64,
                                                                                "peer_signals_ptr": I64}, const, 4)
+    return out
+
+
+def _prefill_and_epilogue_variants() -> dict[str, tuple]:
+    """The prefill paths' kernels (kernels.w4.prefill) and tensor parallelism's EC epilogues (kernels.ec_epilogue)."""
+    from spear.kernels import ec_epilogue
+    from spear.kernels.w4 import prefill
+
+    f16 = _F16_PTRS
+    out = {}
     for split in (False, True):  # the EC's rank-space kernel for the prefill paths: whole K, or K split
         out["ec_rank" + " split" * split] = (prefill._ec_rank_kernel, {**f16, "u_part_ptr": F32 if split else F16},
                                              dict(GATED=True, R=32, H=16, BM=32, BK=64, SPLIT=split), 4)
@@ -222,8 +239,15 @@ def variants() -> dict[str, tuple]:
                                       "res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32},
                                      dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
                                           BLOCK_H=16, ADD_NORM=True), 4)
-    # decode attention (kernels.ops), rows alone or tiled
-    from spear.kernels import ops
+    return out
+
+
+def _attention_and_f16_variants() -> dict[str, tuple]:
+    """Decode attention (kernels.ops) and the float model's one-row GEMV (kernels.f16_gemv)."""
+    from spear.kernels import f16_gemv, ops
+
+    out = {}
+    # decode attention, rows alone or tiled
 
     attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")},
                       **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},
@@ -233,9 +257,7 @@ def variants() -> dict[str, tuple]:
             ops._paged_decode_split_kernel, attention_ptrs,
             dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N, PRECISION="tf32",
                  PDL=True), 4)
-    # the float model's one-row GEMV (kernels.f16_gemv): one row block, and runs of four with a masked K
-    from spear.kernels import f16_gemv
-
+    # the float model's one-row GEMV: one row block, and runs of four with a masked K
     gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
     # (block_n, block_k, warps, row_blocks, even K)
     for block_n, block_k, warps, row_blocks, even in ((2, 1024, 4, 1, True), (4, 1024, 4, 4, False)):

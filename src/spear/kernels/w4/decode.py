@@ -59,6 +59,153 @@ from spear.kernels.w4.gemv import _code_tile, _gemv_tile, _w4_gemv, _w4_gemv_f16
 
 
 @triton.jit
+def _u_program(pid, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_rows, cnt_ptr, reads_ptr,
+               peer_rows_ptr, peer_signals_ptr, ssq_ptr, offs_m, mask_m, offs_r, N, K, stride_xm, stride_ym, num_ax,
+               ax_k_per_prog, num_tiles, num_ssq, eps,
+               GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+               PEERS: tl.constexpr, U_CHUNK: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
+               PRELOAD: tl.constexpr, RMS_IN: tl.constexpr, SSQ_BLOCK: tl.constexpr):
+    """A u-program of the decode kernel: u += A[:, slice] x[slice] over its slice of K into u_part; the last to
+    arrive sums the partials in program order and stores g = gamma(u) ⊙ u in g's epoch-tagged cells (with PEERS,
+    the ungated u into every rank's rows, then the signals). With PRELOAD each step's A tile is loaded a step
+    ahead, the first before the PDL wait (A is a weight), as the tiles load their codes."""
+    a_lo = pid * ax_k_per_prog
+    a_hi = tl.minimum(a_lo + ax_k_per_prog, K)
+    a_ahead = tl.zeros((R, BK), dtype=tl.float16)
+    if PRELOAD:
+        a_ahead = _a_tile(a_ptr, offs_r, a_lo, a_hi, K, BK)
+    pdl_enter(PDL, PDL_LATE)
+    if RMS_IN:  # loaded now, used after the u-sum: no load on the gate's critical path
+        rstd = _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)
+    u = tl.zeros((BM, R), dtype=tl.float32)
+    for k0 in range(a_lo, a_lo + ax_k_per_prog, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                     mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        if PRELOAD:
+            ak = a_ahead
+            a_ahead = _a_tile(a_ptr, offs_r, k0 + BK, a_hi, K, BK)
+        else:
+            ak = _a_tile(a_ptr, offs_r, k0, a_hi, K, BK)
+        u += tl.dot(xk, tl.trans(ak))
+    tl.store(u_part_ptr + pid * BM * R + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
+    pdl_release(PDL and PDL_LATE)
+    tl.debug_barrier()
+    arrived_u = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    if arrived_u == num_ax - 1:  # the last u-program: g = gamma(u) ⊙ u once, for every tile
+        tl.atomic_xchg(cnt_ptr, 0)  # every u-program has arrived
+        u = tl.zeros((BM, R), dtype=tl.float32)
+        offs_p = tl.arange(0, U_CHUNK)
+        for p0 in range(0, num_ax, U_CHUNK):  # U_CHUNK partials a load, in program order
+            p = p0 + offs_p
+            parts = tl.load(u_part_ptr + p[:, None, None] * BM * R + offs_m[None, :, None] * R
+                            + offs_r[None, None, :], mask=(p < num_ax)[:, None, None] & mask_m[None, :, None],
+                            other=0.0, cache_modifier=".cg")
+            u += tl.sum(parts, axis=0)
+        if RMS_IN:
+            u = u * rstd[:, None]
+        if PEERS > 0:  # u_r, ungated: the gate needs the sum over the ranks
+            for p in tl.static_range(PEERS):
+                rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
+                tl.store(rows + offs_m[:, None] * stride_ym + N + offs_r[None, :], u, mask=mask_m[:, None])
+            _signal_peers(cnt_ptr + 1, num_tiles + 1, peer_signals_ptr, PEERS)
+        else:
+            g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
+            epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
+            tl.store(g_rows, _g_cells(g, epoch), mask=mask_m[:, None])
+
+
+@triton.jit
+def _tile_main_loop(x_ptr, stride_xm, M, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k, k_per_split,
+                    k_hi, K, KW, G, group_size, first,
+                    SPG: tl.constexpr, PER_CHANNEL: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                    BKW: tl.constexpr, GEMV_ROWS: tl.constexpr, GEMV_STAGES: tl.constexpr, GEMV_F16X2: tl.constexpr,
+                    F16X2_ASM: tl.constexpr, GEMV_PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr,
+                    EVEN: tl.constexpr, DOT_ASM: tl.constexpr):
+    """A tile's partial acc [BN, BM] over its split of K, by one of the main loops: the fp16x2 GEMV with chains over
+    words (one row, per-channel), the GEMV loop in fp16x2 or float32 (M ≤ GEMV_ROWS ≤ 4), else tensor-core dots."""
+    if GEMV_ROWS == 1 and GEMV_F16X2 and PER_CHANNEL and WORD_CHAIN > 1:  # fp16 chains over words
+        acc = _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
+                                   K, KW, G, BN, BKW, GEMV_STAGES, F16X2_ASM, first, GEMV_PRELOAD, WORD_CHAIN,
+                                   EVEN)
+        no_xsum = tl.zeros((BKW,), dtype=tl.float32)  # per-channel z is in the codes: no Σ x term
+        acc = _gemv_tile(acc, acc, acc, acc, no_xsum, no_xsum, no_xsum, no_xsum, s_ptr, z_ptr, offs_n, mask_n, G,
+                         256.0, offs_m, 1, PER_CHANNEL, BN)
+    elif GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
+        acc = _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split,
+                             k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES,
+                             F16X2_ASM, first, GEMV_PRELOAD, EVEN)
+    elif GEMV_ROWS > 0:
+        acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
+                       K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES, first,
+                       GEMV_PRELOAD, EVEN)
+    else:
+        acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
+                           pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, DOT_ASM)
+    return acc
+
+
+@triton.jit
+def _sum_splits(acc, pid_n, pid_k, offs_m, mask_m, offs_n, mask_n, y_part_ptr, cnt_ptr, N, split_k,
+                BN: tl.constexpr, BM: tl.constexpr):
+    """(acc, last): with K split, each split stores its partial acc and the last to arrive at the tile sums them all
+    in split order (last: whether this program holds the tile's sum and writes it)."""
+    last = pid_k >= 0  # True, as a tensor: the branch below may replace it
+    if split_k > 1:
+        tile = offs_m[None, :] * N + offs_n[:, None]
+        mask = mask_n[:, None] & mask_m[None, :]
+        tl.store(y_part_ptr + pid_k * BM * N + tile, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + 2 + pid_n, 1, sem="acq_rel")
+        last = arrived == split_k - 1
+        if last:  # every split has stored its share: sum them in split order
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for split in range(split_k):
+                acc += tl.load(y_part_ptr + split * BM * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + 2 + pid_n, 0)
+    return acc, last
+
+
+@triton.jit
+def _tile_epilogue(acc, last, b, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m, offs_n, mask_n, g_rows, bias_ptr,
+                   y_ptr, hw_ptr, ssq_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr, N, stride_ym,
+                   num_tiles, num_ssq,
+                   HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
+                   BM: tl.constexpr, PEERS: tl.constexpr, SWIGLU: tl.constexpr, ADD_NORM: tl.constexpr,
+                   RMS_IN: tl.constexpr):
+    """The program holding a tile's sum (last) writes it: to every rank's rows and the signals (PEERS), or with
+    (alpha·B) g and the bias added, as y, silu(gate) ⊙ up (SWIGLU) or h and the folded norm's share (ADD_NORM).
+    b, epoch, res, norm_w and rstd are the prologue's loads (unused where their switch is off)."""
+    if last and PEERS > 0:
+        for p in tl.static_range(PEERS):
+            rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
+            tl.store(rows + offs_m[None, :] * stride_ym + offs_n[:, None], acc,
+                     mask=mask_n[:, None] & mask_m[None, :])
+        _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
+    elif last:
+        if HAS_EC and PEERS == 0:
+            g = _read_g(g_rows, mask_m, epoch, True)  # until the last u-program has stored g
+            # g is in registers: add this tile's share to the reads (relaxed, nothing waits for it); the
+            # first tile's share makes the launch's total READS_PER_LAUNCH
+            tl.debug_barrier()
+            tl.atomic_add(reads_ptr, tl.where(pid_n == 0, 1 - num_tiles + READS_PER_LAUNCH, 1).to(tl.int64),
+                          sem="relaxed")
+        else:
+            g = tl.zeros((BM, R), dtype=tl.float32)
+            b = tl.zeros((BN, R), dtype=tl.float16)
+        if RMS_IN:
+            acc = acc * rstd[None, :]
+        acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC, HAS_BIAS)
+        if SWIGLU:
+            _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
+        elif ADD_NORM:
+            store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, y_ptr, stride_ym, hw_ptr,
+                           ssq_ptr, num_ssq)
+        else:
+            _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym)
+
+
+@triton.jit
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
@@ -102,52 +249,10 @@ def _w4_decode_kernel(
     offs_r = tl.arange(0, R)
     g_rows = g_ptr + offs_m[:, None] * R + offs_r[None, :]
     if pid < num_ax:
-        # u += A[:, slice] x[slice]  over this program's slice of K; with PRELOAD each step's A tile is loaded a
-        # step ahead, the first before the PDL wait (A is a weight), as the tiles load their codes
-        a_lo = pid * ax_k_per_prog
-        a_hi = tl.minimum(a_lo + ax_k_per_prog, K)
-        a_ahead = tl.zeros((R, BK), dtype=tl.float16)
-        if PRELOAD:
-            a_ahead = _a_tile(a_ptr, offs_r, a_lo, a_hi, K, BK)
-        pdl_enter(PDL, PDL_LATE)
-        if RMS_IN:  # loaded now, used after the u-sum: no load on the gate's critical path
-            rstd = _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)
-        u = tl.zeros((BM, R), dtype=tl.float32)
-        for k0 in range(a_lo, a_lo + ax_k_per_prog, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                         mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-            if PRELOAD:
-                ak = a_ahead
-                a_ahead = _a_tile(a_ptr, offs_r, k0 + BK, a_hi, K, BK)
-            else:
-                ak = _a_tile(a_ptr, offs_r, k0, a_hi, K, BK)
-            u += tl.dot(xk, tl.trans(ak))
-        tl.store(u_part_ptr + pid * BM * R + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
-        pdl_release(PDL and PDL_LATE)
-        tl.debug_barrier()
-        arrived_u = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if arrived_u == num_ax - 1:  # the last u-program: g = gamma(u) ⊙ u once, for every tile
-            tl.atomic_xchg(cnt_ptr, 0)  # every u-program has arrived
-            u = tl.zeros((BM, R), dtype=tl.float32)
-            offs_p = tl.arange(0, U_CHUNK)
-            for p0 in range(0, num_ax, U_CHUNK):  # U_CHUNK partials a load, in program order
-                p = p0 + offs_p
-                parts = tl.load(u_part_ptr + p[:, None, None] * BM * R + offs_m[None, :, None] * R
-                                + offs_r[None, None, :], mask=(p < num_ax)[:, None, None] & mask_m[None, :, None],
-                                other=0.0, cache_modifier=".cg")
-                u += tl.sum(parts, axis=0)
-            if RMS_IN:
-                u = u * rstd[:, None]
-            if PEERS > 0:  # u_r, ungated: the gate needs the sum over the ranks
-                for p in tl.static_range(PEERS):
-                    rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
-                    tl.store(rows + offs_m[:, None] * stride_ym + N + offs_r[None, :], u, mask=mask_m[:, None])
-                _signal_peers(cnt_ptr + 1, num_tiles + 1, peer_signals_ptr, PEERS)
-            else:
-                g = _gate(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, GATED, R, H)
-                epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
-                tl.store(g_rows, _g_cells(g, epoch), mask=mask_m[:, None])
+        _u_program(pid, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_rows, cnt_ptr, reads_ptr,
+                   peer_rows_ptr, peer_signals_ptr, ssq_ptr, offs_m, mask_m, offs_r, N, K, stride_xm, stride_ym,
+                   num_ax, ax_k_per_prog, num_tiles, num_ssq, eps, GATED, R, H, BM, BK, PEERS, U_CHUNK, PDL,
+                   PDL_LATE, PRELOAD, RMS_IN, SSQ_BLOCK)
     else:
         gid = pid - num_ax
         pid_n = gid // split_k
@@ -155,9 +260,12 @@ def _w4_decode_kernel(
         offs_n, mask_n = _tile_rows(pid_n, N, BN, SWIGLU)  # SWIGLU: BN / 2 rows of gate and the same of up
         k_hi = tl.minimum((pid_k + 1) * k_per_split, KW * 8)
         # Weights only before the PDL wait (kernels.pdl): B, the folded norm's weights, and with PRELOAD the GEMV
-        # loop's first codes, so that their HBM latency overlaps the tail of the launch before this one
+        # loop's first codes, so that their HBM latency overlaps the tail of the launch before this one. (Where a
+        # switch is off, its value is a placeholder the epilogue does not read.)
         if HAS_EC and PEERS == 0:
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+        else:
+            b = tl.zeros((BN, R), dtype=tl.float16)
         GEMV_PRELOAD: tl.constexpr = PRELOAD and GEMV_ROWS > 0 and GEMV_STAGES == 1
         if GEMV_PRELOAD:
             first = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi, KW, BKW, EVEN)
@@ -166,75 +274,32 @@ def _w4_decode_kernel(
         if ADD_NORM:  # the norm's weight before the wait (a weight), the residual tile after it: both before the
             # main loop, so that the epilogue waits for no load (FoldedNorm)
             norm_w = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0)
+        else:
+            norm_w = 0.0
         pdl_enter(PDL, PDL_LATE)
         if ADD_NORM:
             res = tl.load(res_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
                           mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+        else:
+            res = 0.0
         if RMS_IN:
             rstd = _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK)
+        else:
+            rstd = 1.0
+        epoch = 0
         if HAS_EC and PEERS == 0:  # read before the main loop: later waves of tiles find g there and wait for nothing
             epoch = tl.load(reads_ptr, volatile=True) >> READS_SHIFT
             if BM * R <= 2048:  # (wide row tiles: g's registers through the main loop would spill; read it after)
                 g = _read_g(g_rows, mask_m, epoch, False)
-        if GEMV_ROWS == 1 and GEMV_F16X2 and PER_CHANNEL and WORD_CHAIN > 1:  # fp16 chains over words
-            acc = _w4_gemv_f16x2_words(x_ptr, stride_xm, M, qw_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
-                                       K, KW, G, BN, BKW, GEMV_STAGES, F16X2_ASM, first, GEMV_PRELOAD, WORD_CHAIN,
-                                       EVEN)
-            no_xsum = tl.zeros((BKW,), dtype=tl.float32)  # per-channel z is in the codes: no Σ x term
-            acc = _gemv_tile(acc, acc, acc, acc, no_xsum, no_xsum, no_xsum, no_xsum, s_ptr, z_ptr, offs_n, mask_n, G,
-                             256.0, offs_m, 1, PER_CHANNEL, BN)
-        elif GEMV_ROWS > 0 and GEMV_F16X2:  # M ≤ GEMV_ROWS ≤ 4: the GEMV main loop, in fp16x2 or in float32
-            acc = _w4_gemv_f16x2(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split,
-                                 k_hi, K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES,
-                                 F16X2_ASM, first, GEMV_PRELOAD, EVEN)
-        elif GEMV_ROWS > 0:
-            acc = _w4_gemv(x_ptr, stride_xm, M, offs_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi,
-                           K, KW, G, group_size, SPG, PER_CHANNEL, BN, BM, BKW, GEMV_ROWS, GEMV_STAGES, first,
-                           GEMV_PRELOAD, EVEN)
-        else:
-            acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n,
-                               pid_k * k_per_split, k_hi, K, KW, G, group_size, SPG, BN, BM, PER_CHANNEL, DOT_ASM)
+        acc = _tile_main_loop(x_ptr, stride_xm, M, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, pid_k,
+                              k_per_split, k_hi, K, KW, G, group_size, first, SPG, PER_CHANNEL, BN, BM, BKW,
+                              GEMV_ROWS, GEMV_STAGES, GEMV_F16X2, F16X2_ASM, GEMV_PRELOAD, WORD_CHAIN, EVEN, DOT_ASM)
         pdl_release(PDL and PDL_LATE)
-        last = pid_k >= 0  # True, as a tensor: the branch below may replace it
-        if split_k > 1:
-            tile = offs_m[None, :] * N + offs_n[:, None]
-            mask = mask_n[:, None] & mask_m[None, :]
-            tl.store(y_part_ptr + pid_k * BM * N + tile, acc, mask=mask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + 2 + pid_n, 1, sem="acq_rel")
-            last = arrived == split_k - 1
-            if last:  # every split has stored its share: sum them in split order
-                acc = tl.zeros((BN, BM), dtype=tl.float32)
-                for split in range(split_k):
-                    acc += tl.load(y_part_ptr + split * BM * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + 2 + pid_n, 0)
-        if last and PEERS > 0:
-            for p in tl.static_range(PEERS):
-                rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
-                tl.store(rows + offs_m[None, :] * stride_ym + offs_n[:, None], acc,
-                         mask=mask_n[:, None] & mask_m[None, :])
-            _signal_peers(cnt_ptr + 1, num_tiles + HAS_EC, peer_signals_ptr, PEERS)
-        elif last:
-            if HAS_EC and PEERS == 0:
-                g = _read_g(g_rows, mask_m, epoch, True)  # until the last u-program has stored g
-                # g is in registers: add this tile's share to the reads (relaxed, nothing waits for it); the
-                # first tile's share makes the launch's total READS_PER_LAUNCH
-                tl.debug_barrier()
-                tl.atomic_add(reads_ptr, tl.where(pid_n == 0, 1 - num_tiles + READS_PER_LAUNCH, 1).to(tl.int64),
-                              sem="relaxed")
-            else:
-                g = tl.zeros((BM, R), dtype=tl.float32)
-                b = tl.zeros((BN, R), dtype=tl.float16)
-            if RMS_IN:
-                acc = acc * rstd[None, :]
-            acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC, HAS_BIAS)
-            if SWIGLU:
-                _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
-            elif ADD_NORM:
-                store_add_norm(acc, res, norm_w, offs_m, mask_m, offs_n, mask_n, pid_n, y_ptr, stride_ym, hw_ptr,
-                               ssq_ptr, num_ssq)
-            else:
-                _store_tile(acc, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym)
+        acc, last = _sum_splits(acc, pid_n, pid_k, offs_m, mask_m, offs_n, mask_n, y_part_ptr, cnt_ptr, N, split_k,
+                                BN, BM)
+        _tile_epilogue(acc, last, b, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m, offs_n, mask_n, g_rows,
+                       bias_ptr, y_ptr, hw_ptr, ssq_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr, N,
+                       stride_ym, num_tiles, num_ssq, HAS_EC, HAS_BIAS, R, BN, BM, PEERS, SWIGLU, ADD_NORM, RMS_IN)
 
 
 # With split_k = 0, K is split until the grid has FILL programs an SM (or one step each). Dot-loop candidates at 4 and
