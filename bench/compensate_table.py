@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])
     p.add_argument("--spear-budget", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=200, help="KL calibration steps")
+    p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per KL step")
     p.add_argument("--calib-samples", type=int, default=CalibConfig.num_sequences)
     p.add_argument("--calib-len", type=int, default=512)
     p.add_argument("--calib-first-token", default="bos", choices=["bos", "random"])
@@ -121,7 +122,8 @@ def main() -> None:
         write_json(args.json, {"model": args.model, "setting": {"method": args.method, **settings.quant.to_dict()},
                                "calibration": {**asdict(calib),
                                                "source": "text file" if calib.text_file else "self-sampled"},
-                               "max_windows": args.max_windows, "steps": args.steps, "rows": rows})
+                               "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch,
+                               "rows": rows})
 
     fp = evaluate(lm.model)
     rows.append({"row": "FP", **fp})
@@ -136,7 +138,7 @@ def main() -> None:
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):
             continue
-        cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, progress=False))
+        cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch, progress=False))
         student = copy.deepcopy(quantized)
         t = time.perf_counter()
         ec_init.ErrorCompensator = TokenScalarGateEC if label == TOKEN_GATE_ROW else ErrorCompensator
