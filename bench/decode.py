@@ -36,14 +36,13 @@ from common import copy_bandwidth, refuse_real_shapes_on_cpu, write_json
 from shapes import MODELS
 from fixtures import random_model
 
-from spear.layer import SpearLinear
 from spear.record import QuantConfig
 from spear.runtime.engine import Engine, EngineConfig, make_runner
 from spear.kernels.w4 import decode_tune_rows
 from spear.runtime.model import Transformer
 from spear.runtime.requests import SamplingParams
 from spear.runtime.scheduler import StaticChunkPolicy
-from spear.runtime.tp import RowParallelLinear, launch
+from spear.runtime.tp import launch
 from spear.runtime.tp_serve import StepChannel, follow, shard_for_serving
 
 EC_FRACTIONS = {"w4": 0.0, "w4+ec15": 0.15, "w4+ec38": 0.38, "w4+ec60": 0.60}
@@ -66,19 +65,14 @@ def synchronize(device: torch.device) -> None:
 def weight_bytes(model: Transformer) -> int:
     """Bytes of weights one decode step reads: linears as served (ECs included), norms, the LM head (one rank's under TP)."""
 
-    def nbytes(module: torch.nn.Module) -> int:
-        if isinstance(module, RowParallelLinear):  # a TP shard: its base linear, its columns of the EC
-            return nbytes(module.base) + (0 if module.ec is None else sum(b.nbytes for b in module.ec.buffers()))
-        if isinstance(module, SpearLinear):
-            bias = 0 if module.bias is None else module.bias.numel() * 2
-            return module.qweight.nbytes_packed() + bias + (0 if module.ec is None else module.ec.nbytes())
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+    def nbytes(norm: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in norm.parameters())
 
-    total = nbytes(model.head) + nbytes(model.norm)
+    total = model.head.nbytes() + nbytes(model.norm)
     for layer in model.layers:
         a, f = layer.attention, layer.feed_forward
-        modules = (a.wq, a.wk, a.wv, a.wo, f.w_gate, f.w_up, f.w_down, layer.attention_norm, layer.ffn_norm)
-        total += sum(nbytes(m) for m in modules)
+        total += sum(m.nbytes() for m in (a.wq, a.wk, a.wv, a.wo, f.w_gate, f.w_up, f.w_down))  # LinearMethod.nbytes
+        total += nbytes(layer.attention_norm) + nbytes(layer.ffn_norm)
     return total
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.record import QuantConfig, rtn_quantize
+from spear.runtime.linear import DenseLinear
 from spear.runtime.model import Attention, Block, FeedForward, ModelArgs, RMSNorm, Transformer, use_kernels
 
 
@@ -33,13 +34,10 @@ def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction:
     def randn(*shape: int, std: float) -> nn.Parameter:
         return nn.Parameter(torch.randn(shape, generator=gen, device=device, dtype=dtype) * std, requires_grad=False)
 
-    def float_linear(in_f: int, out_f: int, bias: bool = False) -> nn.Linear:
-        lin = nn.Linear(in_f, out_f, bias=bias, device="meta")
-        lin.weight = randn(out_f, in_f, std=in_f**-0.5)
-        lin.bias = randn(out_f, std=0.02) if bias else None
-        return lin
+    def float_linear(in_f: int, out_f: int, bias: bool = False) -> DenseLinear:
+        return DenseLinear(randn(out_f, in_f, std=in_f**-0.5), randn(out_f, std=0.02) if bias else None)
 
-    def linear(in_f: int, out_f: int, bias: bool = False) -> nn.Module:
+    def linear(in_f: int, out_f: int, bias: bool = False) -> DenseLinear | SpearLinear:
         lin = float_linear(in_f, out_f, bias)
         return lin if quant is None else SpearLinear(rtn_quantize(lin.weight, quant), lin.bias, dtype)
 

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up launches (kernels.pack.concat_w4 / concat_ec, runtime.model.FusedLinear) against
+"""Fused q/k/v and gate/up launches (kernels.pack.concat_w4 / concat_ec, runtime.linear.FusedLinear) against
 the separate layers (on the GPU where there is one; on CPU through TRITON_INTERPRET=1, set in conftest).
 
 The fused weight stacks the parts' rows and the fused EC is block-diagonal, so one launch must give
@@ -22,7 +22,8 @@ from spear.kernels.w4 import w4_linear
 from spear.layer import SpearLinear
 from spear.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
-from spear.runtime.model import FusedLinear, ModelArgs, fuse_projections
+from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear
+from spear.runtime.model import ModelArgs, fuse_projections
 
 K = 128
 SIZES = [128, 64, 64]  # q, k, v-like: out sizes must be multiples of 64
@@ -131,7 +132,7 @@ def test_fused_model_matches_separate_layers(gen):
 def test_fused_float_model_matches_separate_layers(gen):
     """A float model's q/k/v and gate/up as one GEMM each (FusedDenseLinear): the same logits as the separate
     linears, through prefill and decode steps."""
-    from spear.runtime.model import DenseLinear, FusedDenseLinear, use_dense_kernels
+    from spear.runtime.model import use_dense_kernels
 
     args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=2, vocab=64,
                      attention_bias=True)
@@ -150,7 +151,7 @@ def test_fused_float_model_matches_separate_layers(gen):
     assert first.wv.weight.data_ptr() == fused.weight[192:].data_ptr()  # a view: held once
     assert torch.equal(first.wv.weight, wv) and torch.equal(fused.bias[128:192], torch.zeros(64, device=DEVICE))
     wo = first.wo.weight
-    assert use_dense_kernels(model, tune=False) == 4 * args.n_layers  # o and down wrapped, beside the two fused
+    assert use_dense_kernels(model, tune=False) == 4 * args.n_layers  # o and down, beside the two fused
     assert isinstance(first.wo, DenseLinear) and first.wo.weight is wo
 
     out = logits(model, ids, prefill=5)
@@ -158,15 +159,20 @@ def test_fused_float_model_matches_separate_layers(gen):
     assert err < 1e-5, f"fused vs separate float logits: {err:.2e}; seed {SEED}"
 
 
-def test_dense_fusion_skips_mixed_parts(gen):
-    """Parts of different dtypes or kinds stay separate (a packed SpearLinear beside a float one: neither fusion)."""
-    from spear.runtime.model import _dense
+def test_stack_keys_keep_mixed_parts_apart(gen):
+    """LinearMethod.stack_key: float parts of one input width and dtype stack, others stay separate (a SpearLinear
+    beside a float one: neither fusion; an unpacked SpearLinear or a fused launch: none)."""
 
-    a, b = torch.nn.Linear(K, 64), torch.nn.Linear(K, 32)
-    assert _dense([a, b])
-    assert not _dense([a, b.double()])
-    assert not _dense([a, torch.nn.Linear(2 * K, 32)])
-    assert not _dense([a, SpearLinear(rtn_quantize(torch.randn(64, K, generator=gen), QuantConfig(4, -1)))])
+    def dense(n: int, k: int = K, dtype: torch.dtype = torch.float32) -> DenseLinear:
+        return DenseLinear(torch.nn.Parameter(torch.randn(n, k, dtype=dtype)), None)
+
+    assert dense(64).stack_key() == dense(32).stack_key()
+    assert dense(64).stack_key() != dense(32, dtype=torch.float64).stack_key()
+    assert dense(64).stack_key() != dense(32, 2 * K).stack_key()
+    w4 = SpearLinear(rtn_quantize(torch.randn(64, K, generator=gen), QuantConfig(4, -1)))
+    assert w4.stack_key() is None  # not packed: runs the reference alone
+    assert w4.use_kernels() and w4.stack_key() not in (None, dense(64).stack_key())
+    assert FusedDenseLinear([dense(64), dense(32)]).stack_key() is None
 
 
 @pytest.mark.parametrize("m,block_n,split_k", [(1, 32, 1), (3, 16, 3), (16, 64, 2)])  # GEMV loop, then dot loop
@@ -247,25 +253,32 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
     assert err < 1e-2, f"folded norms vs the separate op, logits: {err:.2e}; seed {SEED}"
 
 
-def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypatch):
-    """runtime.model._folds_norm: a packed SpearLinear folds with options' fold_norm; a row-parallel layer (a module with
-    folds_norm, tp.RowParallelLinear) only with options' fold_norm_tp as well, and only where its reduction takes the rows."""
+def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypatch, gen):
+    """runtime.model._folds_norm asks the producer (LinearMethod.folds_norm) and needs a packed consumer: a packed
+    SpearLinear folds with options' fold_norm; a row-parallel layer (tp.RowParallelLinear) only with options'
+    fold_norm_tp as well, and only where its reduction (p2p) takes the rows."""
+    from types import SimpleNamespace
+
     from spear.runtime import model as model_module
+    from spear.runtime.tp import CollectiveReduce, PeerReduce, RowParallelLinear
 
-    class RowParallel(torch.nn.Module):  # tp.RowParallelLinear's side of the contract
-        def folds_norm(self, rows: int) -> bool:
-            return rows <= 4
-
-    consumer = object()
-    x = torch.zeros(2, 8, dtype=torch.float16)
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=True))
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=False))
-    assert not model_module._folds_norm(RowParallel(), consumer, x)
+    w4 = SpearLinear(rtn_quantize(torch.randn(64, K, generator=gen), QuantConfig(4, -1)))
+    row_parallel = RowParallelLinear(w4, rank=0, world=2)
+    row_parallel.reduce = PeerReduce(None, None, None, SimpleNamespace(width=64), max_rows=4)  # 64 = its [y] width
+    assert w4.use_kernels()
+    consumer = SimpleNamespace(packed=w4.packed)
+    x = torch.zeros(2, K // 2, dtype=torch.float16)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=True, fold_norm_tp=False))
+    assert model_module._folds_norm(w4, consumer, x)
+    assert not model_module._folds_norm(row_parallel, consumer, x)
     monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=True))
-    assert model_module._folds_norm(RowParallel(), consumer, x)
-    assert not model_module._folds_norm(RowParallel(), consumer, torch.zeros(5, 8, dtype=torch.float16))
-    assert not model_module._folds_norm(RowParallel(), None, x)  # no fused consumer
-    assert not model_module._folds_norm(RowParallel(), consumer, x.float())  # not the kernels' dtype
+    assert model_module._folds_norm(row_parallel, consumer, x)
+    assert not model_module._folds_norm(row_parallel, consumer, torch.zeros(5, K // 2, dtype=torch.float16))
+    assert not model_module._folds_norm(row_parallel, None, x)  # no fused consumer
+    assert not model_module._folds_norm(row_parallel, SimpleNamespace(packed=None), x)  # a float consumer
+    assert not model_module._folds_norm(row_parallel, consumer, x.float())  # not the kernels' dtype
+    row_parallel.reduce = CollectiveReduce()
+    assert not model_module._folds_norm(row_parallel, consumer, x)
     monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=False))
-    assert not model_module._folds_norm(RowParallel(), consumer, x)
+    assert not model_module._folds_norm(w4, consumer, x)
 

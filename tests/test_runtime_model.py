@@ -8,7 +8,7 @@ from conftest import make_tiny_family, make_tiny_llama
 from fixtures import random_model
 
 from spear.errors import SpearError
-from spear.layer import ErrorCompensator, SpearLinear
+from spear.layer import ErrorCompensator, LinearMethod, SpearLinear
 from spear.quant.pipeline import QuantSettings, quantize_model
 from spear.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
@@ -52,6 +52,19 @@ def check_against_hf(hf, ids: list[int], chunks: list[int]) -> None:
 def test_tiny_llama_matches_transformers():
     ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     check_against_hf(make_tiny_llama(), ids, [7, 20, 13])
+
+
+def test_every_linear_is_a_linear_method_over_the_transformers_weights():
+    """build_runtime_model: the head and every decoder linear are LinearMethods (the model asks them, not their type);
+    a float one runs over the transformers layer's own parameters, and nbytes counts them."""
+    hf = make_tiny_llama()
+    model = build_runtime_model(hf)
+    a, f = model.layers[0].attention, model.layers[0].feed_forward
+    linears = (model.head, a.wq, a.wk, a.wv, a.wo, f.w_gate, f.w_up, f.w_down)
+    assert all(isinstance(m, LinearMethod) and m.packed is None for m in linears)
+    q_proj = hf.model.layers[0].self_attn.q_proj
+    assert a.wq.weight is q_proj.weight and a.wq.nbytes() == q_proj.weight.numel() * 4
+    assert model.head.weight is model.embed.weight  # tied
 
 
 def test_quantized_with_ecs_reuses_spear_linears_and_matches(tiny_model_dir):

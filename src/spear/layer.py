@@ -12,17 +12,68 @@ and zeros stay the source of truth. For inference on CUDA, `use_kernels()` packs
 (and a snapshot of the EC) for the Triton W4A16 kernels (spear.kernels.w4): fp16 inputs
 then take the kernels, with the decode or prefill path picked by the number of rows.
 
+LinearMethod is the interface every linear of the serving runtime implements (SpearLinear here; the float,
+fused and tensor-parallel ones in spear.runtime): the runtime model calls it and never asks a linear's type.
+
 This module is the bottom of the model stack: quantizers, compensators, kernels and the runtime
 all import it; it imports only the quantized-weight record and (when packing) the kernels.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from spear.record import QuantizedWeight
+
+if TYPE_CHECKING:
+    from spear.kernels.norm_fold import FoldedNorm
+    from spear.kernels.pack import PackedEC, PackedW4
+
+
+class LinearMethod(nn.Module, ABC):
+    """A linear layer y = x Wᵀ + b as the serving runtime runs it; the layer picks its own kernel.
+
+    vLLM's quantized linear method (LinearMethodBase: create_weights, then apply(layer, x, bias)) without
+    create_weights, since our layers hold their weights before the runtime sees them: `forward(x)` is the apply,
+    where each implementation launches its kernel (cuBLAS or the fp16 GEMV, the W4 kernels with the EC fused, a
+    tensor-parallel reduction). The runtime model (spear.runtime.model) asks its linears only this:
+
+      packed, packed_ec      the weight and EC as the W4 kernels take them (kernels.pack); None: no W4 launch
+      stack_key()            linears over one input with equal keys stack into one launch (model.fuse_projections)
+      folds_norm, add_norm   the add + RMSNorm after this linear, folded into its decode launch (kernels.norm_fold)
+      nbytes()               the bytes of its weights as served
+
+    Implementations: SpearLinear (W4 + EC once packed, else the PyTorch reference), runtime.linear's DenseLinear,
+    FusedDenseLinear and FusedLinear, and tp.RowParallelLinear.
+    """
+
+    packed: PackedW4 | None = None
+    packed_ec: PackedEC | None = None
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y [..., out] for x [..., in]."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the weights as served (a decode step reads them all)."""
+
+    def stack_key(self) -> tuple | None:
+        """Linears over one input whose keys are equal stack into one launch; None: this one runs alone."""
+        return None
+
+    def folds_norm(self, rows: int) -> bool:
+        """Whether add_norm runs on a decode step of `rows` fp16 rows."""
+        return False
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> FoldedNorm:
+        """forward(x), then the RMSNorm of forward(x) + residual in the same launch (where folds_norm)."""
+        raise NotImplementedError(f"{type(self).__name__} folds no norm")
 
 
 class ErrorCompensator(nn.Module):
@@ -59,7 +110,7 @@ class ErrorCompensator(nn.Module):
         return sum(p.numel() for p in self.parameters()) * bytes_per_param
 
 
-class SpearLinear(nn.Module):
+class SpearLinear(LinearMethod):
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
@@ -122,6 +173,24 @@ class SpearLinear(nn.Module):
         if self.ec is not None:
             y = y + self.ec(x)
         return y
+
+    def nbytes(self) -> int:
+        """The record at `bits` a weight (QuantizedWeight.nbytes_packed), the bias and the EC in fp16."""
+        bias = 0 if self.bias is None else self.bias.numel() * 2
+        return self.qweight.nbytes_packed() + bias + (0 if self.ec is None else self.ec.nbytes())
+
+    def stack_key(self) -> tuple | None:
+        """Packed layers of one input width and group size stack into one W4 launch (runtime.linear.FusedLinear)."""
+        return None if self.packed is None else ("w4", self.packed.in_features, self.packed.group_size)
+
+    def folds_norm(self, rows: int) -> bool:
+        return self.packed is not None
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> FoldedNorm:
+        from spear.kernels.w4 import w4_decode_add_norm
+
+        bias = None if self.bias is None else self.bias.half()
+        return w4_decode_add_norm(x, self.packed, self.packed_ec, bias, residual, norm_weight, eps)
 
     def extra_repr(self) -> str:
         ec = "none" if self.ec is None else f"rank={self.ec.rank}, gate_hidden={self.ec.gate_hidden}"

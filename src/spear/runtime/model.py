@@ -6,9 +6,12 @@ linears run the fused ops of spear.kernels.ops (Triton on CUDA): add + RMSNorm, 
 write, decode attention, SiLU * up. The residual stream is carried beside the sub-layers'
 outputs, vLLM-style: each norm first adds the previous sub-layer's output to it.
 `build_runtime_model` reuses a transformers model's modules (SpearLinear layers stay the
-same objects, ECs included); bench/fixtures.py builds one of a real shape with random weights.
-On CUDA, q/k/v and gate/up each run as one launch: a W4 launch once packed for the kernels (FusedLinear), one
-cuBLAS GEMM over the stacked weights where they are float (FusedDenseLinear), as gpt-fast's fp16 model does.
+same objects, ECs included; float linears run as runtime.linear.DenseLinear over their own weights);
+bench/fixtures.py builds one of a real shape with random weights. Every linear is a spear.layer.LinearMethod:
+the model calls it and asks it what it can fold, never its type, so the kernel a linear runs (float, W4 + EC,
+tensor-parallel) is its own choice. On CUDA, q/k/v and gate/up each run as one launch: a W4 launch once packed
+for the kernels (FusedLinear), one cuBLAS GEMM over the stacked weights where they are float (FusedDenseLinear),
+as gpt-fast's fp16 model does.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ from tqdm.auto import tqdm
 from spear.errors import SpearError
 from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
-from spear.kernels.pack import PackedW4, concat_ec, concat_w4
-from spear.kernels.reference import w4_linear_ref
-from spear.layer import SpearLinear
-from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
+from spear.layer import LinearMethod, SpearLinear
+from spear.runtime.kv_cache import Batch, KVCache, paged_attention
+from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear
 
 # The fusions kernels.options switches (options.OPTIONS):
 # - fuse_swiglu: silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode
@@ -38,7 +40,7 @@ from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 # - fold_norm_tp: the same under tensor parallelism, into the row-parallel layers' p2p epilogue
 #   (tp.RowParallelLinear.add_norm): exact on an H200 pair but level in time (±1.5% at TP 2), so off by default.
 # - dense_kernels: a float model on CUDA stacks q/k/v and gate/up into one GEMM each (FusedDenseLinear) and runs
-#   one-row steps through the fp16 GEMV kernel where it beats cuBLAS (DenseLinear); off, the transformers layout.
+#   one-row steps through the fp16 GEMV kernel where it beats cuBLAS (DenseLinear); off, each linear alone on cuBLAS.
 # The add + RMSNorm and SiLU·up folded into those one-row GEMVs were slower on the H200 and removed
 # (bench/NOTES-kernels.md).
 
@@ -130,113 +132,6 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, self.weight, self.eps, residual)
 
 
-class FusedLinear(nn.Module):
-    """Packed SpearLinears over the same input as one W4 launch: y = [y_1 | y_2 | ...] from the stacked
-    weight (concat_w4), the concatenated bias and the block-diagonal EC (concat_ec): exact.
-
-    The parts are re-pointed at their rows of the stacked weight, so it is held once."""
-
-    def __init__(self, parts: list[SpearLinear]):
-        super().__init__()
-        self.sizes = [m.packed.out_features for m in parts]
-        self.packed = concat_w4([m.packed for m in parts])
-        device = self.packed.qweight.device
-        self.packed_ec = concat_ec([m.packed_ec for m in parts], self.sizes, self.packed.in_features, device)
-        self.bias = None
-        if any(m.bias is not None for m in parts):
-            self.bias = torch.cat([torch.zeros(n, dtype=torch.float16, device=device) if m.bias is None else m.bias.half()
-                                   for m, n in zip(parts, self.sizes)])
-        start = 0
-        for m, n in zip(parts, self.sizes):
-            w = self.packed
-            m.packed = PackedW4(w.qweight[start : start + n], w.scales[start : start + n], w.zeros[start : start + n],
-                                w.group_size, w.in_features)
-            start += n
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        device = fn(self.packed.qweight).device  # int32: only a move changes it; the packed dtypes are fixed
-        self.packed = self.packed.to(device)
-        self.packed_ec = None if self.packed_ec is None else self.packed_ec.to(device)
-        self.bias = None if self.bias is None else self.bias.to(device)
-        return self
-
-    def forward(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> tuple[torch.Tensor, ...]:
-        """The parts' outputs, as views of one [..., Σ N_i] result; with `rms` (a decode step), of norm(rms.h),
-        x being rms.hw (FoldedNorm)."""
-        if rms is not None:
-            from spear.kernels.w4 import w4_decode
-
-            return w4_decode(x, self.packed, self.packed_ec, self.bias, rms=rms).split(self.sizes, dim=-1)
-        if x.dtype == torch.float16:  # the kernels (CUDA, or the Triton interpreter on CPU)
-            from spear.kernels.w4 import w4_linear
-
-            y = w4_linear(x, self.packed, self.packed_ec, self.bias)
-        else:
-            y = w4_linear_ref(x, self.packed, self.packed_ec, self.bias)
-        return y.split(self.sizes, dim=-1)
-
-    def swiglu(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> torch.Tensor:
-        """silu(gate) ⊙ up [T, N / 2] of fused [gate; up] parts in one W4 decode launch (the activation in its
-        epilogue), for fp16 x [T, K] with T ≤ DECODE_PATH_MAX_M (x = rms.hw with `rms`, as forward)."""
-        from spear.kernels.w4 import w4_decode
-
-        assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
-        return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True, rms=rms)
-
-    def extra_repr(self) -> str:
-        ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
-        return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
-
-
-class DenseLinear(nn.Module):
-    """A float linear whose one-row fp16 steps on CUDA take the fp16 GEMV kernel where tune_gemv found it faster
-    than cuBLAS (kernels.f16_gemv.dense_linear); cuBLAS (F.linear) everywhere else."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from spear.kernels.f16_gemv import dense_linear
-
-            return dense_linear(x, self.weight, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, dtype={self.weight.dtype}"
-
-
-class FusedDenseLinear(DenseLinear):
-    """Float linears over the same input as one GEMM: y = x [W_1; W_2; ...]ᵀ + [b_1; b_2; ...], returned as the
-    parts' outputs (views of one [..., Σ N_i] result). At one decode row the three q/k/v GEMVs of a 7B layer
-    become one over 100 MB, which streams nearer the copy bandwidth than three over 33 MB.
-
-    The parts are re-pointed at their rows of the stacked weight, so it is held once."""
-
-    def __init__(self, parts: list[nn.Linear]):
-        weight = nn.Parameter(torch.cat([m.weight.detach() for m in parts]), requires_grad=False)
-        bias = None
-        if any(m.bias is not None for m in parts):
-            bias = nn.Parameter(torch.cat([torch.zeros_like(m.weight[:, 0]) if m.bias is None else m.bias.detach()
-                                           for m in parts]), requires_grad=False)
-        super().__init__(weight, bias)
-        self.sizes = [m.out_features for m in parts]
-        start = 0
-        for m, n in zip(parts, self.sizes):
-            m.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
-            if m.bias is not None:
-                m.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
-            start += n
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return super().forward(x).split(self.sizes, dim=-1)
-
-    def extra_repr(self) -> str:
-        return f"in={self.weight.shape[1]}, out={'+'.join(map(str, self.sizes))}, dtype={self.weight.dtype}"
-
-
 def _decode_launch(x: torch.Tensor) -> bool:
     """Whether a W4 launch on x [T, K] takes the decode kernel (fp16, T ≤ DECODE_PATH_MAX_M): the steps whose
     epilogue fusion (options' fuse_swiglu) applies."""
@@ -247,26 +142,11 @@ def _decode_launch(x: torch.Tensor) -> bool:
     return x.shape[0] <= DECODE_PATH_MAX_M
 
 
-def _folds_norm(producer: nn.Module, consumer: FusedLinear | None, x: torch.Tensor) -> bool:
-    """Whether the add + RMSNorm after `producer` (on the decode kernel's step x) folds into its launch and the
-    consumer's (options' fold_norm, kernels.norm_fold.FoldedNorm): a packed SpearLinear, or with fold_norm_tp a row-parallel
-    layer whose reduction can take it (a module with `folds_norm(rows)` and `add_norm`: tp.RowParallelLinear)."""
-    if not (options.OPTIONS.fold_norm and consumer is not None and _decode_launch(x)):
-        return False
-    if isinstance(producer, SpearLinear):
-        return producer.packed is not None
-    return options.OPTIONS.fold_norm_tp and hasattr(producer, "folds_norm") and producer.folds_norm(x.shape[0])
-
-
-def _add_norm(producer: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> FoldedNorm:
-    """producer(x), then the norm of producer(x) + residual, both in the producer's W4 decode launch (or, row-parallel,
-    its reduction's epilogue)."""
-    if not isinstance(producer, SpearLinear):
-        return producer.add_norm(x, residual, norm.weight, norm.eps)
-    from spear.kernels.w4 import w4_decode_add_norm
-
-    bias = None if producer.bias is None else producer.bias.half()
-    return w4_decode_add_norm(x, producer.packed, producer.packed_ec, bias, residual, norm.weight, norm.eps)
+def _folds_norm(producer: LinearMethod, consumer: LinearMethod | None, x: torch.Tensor) -> bool:
+    """Whether the add + RMSNorm after `producer` (on the decode kernel's step x) folds into its launch
+    (producer.add_norm) and the consumer's W4 decode launch (options' fold_norm, kernels.norm_fold.FoldedNorm)."""
+    return (options.OPTIONS.fold_norm and consumer is not None and consumer.packed is not None and _decode_launch(x)
+            and producer.folds_norm(x.shape[0]))
 
 
 class Attention(nn.Module):
@@ -276,7 +156,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm, self.k_norm = q_norm, k_norm  # Qwen3's per-head norms (args.qk_norm), else None
-        self.wqkv: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
+        self.wqkv: LinearMethod | None = None  # set by fuse_projections
 
     def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -300,11 +180,12 @@ class FeedForward(nn.Module):
     def __init__(self, w_gate: nn.Module, w_up: nn.Module, w_down: nn.Module):
         super().__init__()
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
-        self.w_gate_up: FusedLinear | FusedDenseLinear | None = None  # set by fuse_projections
+        self.w_gate_up: LinearMethod | None = None  # set by fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if options.OPTIONS.fuse_swiglu and isinstance(self.w_gate_up, FusedLinear) and _decode_launch(x):
-            return self.w_down(self.w_gate_up.swiglu(x))
+        gate_up = self.w_gate_up
+        if options.OPTIONS.fuse_swiglu and gate_up is not None and gate_up.packed is not None and _decode_launch(x):
+            return self.w_down(gate_up.swiglu(x))  # a packed [gate; up] is a FusedLinear
         gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
         return self.w_down(silu_mul(gate, up))
 
@@ -340,10 +221,11 @@ class Block(nn.Module):
         """(attention output [T, H * D], residual) -> (FFN output, residual), as forward returns them."""
         ff = self.feed_forward
         if options.OPTIONS.fuse_swiglu and _folds_norm(self.attention.wo, ff.w_gate_up, attn):  # o -> norm -> gate/up, folded
-            normed = _add_norm(self.attention.wo, attn, residual, self.ffn_norm)
+            normed = self.attention.wo.add_norm(attn, residual, self.ffn_norm.weight, self.ffn_norm.eps)
             act = ff.w_gate_up.swiglu(normed.hw, rms=normed)
             if next_block is not None and _folds_norm(ff.w_down, next_block.attention.wqkv, act):
-                return _add_norm(ff.w_down, act, normed.h, next_block.attention_norm), normed.h
+                norm = next_block.attention_norm
+                return ff.w_down.add_norm(act, normed.h, norm.weight, norm.eps), normed.h
             return ff.w_down(act), normed.h
         h, residual = self.ffn_norm(self.attention.wo(attn), residual)
         return ff(h), residual
@@ -395,29 +277,22 @@ def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transforme
         qk_norms = (RMSNorm(a.q_norm.weight, args.norm_eps), RMSNorm(a.k_norm.weight, args.norm_eps)) if args.qk_norm \
             else (None, None)
         layers.append(Block(
-            Attention(args, a.q_proj, a.k_proj, a.v_proj, a.o_proj, *qk_norms),
-            FeedForward(m.gate_proj, m.up_proj, m.down_proj),
+            Attention(args, *map(_linear_method, (a.q_proj, a.k_proj, a.v_proj, a.o_proj)), *qk_norms),
+            FeedForward(*map(_linear_method, (m.gate_proj, m.up_proj, m.down_proj))),
             RMSNorm(layer.input_layernorm.weight, args.norm_eps),
             RMSNorm(layer.post_attention_layernorm.weight, args.norm_eps),
         ))
-    model = Transformer(args, base.embed_tokens, layers, RMSNorm(base.norm.weight, args.norm_eps), hf_model.lm_head)
+    model = Transformer(args, base.embed_tokens, layers, RMSNorm(base.norm.weight, args.norm_eps),
+                        _linear_method(hf_model.lm_head))
     if kernels:
         use_kernels(model)
     return model
 
 
-def _packed(parts: list[nn.Module]) -> bool:
-    """Whether the parts are packed SpearLinears that stack into one W4 weight."""
-    if not all(isinstance(m, SpearLinear) and m.packed is not None for m in parts):
-        return False
-    return len({(m.packed.in_features, m.packed.group_size) for m in parts}) == 1
-
-
-def _dense(parts: list[nn.Module]) -> bool:
-    """Whether the parts are plain float linears on one device in one dtype with one input width (FusedDenseLinear)."""
-    if not all(type(m) is nn.Linear for m in parts):
-        return False
-    return len({(m.in_features, m.weight.dtype, m.weight.device) for m in parts}) == 1
+def _linear_method(linear: nn.Module) -> LinearMethod:
+    """A transformers model's linear as the runtime runs it: a SpearLinear as it is, a float nn.Linear as a
+    DenseLinear over the same parameters."""
+    return linear if isinstance(linear, LinearMethod) else DenseLinear(linear.weight, linear.bias)
 
 
 def _fused_parts(module: nn.Module) -> list[nn.Module]:
@@ -430,14 +305,17 @@ def _fused_parts(module: nn.Module) -> list[nn.Module]:
 
 
 def fuse_projections(model: Transformer, dense: bool = True) -> int:
-    """Run each layer's q/k/v as one launch (attention.wqkv) and gate/up as another (feed_forward.w_gate_up): one W4
-    launch where all parts are packed SpearLinears, with `dense` one GEMM where all are float linears; returns how
-    many fusions. The separate modules stay (their weights become views of the fused one)."""
+    """Run each layer's q/k/v as one launch (attention.wqkv) and gate/up as another (feed_forward.w_gate_up) where
+    the parts' stack_keys are equal: one W4 launch over packed parts, with `dense` one GEMM over float ones; returns
+    how many fusions. The separate modules stay (their weights become views of the fused one)."""
 
-    def fused(parts: list[nn.Module]) -> FusedLinear | FusedDenseLinear | None:
-        if _packed(parts):
+    def fused(parts: list[LinearMethod]) -> LinearMethod | None:
+        key = parts[0].stack_key()
+        if key is None or any(m.stack_key() != key for m in parts[1:]):
+            return None
+        if key[0] == "w4":
             return FusedLinear(parts)
-        return FusedDenseLinear(parts) if dense and _dense(parts) else None
+        return FusedDenseLinear(parts) if dense else None
 
     count = 0
     for layer in model.layers:
@@ -463,7 +341,7 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
     if linears and linears[0].codes.device.type == "cuda" and linears[0].weight_hat.dtype == torch.float16:
         packed = [m for m in linears if m.use_kernels(drop_dense)]
     if isinstance(model, Transformer) and model.embed.weight.device.type == "cuda":
-        # float linears too (on CPU they stay as transformers has them)
+        # float linears too (on CPU each runs alone through F.linear)
         if fuse:
             fuse_projections(model, dense=options.OPTIONS.dense_kernels)
         if options.OPTIONS.dense_kernels:
@@ -473,9 +351,9 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
     if tune:
         from spear.kernels.w4 import tune_w4
 
-        fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
         parts = {id(p) for m in model.modules() for p in _fused_parts(m)}  # they no longer launch on their own
-        launchers = [m for m in packed if id(m) not in parts] + fused
+        launchers = [m for m in model.modules()
+                     if isinstance(m, LinearMethod) and m.packed is not None and id(m) not in parts]
         shapes = {(m.packed.out_features, m.packed.in_features, m.packed.group_size): m.packed for m in launchers}
         with_ec = {}
         for m in launchers:
@@ -494,24 +372,19 @@ def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, f
 
 
 def use_dense_kernels(model: Transformer, tune: bool = True) -> int:
-    """Route the float decoder linears (o and down; q/k/v and gate/up once fused) of a CUDA model through DenseLinear,
-    with `tune` timing the fp16 GEMV kernel against cuBLAS once per fp16 weight shape (kernels.f16_gemv.tune_gemv);
-    returns how many linears it routes."""
-    count = 0
-    for layer in model.layers:
-        a, f = layer.attention, layer.feed_forward
-        if type(a.wo) is nn.Linear:
-            a.wo = DenseLinear(a.wo.weight, a.wo.bias)
-        if type(f.w_down) is nn.Linear:
-            f.w_down = DenseLinear(f.w_down.weight, f.w_down.bias)
-        count += sum(isinstance(m, DenseLinear) for m in (a.wqkv, a.wo, f.w_gate_up, f.w_down))
+    """With `tune`, time the fp16 GEMV kernel against cuBLAS once per fp16 weight shape of a CUDA model's float decoder
+    launches (q/k/v and gate/up once fused, o, down: DenseLinear, which then picks the faster one at one row;
+    kernels.f16_gemv.tune_gemv); returns how many float decoder launches there are."""
+    launches = [m for layer in model.layers for m in (layer.attention.wqkv, layer.attention.wo,
+                                                      layer.feed_forward.w_gate_up, layer.feed_forward.w_down)
+                if isinstance(m, DenseLinear)]
     weights = {}  # one per shape: every layer's o has the same, and tune_gemv keys by shape
-    for m in model.modules():
-        if isinstance(m, DenseLinear) and m.weight.dtype == torch.float16 and m.weight.is_cuda:
+    for m in launches:
+        if m.weight.dtype == torch.float16 and m.weight.is_cuda:
             weights.setdefault(tuple(m.weight.shape), m)
     if tune and weights:
         from spear.kernels.f16_gemv import tune_gemv
 
         for m in tqdm(weights.values(), desc="tuning the fp16 GEMV", unit="shape", leave=False):
             tune_gemv(m.weight, m.bias)
-    return count
+    return len(launches)

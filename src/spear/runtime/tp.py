@@ -58,10 +58,12 @@ import torch.distributed as dist
 from torch import nn
 
 from spear.errors import SpearError
+from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, pow2_at_least_16
-from spear.layer import ErrorCompensator, SpearLinear
+from spear.layer import ErrorCompensator, LinearMethod, SpearLinear
 from spear.record import QuantizedWeight
+from spear.runtime.linear import DenseLinear
 from spear.runtime.model import Transformer
 
 # Set in every process before NCCL starts (../shared/GPU.md: multicast is unavailable on the host).
@@ -92,21 +94,19 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _check_unpacked(lin: nn.Module) -> None:
-    if isinstance(lin, SpearLinear) and lin.packed is not None:
+def _check_unpacked(lin: LinearMethod) -> None:
+    if lin.packed is not None:
         raise SpearError("shard the model (apply_tp) before packing it for the kernels (use_kernels)")
 
 
-def column_shard(lin: nn.Module, rank: int, world: int) -> nn.Module:
-    """The rank's block of output rows of an nn.Linear or SpearLinear (EC: B rows; A, gate replicated)."""
+def column_shard(lin: DenseLinear | SpearLinear, rank: int, world: int) -> DenseLinear | SpearLinear:
+    """The rank's block of output rows of a float linear or a SpearLinear (EC: B rows; A, gate replicated)."""
     _check_unpacked(lin)
     if lin.out_features % world:
         raise SpearError(f"{lin.out_features} output features do not split over {world} ranks")
-    if isinstance(lin, nn.Linear):
-        shard = nn.Linear(lin.in_features, lin.out_features // world, bias=lin.bias is not None, device="meta")
-        shard.weight = _param(_rows(lin.weight, rank, world))
-        shard.bias = None if lin.bias is None else _param(_rows(lin.bias, rank, world))
-        return shard
+    if not isinstance(lin, SpearLinear):  # the weight's format decides how it splits
+        bias = None if lin.bias is None else _param(_rows(lin.bias, rank, world))
+        return DenseLinear(_param(_rows(lin.weight, rank, world)), bias)
     q = _shardable(lin)
     record = QuantizedWeight(_rows(q.codes, rank, world), _rows(q.scales, rank, world), _rows(q.zeros, rank, world),
                              q.bits, q.group_size)
@@ -254,7 +254,7 @@ class PeerReduce:
     def send(self, layer: RowParallelLinear, x: torch.Tensor) -> None:
         from spear.kernels.w4 import w4_decode_to_peers
 
-        packed = getattr(layer.base, "packed", None)
+        packed = layer.base.packed
         if packed is None or x.dtype != torch.float16:
             raise SpearError("the p2p reduction needs the W4 kernels: pack the sharded model (use_kernels), fp16")
         w4_decode_to_peers(x, packed, None if layer.ec is None else layer.ec.packed_a(), self.peers)
@@ -283,10 +283,12 @@ class PeerReduce:
         return self.receive(layer, x.shape[0])
 
 
-class RowParallelLinear(nn.Module):
-    """y = reduce(x_r Ŵ_rᵀ) + bias (+ the EC epilogue on the reduced u); `reduce` is set by set_reduction."""
+class RowParallelLinear(LinearMethod):
+    """y = reduce(x_r Ŵ_rᵀ) + bias (+ the EC epilogue on the reduced u); `reduce` is set by set_reduction.
 
-    def __init__(self, lin: nn.Module, rank: int, world: int):
+    Its own W4 launches are its base's (a SpearLinear over this rank's columns), so it has no `packed` itself."""
+
+    def __init__(self, lin: DenseLinear | SpearLinear, rank: int, world: int):
         super().__init__()
         _check_unpacked(lin)
         if lin.in_features % world:
@@ -294,9 +296,8 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = lin.in_features // world, lin.out_features
         self.bias = lin.bias  # added once, after the reduction
         self.ec: RankSpaceEC | None = None
-        if isinstance(lin, nn.Linear):
-            self.base = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
-            self.base.weight = _param(_cols(lin.weight.detach(), rank, world))
+        if not isinstance(lin, SpearLinear):  # the weight's format decides how it splits
+            self.base = DenseLinear(_param(_cols(lin.weight.detach(), rank, world)), None)
         else:
             q = _shardable(lin)
             if q.group_size != lin.in_features and self.in_features % q.group_size:
@@ -332,8 +333,14 @@ class RowParallelLinear(nn.Module):
 
     def folds_norm(self, rows: int) -> bool:
         """Whether add_norm can fold the next add + RMSNorm into this layer's reduction (the p2p epilogue) for a
-        step of `rows` rows (kernels.options: fold_norm_tp)."""
-        return isinstance(self.reduce, PeerReduce) and self.reduce.fits(rows, self._staged_width())
+        step of `rows` rows: with options' fold_norm_tp only."""
+        return options.OPTIONS.fold_norm_tp and isinstance(self.reduce, PeerReduce) and self.reduce.fits(
+            rows, self._staged_width())
+
+    def nbytes(self) -> int:
+        """This rank's: its base's, its columns of the EC (RankSpaceEC's buffers) and the bias."""
+        ec = 0 if self.ec is None else sum(b.nbytes for b in self.ec.buffers())
+        return self.base.nbytes() + ec + (0 if self.bias is None else self.bias.nbytes)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> FoldedNorm:
         """forward(x), then the next norm of forward(x) + residual, folded into the p2p epilogue (folds_norm)."""
@@ -344,7 +351,7 @@ class RowParallelLinear(nn.Module):
     def partial_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's partial y_r = x_r Ŵ_rᵀ into `out` [M, N] (a float32 view with a row stride): stored by the W4
         decode kernel where it runs, else computed and copied."""
-        packed = getattr(self.base, "packed", None)
+        packed = self.base.packed
         if packed is not None and x.is_cuda and x.dtype == torch.float16:
             from spear.kernels.w4 import DECODE_KERNEL_MAX_M, w4_decode
 

@@ -1,0 +1,147 @@
+"""The runtime's own linear methods (spear.layer.LinearMethod) beside SpearLinear and tp.RowParallelLinear.
+
+DenseLinear runs a float linear (cuBLAS, or the fp16 GEMV at one row on CUDA). FusedDenseLinear and FusedLinear
+run several linears over one input as one launch (q/k/v, gate/up), float or W4 (+ EC), as gpt-fast's fp16 model
+does; runtime.model.fuse_projections builds them from linears whose stack_key is equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spear.kernels.norm_fold import FoldedNorm
+from spear.kernels.pack import PackedW4, concat_ec, concat_w4
+from spear.kernels.reference import w4_linear_ref
+from spear.layer import LinearMethod
+
+
+class DenseLinear(LinearMethod):
+    """A float linear whose one-row fp16 steps on CUDA take the fp16 GEMV kernel where tune_gemv found it faster
+    than cuBLAS (kernels.f16_gemv.dense_linear); cuBLAS (F.linear) everywhere else."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from spear.kernels.f16_gemv import dense_linear
+
+            return dense_linear(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def stack_key(self) -> tuple | None:
+        """Float layers of one input width, dtype and device stack into one GEMM (FusedDenseLinear)."""
+        return "dense", self.in_features, self.weight.dtype, self.weight.device
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, dtype={self.weight.dtype}"
+
+
+class FusedDenseLinear(DenseLinear):
+    """Float linears over the same input as one GEMM: y = x [W_1; W_2; ...]ᵀ + [b_1; b_2; ...], returned as the
+    parts' outputs (views of one [..., Σ N_i] result). At one decode row the three q/k/v GEMVs of a 7B layer
+    become one over 100 MB, which streams nearer the copy bandwidth than three over 33 MB.
+
+    The parts' parameters are re-pointed in place at their rows of the stacked weight, so it is held once (by every
+    module sharing them: the transformers layer a DenseLinear was built over too)."""
+
+    def __init__(self, parts: list[DenseLinear]):
+        weight = nn.Parameter(torch.cat([m.weight.detach() for m in parts]), requires_grad=False)
+        bias = None
+        if any(m.bias is not None for m in parts):
+            bias = nn.Parameter(torch.cat([torch.zeros_like(m.weight[:, 0]) if m.bias is None else m.bias.detach()
+                                           for m in parts]), requires_grad=False)
+        super().__init__(weight, bias)
+        self.sizes = [m.out_features for m in parts]
+        start = 0
+        for m, n in zip(parts, self.sizes):
+            m.weight.data = weight.data[start : start + n]
+            if m.bias is not None:
+                m.bias.data = bias.data[start : start + n]
+            start += n
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return super().forward(x).split(self.sizes, dim=-1)
+
+    def stack_key(self) -> tuple | None:
+        return None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={'+'.join(map(str, self.sizes))}, dtype={self.weight.dtype}"
+
+
+class FusedLinear(LinearMethod):
+    """Packed SpearLinears over the same input as one W4 launch: y = [y_1 | y_2 | ...] from the stacked
+    weight (concat_w4), the concatenated bias and the block-diagonal EC (concat_ec): exact.
+
+    The parts are re-pointed at their rows of the stacked weight, so it is held once."""
+
+    def __init__(self, parts: list[LinearMethod]):
+        super().__init__()
+        self.sizes = [m.packed.out_features for m in parts]
+        self.served_bytes = sum(m.nbytes() for m in parts)
+        self.packed = concat_w4([m.packed for m in parts])
+        device = self.packed.qweight.device
+        self.packed_ec = concat_ec([m.packed_ec for m in parts], self.sizes, self.packed.in_features, device)
+        self.bias = None
+        if any(m.bias is not None for m in parts):
+            self.bias = torch.cat([torch.zeros(n, dtype=torch.float16, device=device) if m.bias is None else m.bias.half()
+                                   for m, n in zip(parts, self.sizes)])
+        start = 0
+        for m, n in zip(parts, self.sizes):
+            w = self.packed
+            m.packed = PackedW4(w.qweight[start : start + n], w.scales[start : start + n], w.zeros[start : start + n],
+                                w.group_size, w.in_features)
+            start += n
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        device = fn(self.packed.qweight).device  # int32: only a move changes it; the packed dtypes are fixed
+        self.packed = self.packed.to(device)
+        self.packed_ec = None if self.packed_ec is None else self.packed_ec.to(device)
+        self.bias = None if self.bias is None else self.bias.to(device)
+        return self
+
+    def forward(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs, as views of one [..., Σ N_i] result; with `rms` (a decode step), of norm(rms.h),
+        x being rms.hw (FoldedNorm)."""
+        if rms is not None:
+            from spear.kernels.w4 import w4_decode
+
+            return w4_decode(x, self.packed, self.packed_ec, self.bias, rms=rms).split(self.sizes, dim=-1)
+        if x.dtype == torch.float16:  # the kernels (CUDA, or the Triton interpreter on CPU)
+            from spear.kernels.w4 import w4_linear
+
+            y = w4_linear(x, self.packed, self.packed_ec, self.bias)
+        else:
+            y = w4_linear_ref(x, self.packed, self.packed_ec, self.bias)
+        return y.split(self.sizes, dim=-1)
+
+    def swiglu(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> torch.Tensor:
+        """silu(gate) ⊙ up [T, N / 2] of fused [gate; up] parts in one W4 decode launch (the activation in its
+        epilogue), for fp16 x [T, K] with T ≤ DECODE_PATH_MAX_M (x = rms.hw with `rms`, as forward)."""
+        from spear.kernels.w4 import w4_decode
+
+        assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
+        return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True, rms=rms)
+
+    def nbytes(self) -> int:
+        """As its parts serve them (SpearLinear.nbytes), measured when they were stacked."""
+        return self.served_bytes
+
+    def extra_repr(self) -> str:
+        ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
+        return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
