@@ -28,6 +28,7 @@ import spear.compensate.init as ec_init  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import gate_spread  # noqa: E402
+from spear.compensate.cost import LatencyCost  # noqa: E402
 from spear.layer import ErrorCompensator  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
@@ -92,6 +93,7 @@ def main() -> None:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])
     p.add_argument("--spear-budget", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=200, help="KL calibration steps")
+    p.add_argument("--cost", default="bytes", choices=["bytes", "latency"], help="the planner's cost model")
     p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per KL step")
     p.add_argument("--calib-samples", type=int, default=CalibConfig.num_sequences)
     p.add_argument("--calib-len", type=int, default=512)
@@ -122,7 +124,7 @@ def main() -> None:
         write_json(args.json, {"model": args.model, "setting": {"method": args.method, **settings.quant.to_dict()},
                                "calibration": {**asdict(calib),
                                                "source": "text file" if calib.text_file else "self-sampled"},
-                               "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch,
+                               "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch, "cost": args.cost,
                                "rows": rows})
 
     fp = evaluate(lm.model)
@@ -138,7 +140,8 @@ def main() -> None:
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):
             continue
-        cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch, progress=False))
+        cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch, progress=False),
+                      cost=LatencyCost() if args.cost == "latency" else cfg.cost)
         student = copy.deepcopy(quantized)
         t = time.perf_counter()
         ec_init.ErrorCompensator = TokenScalarGateEC if label == TOKEN_GATE_ROW else ErrorCompensator
@@ -148,7 +151,7 @@ def main() -> None:
         row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,
                "heldout_kl": None if report.calibration is None else report.calibration.final_heldout_kl,
                "gate": gates,
-               "modules": len(report.plan.entries), "ranks": sorted({e.rank for e in report.plan.entries}),
+               "modules": len(report.plan.entries), "plan_why": report.plan.why, "ranks": sorted({e.rank for e in report.plan.entries}),
                "gap_closed": {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in datasets},
                "seconds": time.perf_counter() - t}
         rows.append(row)

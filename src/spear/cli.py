@@ -66,6 +66,14 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                    help="auto: rank by marginal gain per byte over every linear, the damage entropy as its prior "
                         "(default); concentrate/spread/uniform: the fixed ablation modes")
     p.add_argument("--steps", type=int, default=200, help="KL calibration steps (adaptive)")
+    p.add_argument("--cost", default="bytes", choices=["bytes", "latency"],
+                   help="what a rank step costs the planner: bytes (default), or bytes + the decode µs the fused EC "
+                        "adds (fit of the H200 kernel benchmark; compensate/cost.py)")
+    p.add_argument("--tp", type=int, default=1, help="with --cost latency: tensor-parallel ranks the model will "
+                                                     "serve on (row-parallel ECs add a reduction)")
+    p.add_argument("--reduce-us", type=float, default=0.0,
+                   help="with --cost latency and --tp > 1: µs of that reduction (0: p2p in the GEMM epilogue; "
+                        "~47: a separate NCCL all-reduce)")
 
 
 def _compensate_config(args):
@@ -73,9 +81,14 @@ def _compensate_config(args):
 
     from spear.compensate.pipeline import CompensateConfig
 
-    cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed)
+    from spear.compensate.cost import BytesCost, LatencyCost
+
     if args.steps < 1:
         raise SpearError(f"--steps must be at least 1, got {args.steps}")
+    if args.cost == "bytes" and (args.tp != 1 or args.reduce_us):
+        raise SpearError("--tp and --reduce-us are terms of --cost latency")
+    cost = LatencyCost(tp=args.tp, t_reduce_us=args.reduce_us) if args.cost == "latency" else BytesCost()
+    cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed, cost=cost)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank),
                    calibrate=replace(cfg.calibrate, steps=args.steps))
 
@@ -103,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--base", default=None,
                     help="the float model it was quantized from (HF directory, .gguf or 'smollm2'): the reference "
                          "`spear compensate` calibrates against (without it the artifact cannot be compensated)")
+
+    ev = sub.add_parser("export-vllm", help="a (compensated) artifact as a model directory vLLM serves: "
+                                            "compressed-tensors W4A16, the ECs for the spear-vllm plugin, "
+                                            "and a static LoRA adapter")
+    ev.add_argument("artifact", help="artifact directory written by `spear quantize` (and `spear compensate`)")
+    ev.add_argument("--out", required=True, help="model directory to write (`vllm serve DIR`)")
 
     e = sub.add_parser("eval", help="token perplexity, or zero-shot task accuracy, of a model or artifact")
     e.add_argument("model", help="artifact directory, HF model directory, .gguf file, or 'smollm2'")
@@ -183,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run,
                     "serve": cmd_serve, "profile": cmd_profile, "bench": cmd_bench,
-                    "import": cmd_import}
+                    "import": cmd_import, "export-vllm": cmd_export_vllm}
         return commands[args.command](args)
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
@@ -232,6 +251,16 @@ def cmd_import(args) -> int:
 
     out = import_checkpoint(args.checkpoint, args.out, args.base)
     print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_export_vllm(args) -> int:
+    from spear.export.vllm import LORA_DIR, export_vllm
+
+    r = export_vllm(args.artifact, args.out)
+    lora = f"; static LoRA rank {r.lora_rank} in {r.out_dir / LORA_DIR}" if r.lora_rank else ""
+    print(f"wrote {r.out_dir}: {r.quantized} linears as compressed-tensors W4A16, {r.ec_modules} ECs{lora}",
+          file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 from spear.compensate.calibrate import CalibrateConfig, CalibrationResult, calibrate_ecs
 from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sensitivity
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
-from spear.compensate.planner import CostModel, BytesCost, Plan, PlannerConfig, plan_ecs, quantized_model_bytes
+from spear.compensate.cost import BytesCost, CostModel
+from spear.compensate.planner import Plan, PlannerConfig, plan_ecs, quantized_model_bytes
 from spear.compensate.stats import collect_input_stats
 from spear.errors import SpearError
 from spear.layer import SpearLinear
@@ -36,6 +37,7 @@ class CompensateConfig:
     kind: str = "adaptive"
     budget: float = 0.01  # EC bytes as a fraction of the W4 model's bytes
     planner: PlannerConfig = PlannerConfig()
+    cost: CostModel = BytesCost()  # what a rank step costs the planner (compensate/cost.py): bytes, or bytes + µs
     sensitivity: SensitivityConfig = SensitivityConfig()
     calibrate: CalibrateConfig = CalibrateConfig()
     train_static: bool = False  # ablation: train a gate-less EC with the KL loss
@@ -101,7 +103,6 @@ def compensate(
     teacher: nn.Module,
     calib_ids: torch.Tensor,
     cfg: CompensateConfig = CompensateConfig(),
-    cost_model: CostModel = BytesCost(),
     sensitivity: SensitivityTable | None = None,
 ) -> CompensateReport:
     """Attach ECs to `student` (quantized, in place) and, for trained kinds, calibrate them against
@@ -131,7 +132,7 @@ def compensate(
             errors[n] = WhitenedError.of(W, m.weight_hat, stats[n], planner.max_rank)
     seconds["spectra"] = time.perf_counter() - t
     spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
-    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cost_model, cfg.seed, planner, spectra)
+    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cfg.cost, cfg.seed, planner, spectra)
 
     t = time.perf_counter()
     names = [e.name for e in plan.entries]

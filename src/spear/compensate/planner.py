@@ -29,11 +29,12 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from spear.compensate.cka import SensitivityTable
+from spear.compensate.cost import BytesCost, CostModel, ec_nbytes
 from spear.errors import SpearError
 from spear.models.layerwise import quantizable_linears
 from spear.record import QuantizedWeight
@@ -45,30 +46,12 @@ MODES = ("auto", "marginal", "concentrate", "spread", "uniform")
 RANK_STEP = 8  # rank step of the fixed-mode ablations
 
 
-def ec_nbytes(out_features: int, in_features: int, rank: int, gate_hidden: int, bytes_per_param: int = 2) -> int:
-    """ErrorCompensator(in, out, rank, gate_hidden).nbytes(): A, B, alpha, gate r→h→r with biases."""
-    gate = 2 * rank * gate_hidden + gate_hidden + rank if gate_hidden > 0 else 0
-    return (rank * (in_features + out_features) + 1 + gate) * bytes_per_param
-
-
 def quantized_model_bytes(model: nn.Module, records: dict[str, QuantizedWeight]) -> int:
     """Bytes of the served W4 model: packed quantized linears + fp16 for every other parameter
     (embeddings, norms, biases; a tied weight counts once). `model` may be float or quantized."""
     quantized = {id(m.weight) for n, m in quantizable_linears(model).items() if n in records}
     other = sum(p.numel() for p in model.parameters() if id(p) not in quantized)
     return sum(r.nbytes_packed() for r in records.values()) + 2 * other
-
-
-class CostModel(Protocol):
-    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class BytesCost:
-    """Cost = fp16 bytes of the EC."""
-
-    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
-        return float(ec_nbytes(out_features, in_features, rank, gate_hidden))
 
 
 @dataclass(frozen=True)
@@ -275,7 +258,9 @@ def _marginal_plan(damage, entropy, tiebreak, shapes, budget_bytes, cost_model, 
     entries = [ModulePlan(n, r, h, ec_nbytes(*shapes[n], r, h), damage[n]) for n, r in ranks.items() if r > 0]
     total = sum(e.bytes for e in entries)
     rs = [e.rank for e in entries] or [0]
-    why = (f"marginal gain per {type(cost_model).__name__}; entropy {entropy:.3f} → prior exponent β = {beta:.2f} "
+    us = getattr(cost_model, "microseconds", None)  # a latency-aware cost: report the plan's decode time too
+    timing = "" if us is None else f"; ≈{sum(us(e.name, *shapes[e.name], e.rank, h) for e in entries):.0f} µs a token"
+    why = (f"marginal gain per {type(cost_model).__name__}{timing}; entropy {entropy:.3f} → prior exponent β = {beta:.2f} "
            f"({'concentrate' if entropy < cfg.entropy_threshold else 'spread'} side); {len(entries)} of {len(names)} "
            f"modules, rank {min(rs)}–{max(rs)} (median {sorted(rs)[len(rs) // 2]})")
     return Plan("marginal", entropy, budget_bytes, total, entries, cfg, seed, why)
