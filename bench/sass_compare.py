@@ -4,6 +4,11 @@ show that a refactor left the compiled code unchanged.
 
     env -u TRITON_INTERPRET python bench/sass_compare.py --out FILE
     python bench/sass_compare.py --compare BEFORE.json AFTER.json
+
+A helper moved between @triton.jit functions changes only the PTX's debug locations (.loc, inlined_at), yet triton
+runs ptxas with -lineinfo and ptxas may then order a few instructions differently (the decode kernel's split into
+helpers, bench/results/kernels/sass_before_after_decode_split.json). Both runs under TRITON_DISABLE_LINE_INFO=1
+tell such a difference from a change of the code.
 """
 
 from __future__ import annotations
