@@ -6,6 +6,9 @@ diversity of the text: `temperature` and `top_p`, and `first_token`: "bos" start
 sequence from the BOS token alone (an instruct model then writes much the same kind of
 text each time), "random" puts one uniformly drawn vocabulary token after it (LLM-QAT's
 data-free generation), which sends each sequence to a different topic and register.
+`start`: "bos" keeps each sequence as sampled, from BOS; "mid" samples MID_MARGIN tokens more and keeps a window
+that starts at a random one of them, so the sequence starts mid-text with no BOS, as the evaluation windows do
+(perplexity windows are cut from one token stream) and as text-file windows do.
 Option: a text file, cut into windows of the requested length.
 
 Defaults, from a sweep on the hard case (SmolLM2-135M, W4 RTN per-channel, SPEAR at 1%; BENCHMARKS §2): the count
@@ -28,6 +31,8 @@ from spear.errors import SpearError
 from spear.util import cache_dir
 
 FIRST_TOKENS = ("bos", "random")
+STARTS = ("bos", "mid")
+MID_MARGIN = 64  # "mid": extra tokens sampled per sequence; the window starts at a random one of them
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,13 @@ class CalibConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     first_token: str = "bos"  # "bos" | "random" (module docstring)
+    start: str = "bos"  # "bos": each sequence as sampled, from BOS; "mid": a window from inside it (module docstring)
 
     def __post_init__(self) -> None:
         if self.first_token not in FIRST_TOKENS:
             raise SpearError(f"unknown first-token mode {self.first_token!r}; choose one of {', '.join(FIRST_TOKENS)}")
+        if self.start not in STARTS:
+            raise SpearError(f"unknown calibration start {self.start!r}; choose one of {', '.join(STARTS)}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise SpearError(f"sampling needs temperature > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
         if self.num_sequences < 1 or self.seq_len < 2:
@@ -55,7 +63,8 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
     if cfg.text_file:
         return text_file_ids(tokenizer, Path(cfg.text_file), cfg)
     sampler = "" if (cfg.temperature, cfg.top_p, cfg.first_token) == (1.0, 1.0, "bos") else \
-        f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # the default keeps the keys of existing caches
+        f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # top-p 1 keeps the keys of existing caches
+    sampler += "" if cfg.start == "bos" else f":{cfg.start}"
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
@@ -88,6 +97,7 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Te
     bos = tokenizer.bos_token_id
     special = set(tokenizer.all_special_ids)
     ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
+    length = cfg.seq_len + (MID_MARGIN if cfg.start == "mid" else 0)
     out = []
     for start in tqdm(range(0, cfg.num_sequences, cfg.batch_size), desc="self-sampling calibration data", unit="batch"):
         n = min(cfg.batch_size, cfg.num_sequences - start)
@@ -101,8 +111,12 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Te
             first.to(device),
             attention_mask=torch.ones_like(first, device=device),
             do_sample=True, temperature=cfg.temperature, top_k=0, top_p=cfg.top_p,
-            max_new_tokens=cfg.seq_len - first.shape[1], min_new_tokens=cfg.seq_len - first.shape[1],
+            max_new_tokens=length - first.shape[1], min_new_tokens=length - first.shape[1],
             pad_token_id=tokenizer.eos_token_id,
         )
         out.append(ids.cpu())
-    return torch.cat(out)
+    ids = torch.cat(out)
+    if cfg.start == "mid":  # window [o, o + seq_len), o in 1..MID_MARGIN: no BOS, mid-text, as evaluation windows
+        offsets = torch.randint(1, MID_MARGIN + 1, (len(ids), 1), generator=torch.Generator().manual_seed(cfg.seed))
+        ids = ids.gather(1, offsets + torch.arange(cfg.seq_len))
+    return ids
