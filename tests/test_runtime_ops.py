@@ -92,6 +92,25 @@ def test_rope_write_kv_matches_reference(dtype, heads, kv_heads, head_dim, fused
     assert k_pool.isnan().sum() == k_pool.numel() - T * kv_heads * head_dim
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rope_write_kv_partial_rotary_and_gain_match_reference(dtype, gen):
+    """Phi-3.5's partial rotary (the first 48 of 96 dims rotate, the rest pass) and LongRoPE's gain on cos and sin."""
+    T, heads, kv_heads, head_dim, num_blocks, block_size = 3, 6, 2, 96, 5, 4
+    q, k, v = (randn(T, n, head_dim, gen=gen, dtype=dtype) for n in (heads, kv_heads, kv_heads))
+    positions = torch.tensor([0, 7, 3000], device=DEVICE)
+    inv_freq = rope_inv_freq(ModelArgs(dim=heads * head_dim, intermediate=1, n_heads=heads, n_kv_heads=kv_heads,
+                                       head_dim=head_dim, n_layers=1, vocab=1, rotary_dim=48)).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T].to(DEVICE)
+    k_pool, v_pool = nan_pools(num_blocks, block_size, kv_heads, head_dim, dtype)
+    k_ref, v_ref = nan_pools(num_blocks, block_size, kv_heads, head_dim, dtype)
+    q_rot = ops.rope_write_kv(q, k, v, positions, inv_freq, k_pool, v_pool, slots, gain=1.07, use_triton=True)
+    q_ref = ops.rope_write_kv_ref(q, k, v, positions, inv_freq, k_ref, v_ref, slots, gain=1.07)
+    assert_close(q_rot, q_ref, f"partial rope {dtype} (q)")
+    assert_close(q_rot[..., 48:], q[..., 48:], "partial rope: the tail passes", tol=0.0)
+    assert_close(k_pool, k_ref, f"partial rope {dtype} (k pool)")
+    assert_close(v_pool, v_ref, f"partial rope {dtype} (v pool)", tol=0.0)
+
+
 def random_cache(seq_lens: list[int], width: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  gen: torch.Generator):
     """Block tables [B, width] over distinct random blocks (padded with block 0) and pools holding random keys
@@ -112,9 +131,10 @@ def random_cache(seq_lens: list[int], width: int, block_size: int, kv_heads: int
     return ids.to(DEVICE), pools, ref_pools
 
 
+@pytest.mark.parametrize("window", [None, 20])  # a sliding-window layer: keys of the last 20 positions only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2), (4, 1)])  # GQA 1, 3, 4
-def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, gen):
+def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, window, gen):
     """Lengths 1, a block, a block and a bit, the full table; the keys in 1, 3 (not a power of two: the
     combine's padding) and 16 splits (more than the longest row has steps: empty splits), and the default."""
     block_size, width, head_dim = 16, 5, 32
@@ -122,10 +142,11 @@ def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, gen):
     tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
     q = randn(len(seq_lens), heads, head_dim, gen=gen, dtype=dtype)
     lens = torch.tensor(seq_lens, device=DEVICE)
-    ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens)
+    ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, window=window)
     for splits in (1, 3, 16, None):
-        out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, use_triton=True, splits=splits, block_n=16)
-        assert_close(out, ref, f"decode attention H={heads} KV={kv_heads} {dtype} splits={splits}")
+        out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, use_triton=True, splits=splits, block_n=16,
+                                         window=window)
+        assert_close(out, ref, f"decode attention H={heads} KV={kv_heads} {dtype} splits={splits} window={window}")
 
 
 def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
@@ -139,9 +160,10 @@ def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
     assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
 
 
+@pytest.mark.parametrize("window", [None, 12])  # with a sliding window each row of a tile has its own first key
 @pytest.mark.parametrize("splits", [1, 3])  # 1: the split kernel writes the output, no combine launch
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])  # MHA (16 rows a tile) and GQA 3 (4 rows a tile)
-def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, splits, gen):
+def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, splits, window, gen):
     """A mixed step's tokens as rows: two prompts' chunks (rows at consecutive positions, grouped into tiles of
     one sequence) and two decodes (tiles of one row), then padding tiles; each row sees keys up to its own
     position, across splits that start past some rows of a tile."""
@@ -162,10 +184,10 @@ def test_paged_attention_tiles_of_prefill_rows_match_reference(heads, kv_heads, 
     row_tables = row_tables.masked_fill(torch.arange(width, device=DEVICE) >= used[:, None], 0)
     lens = torch.tensor([pos + 1 for _, pos in rows], device=DEVICE)
     q = randn(len(rows), heads, head_dim, gen=gen, dtype=dtype)
-    ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, row_tables, lens)
+    ref = ops.paged_decode_attention_ref(q, k_ref, v_ref, row_tables, lens, window=window)
     out = ops.paged_decode_attention(q, k_pool, v_pool, row_tables, lens, use_triton=True, splits=splits, block_n=16,
-                                     tiles=torch.tensor(tiles, device=DEVICE), tile_rows=tile_rows)
-    assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads} splits={splits}")
+                                     tiles=torch.tensor(tiles, device=DEVICE), tile_rows=tile_rows, window=window)
+    assert_close(out, ref, f"tiled attention H={heads} KV={kv_heads} splits={splits} window={window}")
 
 
 def test_model_steps_with_kernels_match_references(monkeypatch, gen):

@@ -157,42 +157,52 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, use_triton: bool | None = 
 
 # ---------------------------------------------------------------- RoPE + KV write
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
     """x [T, H, D] rotated by position, the rotate-half convention of transformers' Llama:
 
-        θ = position * inv_freq (cat'ed with itself to D);  x * cos θ + rotate_half(x) * sin θ,
-        rotate_half([x1, x2]) = [-x2, x1],  cos and sin cast to x's dtype.
+        θ = position * inv_freq (cat'ed with itself to R = 2 len(inv_freq));  x * cos θ + rotate_half(x) * sin θ,
+        rotate_half([x1, x2]) = [-x2, x1],  cos and sin times `gain` (LongRoPE's attention factor), cast to x's dtype,
+
+    on the first R dims of each head (R < D: partial rotary, Phi-3.5's partial_rotary_factor); the rest pass.
     """
+    R = 2 * inv_freq.shape[0]
+    if R < x.shape[-1]:
+        return torch.cat((rope_ref(x[..., :R], positions, inv_freq, gain), x[..., R:]), dim=-1)
     freqs = positions[:, None].float() * inv_freq[None]  # [T, D / 2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [T, 1, D]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    cos, sin = (emb.cos() * gain).to(x.dtype), (emb.sin() * gain).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                      slots: torch.Tensor) -> torch.Tensor:
+                      slots: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
     """Rotate q [T, H, D] and k [T, KV, D]; store k and v at `slots` in the pools [N, block_size, KV, D]
     (slot = block * block_size + offset); return the rotated q."""
-    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, rope_ref(k, positions, inv_freq))
+    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, rope_ref(k, positions, inv_freq, gain))
     v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
-    return rope_ref(q, positions, inv_freq)
+    return rope_ref(q, positions, inv_freq, gain)
 
 
 @_jit
-def _rope_row(src_ptr, dst_ptr, cos, sin, i, ok, HALF: tl.constexpr):
-    """dst = [x1 cos - x2 sin, x2 cos + x1 sin] for one head's row x = [x1, x2] (float32 math)."""
+def _rope_row(src_ptr, dst_ptr, cos, sin, i, ok, HALF: tl.constexpr, D: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """dst = [x1 cos - x2 sin, x2 cos + x1 sin, x3] for one head's row x = [x1, x2, x3] (float32 math; x3, past
+    the rotated 2 HALF dims, is empty unless the rotary is partial, and copied)."""
     x1 = tl.load(src_ptr + i, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
     tl.store(dst_ptr + i, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=ok)
     tl.store(dst_ptr + HALF + i, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=ok)
+    if D > 2 * HALF:
+        j = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+        tl.store(dst_ptr + j, tl.load(src_ptr + j, mask=j < D), mask=j < D)
 
 
 @_jit
 def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr, slots_ptr,
-                          H, KV, block_size, stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
-                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+                          gain, H, KV, block_size, stride_pool_block, stride_pool_offset, stride_qt, stride_kt, stride_vt,
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, D: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                          PDL: tl.constexpr):
     """Program (t, j): j < H rotates query head j of token t; j >= H rotates key head j - H and stores it,
     and the token's value head, at the token's slot. The step's positions and slots (written by the host, never by
     a kernel) and the angles come before the PDL wait; the rows of q, k and v after it."""
@@ -200,28 +210,32 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
     i = tl.arange(0, BLOCK_HALF)
     ok = i < HALF
     theta = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=ok, other=0.0)  # [BLOCK_HALF]
-    cos, sin = tl.cos(theta), tl.sin(theta)
+    cos, sin = tl.cos(theta) * gain, tl.sin(theta) * gain
     slot = tl.load(slots_ptr + t, mask=j >= H, other=0)  # key programs only (host-written: before the wait)
     pdl_enter(PDL)
-    D: tl.constexpr = 2 * HALF
     if j < H:
-        _rope_row(q_ptr + t * stride_qt + j * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF)
+        _rope_row(q_ptr + t * stride_qt + j * D, q_out_ptr + (t * H + j) * D, cos, sin, i, ok, HALF, D, BLOCK_TAIL)
     else:
         kv = j - H
         dst = (slot // block_size) * stride_pool_block + (slot % block_size) * stride_pool_offset + kv * D
-        _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF)
-        for half in tl.static_range(2):  # v as it is, in two halves
+        _rope_row(k_ptr + t * stride_kt + kv * D, k_pool_ptr + dst, cos, sin, i, ok, HALF, D, BLOCK_TAIL)
+        for half in tl.static_range(2):  # v as it is, in two halves, then the tail past them
             val = tl.load(v_ptr + t * stride_vt + kv * D + half * HALF + i, mask=ok)
             tl.store(v_pool_ptr + dst + half * HALF + i, val, mask=ok)
+        if D > 2 * HALF:
+            tail = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+            val = tl.load(v_ptr + t * stride_vt + kv * D + tail, mask=tail < D)
+            tl.store(v_pool_ptr + dst + tail, val, mask=tail < D)
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                  k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, *,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, *, gain: float = 1.0,
                   use_triton: bool | None = None) -> torch.Tensor:
-    """q [T, H, D], k, v [T, KV, D], positions, slots [T], inv_freq [D / 2] float32, pools [N, block_size, KV, D]
-    -> rotated q [T, H, D]; rotated k and v land in the pools. One launch over (token, head)."""
+    """q [T, H, D], k, v [T, KV, D], positions, slots [T], inv_freq [R / 2] float32 (R = D, or fewer: partial
+    rotary), pools [N, block_size, KV, D] -> rotated q [T, H, D]; rotated k and v land in the pools; cos and sin
+    times `gain` (LongRoPE's attention factor). One launch over (token, head)."""
     if not _triton(use_triton, q):
-        return rope_write_kv_ref(q, k, v, positions, inv_freq, k_pool, v_pool, slots)
+        return rope_write_kv_ref(q, k, v, positions, inv_freq, k_pool, v_pool, slots, gain)
     T, H, D = q.shape
     KV = k.shape[1]
     _check_pools(k_pool, v_pool, D)
@@ -229,17 +243,20 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     q, k, v = (_dense_heads(x) for x in (q, k, v))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _rope_write_kv_kernel[(T, H + KV)](
-        q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, H, KV, k_pool.shape[1],
+        q, k, v, positions, inv_freq, q_out, k_pool, v_pool, slots, gain, H, KV, k_pool.shape[1],
         k_pool.stride(0), k_pool.stride(1), q.stride(0), k.stride(0), v.stride(0),
-        HALF=D // 2, BLOCK_HALF=_next_pow2(D // 2), num_warps=1, **launch_options(q))
+        HALF=inv_freq.shape[0], BLOCK_HALF=_next_pow2(inv_freq.shape[0]), D=D,
+        BLOCK_TAIL=_next_pow2(max(D - 2 * inv_freq.shape[0], 1)), num_warps=1, **launch_options(q))
     return q_out
 
 
 # ---------------------------------------------------------------- paged decode attention
 
 def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """softmax(q kᵀ * scale) v of each sequence's one query over its keys 0 .. seq_len - 1.
+                               seq_lens: torch.Tensor, scale: float | None = None,
+                               window: int | None = None) -> torch.Tensor:
+    """softmax(q kᵀ * scale) v of each sequence's one query over its keys 0 .. seq_len - 1 (with a sliding
+    `window`, seq_len - window .. seq_len - 1).
 
     q [B, H, D]; pools [N, block_size, KV, D]; block_tables [B, W]; seq_lens [B] -> [B, H, D].
     Query head h reads KV head h // (H // KV) (GQA).
@@ -247,7 +264,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     k = k_pool[block_tables].flatten(1, 2).transpose(1, 2)  # [B, KV, W * block_size, D], in position order
     v = v_pool[block_tables].flatten(1, 2).transpose(1, 2)
     key_pos = torch.arange(k.shape[2], device=q.device)
-    mask = (key_pos < seq_lens[:, None])[:, None, None]  # [B, 1, 1, W * block_size]
+    mask = key_pos < seq_lens[:, None]
+    if window is not None:
+        mask &= key_pos >= seq_lens[:, None] - window
+    mask = mask[:, None, None]  # [B, 1, 1, W * block_size]
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0]  # [B, H, D]
 
@@ -259,11 +279,14 @@ def attention_tile_rows(group: int) -> int:
 
 
 @_jit
-def _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION: tl.constexpr):
+def _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """One online-softmax step of the query rows q [BLOCK_Q, D] over the keys k, v [BLOCK_N, D] at positions t:
-    row r sees the keys t < visible_r."""
+    row r sees the keys t < visible_r (and t >= visible_r - WINDOW with a sliding window, WINDOW > 0)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_Q, BLOCK_N]
-    s = tl.where(t[None, :] < visible[:, None], s, float("-inf"))
+    seen = t[None, :] < visible[:, None]
+    if WINDOW > 0:
+        seen = seen & (t[None, :] >= visible[:, None] - WINDOW)
+    s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
     alpha = tl.exp(m - m_safe)  # rescales what came before
@@ -275,13 +298,14 @@ def _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION: tl.constexpr
 
 @_jit
 def _attention_step(q, m, l, acc, block, t, end, visible, k_pool_ptr, v_pool_ptr, kv, d, scale, block_size,
-                    stride_pool_block, stride_pool_offset, D: tl.constexpr, PRECISION: tl.constexpr):
+                    stride_pool_block, stride_pool_offset, D: tl.constexpr, PRECISION: tl.constexpr,
+                    WINDOW: tl.constexpr):
     """A step over the cached keys at positions t [BLOCK_N] (< end), in the pool blocks `block`."""
     t_ok = t < end
     kv_off = block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D
     k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
     v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-    return _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION)
+    return _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION, WINDOW)
 
 
 @_jit(do_not_specialize=("stride_table",))
@@ -292,7 +316,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                                HAS_TILES: tl.constexpr, D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                               PDL: tl.constexpr):
+                               WINDOW: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
     BLOCK_Q // BLOCK_G query rows of one sequence at consecutive positions, so they share its block table
     and the keys they read: a prefill chunk's tokens as rows), over split p of the tile's keys by online
@@ -301,7 +325,9 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     BLOCK_N): the splits follow the sequence's length, not the table's width, so a short context is one
     step a program. Writes each (row, head)'s running max m, sum l = Σ exp(s - m) and acc = Σ exp(s - m) v
     (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
-    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step).
+    acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step). With a
+    sliding window (WINDOW > 0) row r sees keys seq_len_r - WINDOW .. seq_len_r - 1 only, and the splits cut
+    the tile's keys from its first row's first one, lo = seq_len_first - WINDOW, instead of 0.
     The step's tiles, lengths and block tables (written by the host, never by a kernel) are read before the PDL
     wait, the first step's table entries included; q and the keys after it."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -312,8 +338,11 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         first, count = tile, 1
     last = first + count - 1  # the tile's last row sees the most keys, and its table has all their blocks
     seq_len = tl.load(seq_lens_ptr + last, mask=count > 0, other=0)
-    split_len = tl.cdiv(seq_len, SPLITS * BLOCK_N) * BLOCK_N
-    start = p * split_len
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(tl.load(seq_lens_ptr + first, mask=count > 0, other=0) - WINDOW, 0)
+    split_len = tl.cdiv(seq_len - lo, SPLITS * BLOCK_N) * BLOCK_N
+    start = lo + p * split_len
     end = tl.minimum(start + split_len, seq_len)
     t = start + tl.arange(0, BLOCK_N)  # the first step's key positions
     block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
@@ -333,12 +362,12 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
         if start < end:  # the first step, its table entries read before the wait
             m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
-                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
+                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION, WINDOW)
         for n0 in range(start + BLOCK_N, end, BLOCK_N):  # no steps past the end: an empty split writes (-inf, 0)
             t = n0 + tl.arange(0, BLOCK_N)  # key positions
             block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
             m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
-                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION)
+                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION, WINDOW)
 
         if SPLITS == 1:  # every key in this program: the output
             out = (row * H + head)[:, None] * D + d[None, :]
@@ -375,19 +404,20 @@ def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float | None = None, *, use_triton: bool | None = None,
                            splits: int | None = None, block_n: int = BLOCK_N, tiles: torch.Tensor | None = None,
-                           tile_rows: int = 1) -> torch.Tensor:
+                           tile_rows: int = 1, window: int | None = None) -> torch.Tensor:
     """q [B, H, D] (row b: a query at position seq_len_b - 1 over keys 0 .. seq_len_b - 1; rows may be strided),
     pools [N, block_size, KV, D], block_tables [B, W] (padded with block 0), seq_lens [B] >= 1 -> [B, H, D] in q's
     dtype. `tiles` [NT, 2] (first row, row count ≤ tile_rows; count 0: padding) groups rows of one sequence
     at consecutive positions, which then read each key once for all of them (kv_cache.Batch builds them for
-    a mixed step's prefill tokens as rows); None: every row alone.
+    a mixed step's prefill tokens as rows); None: every row alone. `window`: each row sees only the keys of its
+    last `window` positions (a sliding-window layer); None: all.
 
     Triton: grid (NT or B, KV, splits), then with more than one split a combine launch, grid (B, H); `splits`
     None: decode_splits's pick, `block_n` keys a step. Shapes alone set the grids and the float32 workspace,
     so the launch can be captured in a CUDA graph.
     """
     if not _triton(use_triton, q):
-        return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale)
+        return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale, window)
     B, H, D = q.shape
     _, block_size, KV, _ = k_pool.shape
     assert D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16, got {D}"
@@ -413,7 +443,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         tiles.stride(0) if tiles is not None else 0, q.stride(0), k_pool.stride(0), k_pool.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
         D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **launch_options(q))
+        WINDOW=window or 0, **launch_options(q))
     if splits > 1:
         _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
                                              num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
