@@ -35,7 +35,17 @@ def _add_calib_args(p: argparse.ArgumentParser) -> None:
                    help=f"calibration sequences (default {CalibConfig.num_sequences})")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
     p.add_argument("--calib-file", default=None, help="a text file to calibrate on instead of self-sampled sequences")
+    p.add_argument("--calib-start", default=CalibConfig.start, choices=["bos", "mid"],
+                   help="self-samples from BOS as sampled, or windows cut from inside them: no BOS, mid-text, as the "
+                        f"evaluation's windows (default {CalibConfig.start})")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _calib_config(args):
+    from spear.data.calibration import CalibConfig
+
+    return CalibConfig(num_sequences=args.calib_samples, seq_len=args.calib_len, seed=args.seed,
+                       text_file=args.calib_file, start=args.calib_start)
 
 
 def _add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -226,14 +236,13 @@ def _device(args):
 
 
 def _settings(args):
-    from spear.data.calibration import CalibConfig
     from spear.quant.pipeline import QuantSettings
     from spear.record import QuantConfig
 
     quant = QuantConfig(bits=args.bits, group_size=args.group_size, sym=not args.asym, sym_grid=args.sym_grid)
     if args.calib_samples < 1 or args.calib_len < 2:
         raise SpearError("--calib-samples must be at least 1 and --calib-len at least 2")
-    calib = CalibConfig(num_sequences=args.calib_samples, seq_len=args.calib_len, seed=args.seed, text_file=args.calib_file)
+    calib = _calib_config(args)
     return QuantSettings(method=args.method, quant=quant, gptq_act_order=args.act_order), calib
 
 
@@ -305,9 +314,8 @@ def _eval_tasks(args) -> int:
 
 def cmd_compensate(args) -> int:
     from spear import api
-    from spear.data.calibration import CalibConfig
 
-    calib = CalibConfig(num_sequences=args.calib_samples, seq_len=args.calib_len, seed=args.seed, text_file=args.calib_file)
+    calib = _calib_config(args)
     report = api.compensate_artifact(args.artifact, _compensate_config(args), calib, device=_device(args))
     s = report.summary()
     print(f"{s['kind']} ECs on {s['modules']} modules ({s['mode']}, entropy {s['entropy']:.3f}), ranks {s['ranks']}, "

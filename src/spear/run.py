@@ -52,7 +52,7 @@ class RunConfig:
               out: str | None = None, seqlen: int = 2048, max_windows: int | None = None, batch_size: int = 1,
               compensate: CompensateConfig | None = CompensateConfig()) -> "RunConfig":
         if quick:
-            calib = CalibConfig(QUICK_CALIB.num_sequences, QUICK_CALIB.seq_len, calib.seed, calib.text_file)
+            calib = replace(calib, num_sequences=QUICK_CALIB.num_sequences, seq_len=QUICK_CALIB.seq_len)
             max_windows = max_windows or QUICK_WINDOWS
             if compensate is not None:
                 compensate = replace(compensate, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE)
