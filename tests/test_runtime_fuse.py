@@ -129,6 +129,38 @@ def test_fused_model_matches_separate_layers(gen):
     assert err < 1e-2, f"fused vs separate logits: {err:.2e}; seed {SEED}"
 
 
+def test_checkpoint_fused_projections_become_one_w4_launch(gen):
+    """Phi-3's qkv_proj and gate_up_proj, one linear each in the checkpoint (runtime.linear.SplitLinear), become the
+    model's fused W4 launches over their one part (EC included, gate|up's activation from the epilogue on decode
+    steps): the same logits as the unpacked reference."""
+    from conftest import make_tiny_family
+
+    from spear.layer import ErrorCompensator
+    from spear.quant.pipeline import QuantSettings, quantize_model
+    from spear.runtime.linear import SplitLinear
+    from spear.runtime.model import build_runtime_model
+
+    hf = make_tiny_family("phi3", hidden_size=128, intermediate_size=192, tie_word_embeddings=False)
+    quantize_model(hf, QuantSettings("rtn", QuantConfig(4, -1)))
+    qkv = hf.model.layers[0].self_attn.qkv_proj
+    qkv.ec = ErrorCompensator(qkv.in_features, qkv.out_features, 8, gate_hidden=8)
+    for t in (qkv.ec.A, qkv.ec.B, qkv.ec.gate[2].weight):
+        torch.nn.init.normal_(t, std=0.1, generator=gen)
+    model = build_runtime_model(hf.half().to(DEVICE), kernels=False)
+    first = model.layers[0].attention
+    assert isinstance(first.wqkv, SplitLinear) and first.wq is None
+    ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
+    ref = logits(model, ids, prefill=5)
+
+    assert all(m.use_kernels() for m in model.modules() if isinstance(m, SpearLinear))
+    assert fuse_projections(model) == 2 * model.args.n_layers
+    assert isinstance(first.wqkv, FusedLinear) and first.wqkv.sizes == [128, 64, 64]
+    assert first.wqkv.packed_ec is not None and model.layers[0].feed_forward.w_gate_up.sizes == [192, 192]
+    out = logits(model, ids, prefill=5)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, f"fused vs unpacked logits: {err:.2e}; seed {SEED}"
+
+
 def test_fused_float_model_matches_separate_layers(gen):
     """A float model's q/k/v and gate/up as one GEMM each (FusedDenseLinear): the same logits as the separate
     linears, through prefill and decode steps."""

@@ -109,19 +109,41 @@ def test_rope_scaling_and_attention_bias_match(kind):
     check_against_hf(hf, ids, [33, 40])
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+# Beside Llama: Mistral; Qwen3 (q/k norms before RoPE, an explicit head_dim); Phi-3 (q|k|v and gate|up as one linear
+# each, partial rotary, LongRoPE, a sliding window shorter than the test's sequence); Gemma 3 (norms by 1 + w, four a
+# layer, GELU-tanh, query_pre_attn_scalar, sliding layers with their own RoPE base, tied and soft-capped logits).
+FAMILIES = {
+    "mistral": ("mistral", {"head_dim": 24}),
+    "qwen3": ("qwen3", {"head_dim": 24}),
+    "phi3": ("phi3", {"hidden_size": 96, "sliding_window": 24,
+                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                          "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+                                          "long_factor": [2.0] * 6}, "original_max_position_embeddings": 128}),
+    "gemma3": ("gemma3_text", {"head_dim": 24, "sliding_window": 24, "query_pre_attn_scalar": 40,
+                               "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 100.0,
+                               "final_logit_softcapping": 2.0, "tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("quantized", [False, True])
 def test_family_matches_transformers(family, quantized):
-    """Mistral and Qwen3 (q/k norms before RoPE, an explicit head_dim) beside Llama: prefill, chunked prefill and
-    decode against transformers' own modeling code, float and 4-bit with a gated EC."""
-    hf = make_tiny_family(family, noise=0.3, head_dim=24, tie_word_embeddings=False)
+    """Prefill, chunked prefill and decode against transformers' own modeling code, float and 4-bit with a gated EC."""
+    model_type, config = FAMILIES[family]
+    hf = make_tiny_family(model_type, noise=0.3, **{"tie_word_embeddings": False, **config})
     args = ModelArgs.from_hf_config(hf.config)
-    assert args.qk_norm == (family == "qwen3") and args.head_dim == 24
+    assert args.qk_norm == (family in ("qwen3", "gemma3")) and args.head_dim == 24
+    if family == "phi3":
+        assert args.rotary_dim == 12 and args.rope_scaling["rope_type"] == "longrope" and args.max_seq_len == 128
+        assert args.rope_gain > 1 and args.window(0) == 24
+    if family == "gemma3":
+        assert args.gemma_norms and args.hidden_act == "gelu_tanh" and (args.window(0), args.window(1)) == (24, None)
     if quantized:
         quantize_model(hf, QuantSettings("rtn", QuantConfig(4, -1)))
-        k_proj = hf.model.layers[1].self_attn.k_proj
-        k_proj.ec = ErrorCompensator(k_proj.in_features, k_proj.out_features, 4, gate_hidden=8)
-        for t in (k_proj.ec.A, k_proj.ec.B, k_proj.ec.gate[2].weight):
+        a = hf.model.layers[1].self_attn
+        proj = a.qkv_proj if family == "phi3" else a.k_proj
+        proj.ec = ErrorCompensator(proj.in_features, proj.out_features, 4, gate_hidden=8)
+        for t in (proj.ec.A, proj.ec.B, proj.ec.gate[2].weight):
             torch.nn.init.normal_(t)
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(3)).tolist()
     check_against_hf(hf, ids, [17, 20])
@@ -137,6 +159,24 @@ def test_unsupported_architecture_is_a_spear_error():
 
     with pytest.raises(SpearError, match="gpt2"):
         ModelArgs.from_hf_config(GPT2Config())
+
+
+def test_what_the_runtime_refuses_is_one_spear_error():
+    """Gemma 3's multimodal wrapper, attention logit soft-capping, a sliding layer's scaled RoPE, and tensor
+    parallelism over Phi-3's fused checkpoint linears are refused with one line."""
+    from transformers import AutoConfig
+
+    from spear.runtime.tp import apply_tp
+
+    with pytest.raises(SpearError, match="gemma3_text"):
+        ModelArgs.from_hf_config(AutoConfig.for_model("gemma3"))
+    with pytest.raises(SpearError, match="attn_logit_softcapping"):
+        ModelArgs.from_hf_config(AutoConfig.for_model("gemma3_text", attn_logit_softcapping=50.0))
+    local = {"sliding_attention": {"rope_type": "linear", "factor": 2.0}, "full_attention": {"rope_type": "default"}}
+    with pytest.raises(SpearError, match="sliding layers"):
+        ModelArgs.from_hf_config(AutoConfig.for_model("gemma3_text", rope_parameters=local))
+    with pytest.raises(SpearError, match="--tp 1"):
+        apply_tp(build_runtime_model(make_tiny_family("phi3"), kernels=False), rank=0, world=2)
 
 
 def test_random_model_shapes_ecs_and_forward():

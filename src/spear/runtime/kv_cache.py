@@ -12,14 +12,15 @@ flash-decoding kernel on CUDA) over its own block table, with no gather; the lon
 gather their blocks (the tables cut to the blocks they use) and run
 scaled_dot_product_attention with an explicit mask (key position <= query position), which is
 causal within a chunk and attends to every cached earlier token. A pure decode batch (what the
-CUDA graphs capture) is the first kind alone.
+CUDA graphs capture) is the first kind alone. A sliding-window layer (Mistral, Phi-3, Gemma 3) sees only the keys
+of its last `window` positions: the decode kernel skips the others, the prefill mask drops them (Batch.window_mask).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -116,6 +117,7 @@ class Batch:
     mask: torch.Tensor | None = None  # [Bp, 1, S, M * block_size] key position <= query position (None: decode)
     decode: bool = False  # every chunk is one token (T == B): attention is the decode kernel alone
     storage: torch.Tensor | None = None  # the one int64 buffer every index field above is a view of
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window_mask's, built once a step
 
     @classmethod
     def build(cls, chunks: list[Chunk], block_size: int, device: torch.device, table_width: int | None = None,
@@ -187,6 +189,13 @@ class Batch:
             batch.mask = (key_pos <= batch.query_pos[..., None])[:, None]
         return batch
 
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` within a sliding window: key position > query position - window (built once a step)."""
+        if window not in self.window_masks:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.window_masks[window] = self.mask & (key_pos > self.query_pos[..., None] - window)[:, None]
+        return self.window_masks[window]
+
     def copy_(self, other: Batch) -> None:
         """Copy another batch of the same shapes into this one's tensors (static CUDA-graph inputs)."""
         if self.storage is not None and other.storage is not None and self.storage.shape == other.storage.shape:
@@ -238,18 +247,22 @@ def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]."""
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch,
+                    scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]; softmax scale `scale`
+    (None: D^-½), each query over the keys of its last `window` positions only (None: all)."""
     if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
-        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, tiles=batch.tiles,
-                                      tile_rows=batch.tile_rows)
+        return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, scale, tiles=batch.tiles,
+                                      tile_rows=batch.tile_rows, window=window)
     k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2)  # [Bp, KV, M * block_size, D]
     v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2)
     qp = q[batch.padded_index].transpose(1, 2)  # [Bp, H, S, D]
     with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask, enable_gqa=True)  # [Bp, H, S, D]
+        mask = batch.mask if window is None else batch.window_mask(window)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [Bp, H, S, D]
     out = out.transpose(1, 2).flatten(0, 1)  # [Bp * S, H, D]
     if batch.decode_index.numel():  # the one-token chunks (a shape: no sync)
-        decoded = paged_decode_attention(q[batch.decode_index], k_pool, v_pool, batch.block_tables, batch.seq_lens)
+        decoded = paged_decode_attention(q[batch.decode_index], k_pool, v_pool, batch.block_tables, batch.seq_lens,
+                                         scale, window=window)
         out = torch.cat([decoded, out])  # [Bd + Bp * S, H, D]
     return out[batch.out_index]

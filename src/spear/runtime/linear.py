@@ -2,7 +2,8 @@
 
 DenseLinear runs a float linear (cuBLAS, or the fp16 GEMV at one row on CUDA). FusedDenseLinear and FusedLinear
 run several linears over one input as one launch (q/k/v, gate/up), float or W4 (+ EC), as gpt-fast's fp16 model
-does; runtime.model.fuse_projections builds them from linears whose stack_key is equal.
+does; runtime.model.fuse_projections builds them from linears whose stack_key is equal, or from a checkpoint's own
+fused linear (Phi-3's qkv_proj, gate_up_proj), which SplitLinear runs until then.
 """
 
 from __future__ import annotations
@@ -50,24 +51,42 @@ class DenseLinear(LinearMethod):
         return f"in={self.in_features}, out={self.out_features}, dtype={self.weight.dtype}"
 
 
+class SplitLinear(LinearMethod):
+    """One linear whose output is several projections side by side (Phi-3's qkv_proj, gate_up_proj), returned as
+    views of its [..., Σ sizes] output, as a fused launch returns its parts'. fuse_projections turns it into that
+    launch (FusedLinear, FusedDenseLinear) where the model is packed for the kernels."""
+
+    def __init__(self, linear: LinearMethod, sizes: list[int]):
+        super().__init__()
+        self.linear, self.sizes = linear, sizes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+    def nbytes(self) -> int:
+        return self.linear.nbytes()
+
+
 class FusedDenseLinear(DenseLinear):
     """Float linears over the same input as one GEMM: y = x [W_1; W_2; ...]ᵀ + [b_1; b_2; ...], returned as the
-    parts' outputs (views of one [..., Σ N_i] result). At one decode row the three q/k/v GEMVs of a 7B layer
-    become one over 100 MB, which streams nearer the copy bandwidth than three over 33 MB.
+    parts' outputs (views of one [..., Σ N_i] result), or as `sizes` columns each where given (one part holding
+    several projections: SplitLinear). At one decode row the three q/k/v GEMVs of a 7B layer become one over
+    100 MB, which streams nearer the copy bandwidth than three over 33 MB.
 
     The parts' parameters are re-pointed in place at their rows of the stacked weight, so it is held once (by every
     module sharing them: the transformers layer a DenseLinear was built over too)."""
 
-    def __init__(self, parts: list[DenseLinear]):
+    def __init__(self, parts: list[DenseLinear], sizes: list[int] | None = None):
         weight = nn.Parameter(torch.cat([m.weight.detach() for m in parts]), requires_grad=False)
         bias = None
         if any(m.bias is not None for m in parts):
             bias = nn.Parameter(torch.cat([torch.zeros_like(m.weight[:, 0]) if m.bias is None else m.bias.detach()
                                            for m in parts]), requires_grad=False)
         super().__init__(weight, bias)
-        self.sizes = [m.out_features for m in parts]
+        self.sizes = sizes or [m.out_features for m in parts]
         start = 0
-        for m, n in zip(parts, self.sizes):
+        for m in parts:
+            n = m.out_features
             m.weight.data = weight.data[start : start + n]
             if m.bias is not None:
                 m.bias.data = bias.data[start : start + n]
@@ -85,23 +104,25 @@ class FusedDenseLinear(DenseLinear):
 
 class FusedLinear(LinearMethod):
     """Packed SpearLinears over the same input as one W4 launch: y = [y_1 | y_2 | ...] from the stacked
-    weight (concat_w4), the concatenated bias and the block-diagonal EC (concat_ec): exact.
+    weight (concat_w4), the concatenated bias and the block-diagonal EC (concat_ec): exact. The output splits
+    as the parts', or as `sizes` where given (one part holding several projections: SplitLinear).
 
     The parts are re-pointed at their rows of the stacked weight, so it is held once."""
 
-    def __init__(self, parts: list[LinearMethod]):
+    def __init__(self, parts: list[LinearMethod], sizes: list[int] | None = None):
         super().__init__()
-        self.sizes = [m.packed.out_features for m in parts]
+        part_sizes = [m.packed.out_features for m in parts]
+        self.sizes = sizes or part_sizes
         self.served_bytes = sum(m.nbytes() for m in parts)
         self.packed = concat_w4([m.packed for m in parts])
         device = self.packed.qweight.device
-        self.packed_ec = concat_ec([m.packed_ec for m in parts], self.sizes, self.packed.in_features, device)
+        self.packed_ec = concat_ec([m.packed_ec for m in parts], part_sizes, self.packed.in_features, device)
         self.bias = None
         if any(m.bias is not None for m in parts):
             self.bias = torch.cat([torch.zeros(n, dtype=torch.float16, device=device) if m.bias is None else m.bias.half()
-                                   for m, n in zip(parts, self.sizes)])
+                                   for m, n in zip(parts, part_sizes)])
         start = 0
-        for m, n in zip(parts, self.sizes):
+        for m, n in zip(parts, part_sizes):
             w = self.packed
             m.packed = PackedW4(w.qweight[start : start + n], w.scales[start : start + n], w.zeros[start : start + n],
                                 w.group_size, w.in_features)

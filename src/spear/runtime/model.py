@@ -1,4 +1,5 @@
-"""The runtime's compact Llama-family transformer (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
+"""The runtime's compact Llama-family transformer (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3, Gemma 3) over the
+paged KV cache.
 
 Activations are flat over the step's tokens ([T, dim]), so the linear layers see only
 real tokens; attention regroups them per sequence (kv_cache.paged_attention). Between the
@@ -12,6 +13,12 @@ the model calls it and asks it what it can fold, never its type, so the kernel a
 tensor-parallel) is its own choice. On CUDA, q/k/v and gate/up each run as one launch: a W4 launch once packed
 for the kernels (FusedLinear), one cuBLAS GEMM over the stacked weights where they are float (FusedDenseLinear),
 as gpt-fast's fp16 model does.
+
+The families differ only where ModelArgs says, and each difference is chosen when the model is built, so a Llama
+step runs nothing for the others: Phi-3's q|k|v and gate|up come as one linear each from the checkpoint
+(runtime.linear.SplitLinear) and may rotate only part of each head (rotary_dim); Gemma 3 (GemmaBlock,
+GeluFeedForward) norms by (1 + w), four times a layer, with GELU-tanh, its own softmax scale, sliding-window layers
+with their own RoPE base (Attention.window, Attention.inv_freq) and optionally soft-capped logits.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -29,7 +37,7 @@ from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 from spear.layer import LinearMethod, SpearLinear
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
-from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear
+from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear, SplitLinear
 
 # The fusions kernels.options switches (options.OPTIONS):
 # - fuse_swiglu: silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode
@@ -44,8 +52,9 @@ from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear
 # The add + RMSNorm and SiLU·up folded into those one-row GEMVs were slower on the H200 and removed
 # (bench/NOTES-kernels.md).
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ModelArgs.hidden_act
 
 
 @dataclass(frozen=True)
@@ -59,47 +68,96 @@ class ModelArgs:
     vocab: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3" | "longrope", "factor": ..., ...}
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q, k, v have biases
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
     max_seq_len: int = 4096
+    rotary_dim: int | None = None  # Phi-3.5 / Phi-4-mini (partial_rotary_factor): RoPE on each head's first dims only
+    rope_gain: float = 1.0  # LongRoPE's attention_factor: RoPE's cos and sin scaled by it (as transformers does)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    sliding_window: int | None = None  # a sliding layer's query sees the keys of its last `sliding_window` positions
+    layer_types: tuple[str, ...] | None = None  # "sliding_attention" | "full_attention"; None: every layer slides
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base (unscaled)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    gemma_norms: bool = False  # Gemma 3: RMSNorm by (1 + w); norms after attention and after the MLP too
+    final_softcap: float | None = None  # Gemma: logits = c · tanh(logits / c)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to every earlier key)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArgs:
         model_type = getattr(config, "model_type", None)
+        if model_type == "gemma3":
+            raise SpearError("the serving runtime runs Gemma 3's text model (Gemma3ForCausalLM, model_type "
+                             "gemma3_text), not the multimodal gemma3")
         if model_type not in SUPPORTED:
             raise SpearError(f"the serving runtime supports {', '.join(SUPPORTED)} models, not {model_type!r}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise SpearError(f"the serving runtime needs a SwiGLU MLP (hidden_act silu), got {config.hidden_act!r}")
-        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise SpearError(f"the serving runtime needs a SwiGLU or GELU-tanh MLP ({', '.join(ACTIVATIONS)}), got {act!r}")
+        for what in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if getattr(config, what, None):
+                raise SpearError(f"the serving runtime does not run {what} (set in this {model_type} config)")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        max_len = config.max_position_embeddings
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        local = None
+        if "full_attention" in rope:  # Gemma 3: RoPE parameters per layer type
+            rope, local = rope["full_attention"], rope.get("sliding_attention") or {}
+        rope = dict(rope)
         theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rotary_dim = int(head_dim * rope.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+        rope_type, gain = rope.get("rope_type", rope.get("type", "default")), 1.0
         if rope_type not in ROPE_TYPES:
             raise SpearError(f"RoPE type {rope_type!r} is not supported by the serving runtime ({', '.join(ROPE_TYPES)})")
-        # Past the sliding window Mistral-style attention differs; capping the context keeps it exact.
+        if local is not None and local.get("rope_type", "default") != "default":
+            raise SpearError(f"the serving runtime's sliding layers take default RoPE, not {local['rope_type']!r}")
+        scale = getattr(config, "query_pre_attn_scalar", None)
+        scale = None if scale is None else scale**-0.5
+        if rope_type == "longrope":  # Phi-3's LongRoPE: within the original context, short_factor's frequencies
+            original = rope.get("original_max_position_embeddings") or config.original_max_position_embeddings
+            rope["original_max_position_embeddings"], max_len = original, min(max_len, original)
+            factor = rope.get("factor") or config.max_position_embeddings / original
+            gain = rope.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(original))
+                                                    if factor > 1 else 1.0)
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        heads = config.num_attention_heads
+        layer_types = getattr(config, "layer_types", None)
         return cls(
             dim=config.hidden_size, intermediate=config.intermediate_size, n_heads=heads,
-            n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
             n_layers=config.num_hidden_layers, vocab=config.vocab_size, norm_eps=config.rms_norm_eps,
             rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else None,
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            max_seq_len=min(config.max_position_embeddings, window or config.max_position_embeddings),
+            qk_norm=model_type in ("qwen3", "gemma3_text"), max_seq_len=max_len,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None, rope_gain=gain, attn_scale=scale,
+            # a window as long as the context changes nothing: none
+            sliding_window=window if window is not None and window < max_len else None,
+            layer_types=None if layer_types is None else tuple(layer_types),
+            rope_local_theta=None if local is None else float(local.get("rope_theta", 10000.0)),
+            hidden_act=ACTIVATIONS[act], gemma_norms=model_type == "gemma3_text",
+            final_softcap=getattr(config, "final_logit_softcapping", None),
         )
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, with linear or llama3 scaling."""
-    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float) / args.head_dim)
-    scaling = args.rope_scaling or {"rope_type": "default"}
-    kind = scaling.get("rope_type", scaling.get("type"))
+def rope_inv_freq(args: ModelArgs, local: bool = False) -> torch.Tensor:
+    """[rotary_dim / 2] float32 inverse frequencies, with linear, llama3 or LongRoPE scaling; `local`: the sliding
+    layers' own (args.rope_local_theta, unscaled)."""
+    dim = args.rotary_dim or args.head_dim
+    theta = args.rope_local_theta if local else args.rope_theta
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    scaling = None if local else args.rope_scaling
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "longrope":  # the context is capped at the original one (ModelArgs), where short_factor applies
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float)
     if kind == "llama3":  # Llama 3.1: keep high frequencies, divide low ones by factor, interpolate between
         factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -150,17 +208,25 @@ def _folds_norm(producer: LinearMethod, consumer: LinearMethod | None, x: torch.
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, wq: nn.Module, wk: nn.Module, wv: nn.Module, wo: nn.Module,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+    def __init__(self, args: ModelArgs, wq: nn.Module | None, wk: nn.Module | None, wv: nn.Module | None,
+                 wo: nn.Module, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                 window: int | None = None, inv_freq: torch.Tensor | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
-        self.q_norm, self.k_norm = q_norm, k_norm  # Qwen3's per-head norms (args.qk_norm), else None
-        self.wqkv: LinearMethod | None = None  # set by fuse_projections
+        self.q_norm, self.k_norm = q_norm, k_norm  # Qwen3's and Gemma 3's per-head norms (args.qk_norm), else None
+        # set by fuse_projections, or at build time where the checkpoint has q|k|v as one linear (a SplitLinear)
+        self.wqkv: LinearMethod | None = None
+        self.window, self.scale = window, args.attn_scale  # a sliding layer's window; the softmax scale (None: D^-½)
+        # RoPE by its own frequencies (Gemma 3's sliding layers, unscaled), else by the model's (project's inv_freq)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_gain = args.rope_gain if inv_freq is None else 1.0
 
     def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
+        if self.inv_freq is not None:
+            inv_freq = self.inv_freq
         if isinstance(x, FoldedNorm):  # this layer's attention norm, folded into the launch before (Block)
             T = x.h.shape[0]
             q, k, v = self.wqkv(x.hw, rms=x)
@@ -173,7 +239,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # each head's q and k normed over D, before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
-        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots)
+        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots, gain=self.rope_gain)
+
+    def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+        """The rotated queries [T, H, D] over their sequences' cached keys and values -> [T, H * D]."""
+        return paged_attention(q, *kv, batch, self.scale, self.window).reshape(q.shape[0], -1)
 
 
 class FeedForward(nn.Module):
@@ -186,8 +256,18 @@ class FeedForward(nn.Module):
         gate_up = self.w_gate_up
         if options.OPTIONS.fuse_swiglu and gate_up is not None and gate_up.packed is not None and _decode_launch(x):
             return self.w_down(gate_up.swiglu(x))  # a packed [gate; up] is a FusedLinear
-        gate, up = self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
-        return self.w_down(silu_mul(gate, up))
+        return self.w_down(silu_mul(*self.gate_up(x)))
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w_gate_up(x) if self.w_gate_up is not None else (self.w_gate(x), self.w_up(x))
+
+
+class GeluFeedForward(FeedForward):
+    """Gemma's GeGLU: w_down(gelu_tanh(gate) ⊙ up)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        return self.w_down(F.gelu(gate, approximate="tanh") * up)
 
 
 class Block(nn.Module):
@@ -204,7 +284,7 @@ class Block(nn.Module):
         On decode steps the next block's attention norm may be folded into this block's down launch: the
         output is then that norm's FoldedNorm (and the residual its h)."""
         q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
-        return self.after_attention(paged_attention(q, *kv, batch).reshape(q.shape[0], -1), residual, next_block)
+        return self.after_attention(self.attention.attend(q, kv, batch), residual, next_block)
 
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,
@@ -229,6 +309,22 @@ class Block(nn.Module):
             return ff.w_down(act), normed.h
         h, residual = self.ffn_norm(self.attention.wo(attn), residual)
         return ff(h), residual
+
+
+class GemmaBlock(Block):
+    """Gemma 3's layer: besides the norms before attention and the MLP, one after each, on the sub-layer's output
+    before it joins the residual stream. Nothing folds into the W4 launches here (the order differs)."""
+
+    def __init__(self, attention: Attention, feed_forward: FeedForward, attention_norm: RMSNorm, ffn_norm: RMSNorm,
+                 post_attention_norm: RMSNorm, post_ffn_norm: RMSNorm):
+        super().__init__(attention, feed_forward, attention_norm, ffn_norm)
+        self.post_attention_norm, self.post_ffn_norm = post_attention_norm, post_ffn_norm
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
+                        next_block: Block | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, _ = self.post_attention_norm(self.attention.wo(attn))
+        h, residual = self.ffn_norm(out, residual)
+        return self.post_ffn_norm(self.feed_forward(h))[0], residual
 
 
 class Transformer(nn.Module):
@@ -261,29 +357,53 @@ class Transformer(nn.Module):
     def logits(self, x: torch.Tensor, residual: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
         """[B, vocab] at the rows `last_index` of the last block's (x, residual)."""
         h, _ = self.norm(x[last_index], residual[last_index])  # the last FFN's add, fused into the final norm
-        return self.head(h)
+        if self.args.final_softcap is None:
+            return self.head(h)
+        return self.args.final_softcap * torch.tanh(self.head(h) / self.args.final_softcap)
 
 
 def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transformer:
-    """The runtime model over a transformers Llama-family model's own modules and tensors.
+    """The runtime model over a transformers Llama-family model's own modules and tensors (Gemma's norms excepted:
+    the runtime holds their 1 + w).
 
     With `kernels` (on CUDA) the 4-bit linears are packed for the Triton kernels; pass False to
     shard the model (tp.apply_tp) first."""
     args = ModelArgs.from_hf_config(hf_model.config)
     base = hf_model.model
+    D = args.head_dim
+    if base.norm.weight.is_cuda and (D < 16 or D & (D - 1)):  # kernels.ops.paged_decode_attention's dot tiles
+        raise SpearError(f"the CUDA attention kernel needs a power-of-two head_dim >= 16; this model's is {D}")
+
+    def norm(module: nn.Module) -> RMSNorm:
+        if not args.gemma_norms:
+            return RMSNorm(module.weight, args.norm_eps)
+        one_plus = (1 + module.weight.detach().float()).to(module.weight.dtype)  # Gemma: x̂ · (1 + w)
+        return RMSNorm(nn.Parameter(one_plus, requires_grad=False), args.norm_eps)
+
+    local_inv_freq = None if args.rope_local_theta is None else rope_inv_freq(args, local=True).to(base.norm.weight.device)
     layers = []
-    for layer in base.layers:
+    for i, layer in enumerate(base.layers):
         a, m = layer.self_attn, layer.mlp
-        qk_norms = (RMSNorm(a.q_norm.weight, args.norm_eps), RMSNorm(a.k_norm.weight, args.norm_eps)) if args.qk_norm \
-            else (None, None)
-        layers.append(Block(
-            Attention(args, *map(_linear_method, (a.q_proj, a.k_proj, a.v_proj, a.o_proj)), *qk_norms),
-            FeedForward(*map(_linear_method, (m.gate_proj, m.up_proj, m.down_proj))),
-            RMSNorm(layer.input_layernorm.weight, args.norm_eps),
-            RMSNorm(layer.post_attention_layernorm.weight, args.norm_eps),
-        ))
-    model = Transformer(args, base.embed_tokens, layers, RMSNorm(base.norm.weight, args.norm_eps),
-                        _linear_method(hf_model.lm_head))
+        window = args.window(i)
+        attention = Attention(args, *(_linear_method(getattr(a, name)) if hasattr(a, name) else None
+                                      for name in ("q_proj", "k_proj", "v_proj")),
+                              _linear_method(a.o_proj), *((norm(a.q_norm), norm(a.k_norm)) if args.qk_norm else ()),
+                              window=window, inv_freq=None if window is None else local_inv_freq)
+        if hasattr(a, "qkv_proj"):  # Phi-3: q|k|v as one linear in the checkpoint
+            q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+            attention.wqkv = SplitLinear(_linear_method(a.qkv_proj), [q, kv, kv])
+        ffn_class = GeluFeedForward if args.hidden_act == "gelu_tanh" else FeedForward
+        ffn = ffn_class(*(_linear_method(getattr(m, name)) if hasattr(m, name) else None
+                          for name in ("gate_proj", "up_proj", "down_proj")))
+        if hasattr(m, "gate_up_proj"):  # Phi-3: gate|up as one linear
+            ffn.w_gate_up = SplitLinear(_linear_method(m.gate_up_proj), [args.intermediate] * 2)
+        if args.gemma_norms:
+            layers.append(GemmaBlock(attention, ffn, norm(layer.input_layernorm), norm(layer.pre_feedforward_layernorm),
+                                     norm(layer.post_attention_layernorm), norm(layer.post_feedforward_layernorm)))
+        else:
+            layers.append(Block(attention, ffn, norm(layer.input_layernorm), norm(layer.post_attention_layernorm)))
+    # Gemma's embedding module scales by √dim itself (transformers' Gemma3TextScaledWordEmbedding)
+    model = Transformer(args, base.embed_tokens, layers, norm(base.norm), _linear_method(hf_model.lm_head))
     if kernels:
         use_kernels(model)
     return model
@@ -307,22 +427,28 @@ def _fused_parts(module: nn.Module) -> list[nn.Module]:
 def fuse_projections(model: Transformer, dense: bool = True) -> int:
     """Run each layer's q/k/v as one launch (attention.wqkv) and gate/up as another (feed_forward.w_gate_up) where
     the parts' stack_keys are equal: one W4 launch over packed parts, with `dense` one GEMM over float ones; returns
-    how many fusions. The separate modules stay (their weights become views of the fused one)."""
+    how many fusions. The separate modules stay (their weights become views of the fused one). A checkpoint's own
+    fused linear (a SplitLinear: Phi-3) becomes the same launch over its one part."""
 
-    def fused(parts: list[LinearMethod]) -> LinearMethod | None:
+    def fused(parts: list[LinearMethod], sizes: list[int] | None = None) -> LinearMethod | None:
         key = parts[0].stack_key()
         if key is None or any(m.stack_key() != key for m in parts[1:]):
             return None
         if key[0] == "w4":
-            return FusedLinear(parts)
-        return FusedDenseLinear(parts) if dense else None
+            return FusedLinear(parts, sizes)
+        return FusedDenseLinear(parts, sizes) if dense else None
+
+    def fuse(current: LinearMethod | None, parts: list[LinearMethod]) -> LinearMethod | None:
+        if isinstance(current, SplitLinear):
+            return fused([current.linear], current.sizes)
+        return fused(parts) if current is None else None
 
     count = 0
     for layer in model.layers:
         a, f = layer.attention, layer.feed_forward
-        if a.wqkv is None and (qkv := fused([a.wq, a.wk, a.wv])) is not None:
+        if (qkv := fuse(a.wqkv, [a.wq, a.wk, a.wv])) is not None:
             a.wqkv, count = qkv, count + 1
-        if f.w_gate_up is None and (gate_up := fused([f.w_gate, f.w_up])) is not None:
+        if (gate_up := fuse(f.w_gate_up, [f.w_gate, f.w_up])) is not None:
             f.w_gate_up, count = gate_up, count + 1
     return count
 

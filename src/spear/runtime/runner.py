@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.errors import SpearError
-from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv, paged_attention
+from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime.model import Transformer
 from spear.kernels.ops import attention_tile_rows
 
@@ -111,8 +111,8 @@ class MixedStepGraphs:
             else:
                 self._piece(i)
             if i < len(self.model.layers):
-                out = paged_attention(self.q[i][:T], *self.cache.layer(i), batch)  # [T, H, D]
-                self.attn[i][:T].copy_(out.reshape(T, -1))
+                out = self.model.layers[i].attention.attend(self.q[i][:T], self.cache.layer(i), batch)  # [T, H * D]
+                self.attn[i][:T].copy_(out)
         return self.logits[:num_seqs]
 
 

@@ -373,6 +373,9 @@ def apply_tp(model: Transformer, rank: int | None = None, world: int | None = No
     for what, n in (("attention heads", args.n_heads), ("KV heads", args.n_kv_heads), ("MLP features", args.intermediate)):
         if n % world:
             raise SpearError(f"{n} {what} do not split over {world} ranks; pick a TP size that divides {n}")
+    if any(layer.attention.wq is None or layer.feed_forward.w_gate is None for layer in model.layers):
+        raise SpearError("tensor parallelism does not split a checkpoint's fused qkv_proj / gate_up_proj (Phi-3) "
+                         "yet; serve it with --tp 1")
     for layer in model.layers:
         a, f = layer.attention, layer.feed_forward
         a.wq, a.wk, a.wv = (column_shard(m, rank, world) for m in (a.wq, a.wk, a.wv))
