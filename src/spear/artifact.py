@@ -104,6 +104,15 @@ def read_artifact_config(path: str | Path) -> dict:
     return config
 
 
+def read_artifact_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the artifact's model.safetensors, by its state-dict name."""
+    path = Path(path)
+    try:
+        return load_file(str(path / "model.safetensors"))
+    except (FileNotFoundError, SafetensorError, OSError) as e:
+        raise SpearError(f"corrupt or missing weights in {path}: {_first_line(e)}") from None
+
+
 def load_artifact(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -111,10 +120,7 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     config = read_artifact_config(path)
-    try:
-        tensors = load_file(str(path / "model.safetensors"))
-    except (FileNotFoundError, SafetensorError, OSError) as e:
-        raise SpearError(f"corrupt or missing weights in {path}: {_first_line(e)}") from None
+    tensors = read_artifact_tensors(path)
     model_config = dict(config["model_config"])
     try:
         hf_config = AutoConfig.for_model(model_config.pop("model_type"), **model_config)
