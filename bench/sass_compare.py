@@ -24,9 +24,9 @@ def fingerprints() -> dict[str, dict]:
     from spear.kernels import offline
 
     out = {}
-    for name, (kernel, pointers, constexprs, warps) in offline.variants().items():
+    for name, variant in offline.variants().items():
         try:
-            compiled = offline.compile_for_gpu(kernel, pointers, constexprs, offline._DIVISIBLE, num_warps=warps)
+            compiled = offline.compile_variant(variant)
         except Exception as e:  # noqa: BLE001 — reported per variant
             out[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
             continue

@@ -8,7 +8,9 @@ example, passes the interpreter and fails to compile on the GPU. `compile_for_gp
 compiler (frontend to cubin) for sm_90, so CI catches that; `loop_mix` counts the instructions of
 each loop in the SASS, which is how the decode kernel's instructions per weight are read off
 (bench/NOTES-kernels.md). Run it without TRITON_INTERPRET: under the interpreter `triton.jit` gives
-interpreted functions, which the compiler cannot take.
+interpreted functions, which the compiler cannot take. The decode kernel's variants take their compile-time flags
+from decode.decode_flags, which w4_decode launches with (tests/test_kernels_compile.py checks that the two agree);
+the other kernels' are written out here as their launchers pass them.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from spear.kernels.pdl import W4Launch
+from spear.kernels.w4 import decode
+from spear.kernels.w4.config import DecodeConfig
 
 H200 = GPUTarget("cuda", 90, 32)
 
@@ -91,189 +97,216 @@ _F16_PTRS = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a
                                 "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
 
 
-def variants() -> dict[str, tuple]:
-    """name → (kernel, pointer types, constexprs, num_warps) for each kernel variant the host code launches."""
-    return {**_decode_variants(), **_prefill_and_epilogue_variants(), **_attention_and_f16_variants()}
+@dataclass(frozen=True)
+class Variant:
+    """A kernel as the host code launches it: its pointers' types, constexprs, num_warps and num_stages."""
+
+    kernel: object
+    pointers: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def _decode_variants() -> dict[str, tuple]:
-    """The W4 decode kernel's variants (kernels.w4.decode)."""
-    from spear.kernels.w4 import decode
+def compile_variant(v: Variant):
+    return compile_for_gpu(v.kernel, v.pointers, v.constexprs, _DIVISIBLE, num_warps=v.num_warps,
+                           num_stages=v.num_stages)
 
-    f16 = _F16_PTRS
-    decode_ptrs = {**f16, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
-                   "reads_ptr": I64}
+
+def variants() -> dict[str, Variant]:
+    """name → Variant for each kernel variant the host code launches (and the few comparisons the tests read)."""
+    return {**{name: launch.variant() for name, launch in decode_launches().items()},
+            **_prefill_and_epilogue_variants(), **_attention_and_f16_variants()}
+
+
+_DECODE_PTRS = {**_F16_PTRS, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
+                "reads_ptr": I64}
+_K = 4096  # the columns a per-channel group spans (Llama-2-7B's hidden size)
+_NO_PRELOAD = W4Launch(late=True, preload=False)  # SPEAR_W4_PRELOAD=0: each step's codes loaded in their step
+_PRELOAD = W4Launch(late=True, preload=True)  # the default (kernels.options)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """A W4 decode launch by its inputs: m rows under `cfg`, groups of `group_size` columns (None: per-channel), the
+    EC (padded rank, gate hidden size, gated) or None, PDL, the W4Launch switches and decode_flags's other keywords
+    (`flags`). Its constexprs are decode.decode_flags's, as w4_decode launches it, but for `lab`: overrides for a
+    comparison no launch makes (the tests read them). `pointers`: types beyond the decode kernel's usual ones."""
+
+    m: int
+    cfg: DecodeConfig
+    group_size: int | None = None
+    ec: tuple[int, int, bool] | None = None
+    pdl: bool = False
+    launch: W4Launch = _NO_PRELOAD
+    flags: dict = field(default_factory=dict)
+    pointers: dict = field(default_factory=dict)
+    lab: dict = field(default_factory=dict)
+
+    def launch_flags(self) -> dict:
+        """What w4_decode passes for these inputs on an sm_90 GPU: constexprs with PDL, num_warps, num_stages."""
+        return {**decode.decode_flags(self.m, self.cfg, self.group_size or _K, self.group_size is None, self.ec,
+                                      launch=self.launch, compiled=True, **self.flags),
+                "PDL": self.pdl}
+
+    def variant(self) -> Variant:
+        constexprs = {**self.launch_flags(), **self.lab}
+        warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
+        return Variant(decode._w4_decode_kernel, {**_DECODE_PTRS, **self.pointers}, constexprs, warps, stages)
+
+
+def decode_launches() -> dict[str, DecodeLaunch]:
+    """The W4 decode kernel's variants (kernels.w4.decode): the tuner's configs (w4.config.DECODE_CANDIDATES) and
+    the untuned default at 1 to 128 rows, with and without the EC, groups, PDL and the epilogues' extra ops."""
+    ec = (32, 16, True)  # padded rank 32, the gate's hidden size 16, gated
+    gemv32 = DecodeConfig(32, 0, 4, 1, gemv_rows=4, block_kw=64)  # the float32 GEMV loop, 4 warps, one stage
+    gemv32_w8 = DecodeConfig(32, 0, 8, 1, gemv_rows=4, block_kw=128)  # the same at 8 warps (a candidate)
+    f16x2, f16x2_w8 = (replace(c, gemv_f16x2=True) for c in (gemv32, gemv32_w8))  # candidates
+    dot = DecodeConfig(32, 0, 4, 3, gemv_rows=0)  # the tensor-core dot loop (a candidate)
     out = {}
-    lab_off = dict(GEMV_STAGES=1, SWIGLU=False, GEMV_F16X2=False, F16X2_ASM=True,  # GEMV loop unpipelined
-                   PDL=False, PDL_LATE=False, PRELOAD=False)
-    for rows, ec, spg, per_channel, bm in ((0, True, 8, True, 16), (1, True, 8, True, 16), (1, False, 8, True, 16),
-                                           (1, False, 2, False, 16), (2, True, 4, False, 16), (4, True, 8, True, 16),
-                                           (0, True, 8, True, 64), (0, True, 2, False, 128)):
-        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=True, R=32, H=16, BM=bm, BN=32, BK=128, SPG=spg, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=per_channel, PEERS=0, U_CHUNK=decode.u_chunk(bm, 32), **lab_off)
-        name = f"decode rows={rows or 'dot'} ec={ec} spg={spg} per_channel={per_channel}" + (f" bm={bm}" if bm > 16 else "")
-        out[name] = (decode._w4_decode_kernel, decode_ptrs, const, 4)
-    # the dot loop at 16 rows as the tuner picks it (BN 64 / 128, 4 warps: wgmma, one K = 128 dot a
-    # block, _w4_block_wide)
-    for bn in (64, 128):
-        const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=32, H=16, BM=16, BN=bn, BK=128, SPG=8, GEMV_ROWS=0,
-                     BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=decode.u_chunk(16, 32), **lab_off)
-        out[f"decode rows=dot ec=False bn={bn} wide"] = (decode._w4_decode_kernel, decode_ptrs, const, 4)
-    # groups of 64 and 32 with one dot a group
-    for spg in (4, 2):
-        const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=128, BK=128, SPG=spg, GEMV_ROWS=0,
-                     BKW=64, PER_CHANNEL=False, PEERS=0, U_CHUNK=decode.u_chunk(16, 32), **lab_off)
-        out[f"decode rows=dot ec=True bn=128 spg={spg} wide=2"] = (decode._w4_decode_kernel, decode_ptrs, const, 4)
-    # the wide loops with their codes through inline PTX (DOT_ASM: what compiled code launches)
-    out["decode rows=dot ec=False bn=128 wide asm"] = (
-        decode._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=False bn=128 wide"][2], "DOT_ASM": True}, 4)
-    out["decode rows=dot ec=True bn=128 spg=4 wide=2 asm"] = (
-        decode._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "DOT_ASM": True}, 4)
-    # g = 128 with one dot a block (the decode kernel's float32 scale a group; the compile test's contrast)
-    out["decode rows=dot ec=True bn=128 spg=8 wide=2 grouped"] = (
-        decode._w4_decode_kernel, decode_ptrs, {**out["decode rows=dot ec=True bn=128 spg=4 wide=2"][2], "SPG": 8}, 4)
-    for ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
-        const = dict(HAS_EC=ec, GATED=ec, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=decode.ax_block(1, 128), SPG=8,
-                     GEMV_ROWS=1, BKW=128, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
-        out[f"decode rows=1 ec={ec} warps=8"] = (decode._w4_decode_kernel, decode_ptrs, const, 8)
-    # the same with as many columns of A a u-program step as GEMV words a step (what decode.ax_block avoids), for the test
-    out["decode rows=1 ec=False warps=8 bk=128"] = (decode._w4_decode_kernel, decode_ptrs,
-                                                    {**const, "HAS_EC": False, "GATED": False, "BK": 128}, 8)
-    for rows in (1, 0):  # gate/up with silu(gate) ⊙ up in the epilogue (model.FUSE_SWIGLU), GEMV and dot loops
-        out[f"decode rows={rows or 'dot'} ec=True swiglu"] = (decode._w4_decode_kernel, decode_ptrs,
-                                                              {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
-                                                               "GEMV_ROWS": rows}, 8)
-    # the GEMV loop pipelined through shared memory (as the tuner's 3-stage candidates run it)
-    out["decode rows=1 ec=False warps=8 stages=3"] = (decode._w4_decode_kernel, decode_ptrs,
-                                                      {**const, "HAS_EC": False, "GATED": False, "GEMV_STAGES": 3}, 8)
-    # the GEMV loop in fp16x2 (DecodeConfig.gemv_f16x2): as the 8-warp one-row GEMV above, and at 4 warps, 16 rows of W
-    # and 256 words a step, 2 stages (both loops there); its 4-row and grouped (g = 32, 128) branches
-    f16x2 = {**const, "HAS_EC": False, "GATED": False, "GEMV_F16X2": True, "WORD_CHAIN": decode.WORD_CHAIN}
-    out["decode rows=1 ec=False warps=8 f16x2"] = (decode._w4_decode_kernel, decode_ptrs, f16x2, 8)
+    for rows, has_ec, g, m in ((0, True, None, 16), (1, True, None, 1), (1, False, None, 1), (1, False, 32, 1),
+                               (2, True, 64, 2), (4, True, None, 4), (0, True, None, 64), (0, True, 32, 128)):
+        name = (f"decode rows={rows or 'dot'} ec={has_ec} spg={min(8, (g or _K) // 16)} per_channel={g is None}"
+                + (f" bm={m}" if m > 16 else ""))
+        out[name] = DecodeLaunch(m, gemv32 if rows else dot, g, ec if has_ec else None, flags=dict(has_bias=True))
+    # the dot loop at 16 rows as the tuner picks it (BN 64 / 128: wgmma, one K = 128 dot a block, _w4_block_wide);
+    # groups of 64 and 32 with one dot a group, and g = 128 (the decode kernel's float32 scale a group). The codes
+    # go through inline PTX (DOT_ASM), as compiled code launches them; each "... asm" variant's twin without the
+    # suffix compiles the same without it (the test's contrast)
+    no_asm, dot128 = dict(DOT_ASM=False), replace(dot, block_n=128)
+    out["decode rows=dot ec=False bn=64 wide"] = DecodeLaunch(16, replace(dot, block_n=64))
+    out["decode rows=dot ec=False bn=128 wide"] = DecodeLaunch(16, dot128, lab=no_asm)
+    for g in (64, 32):
+        out[f"decode rows=dot ec=True bn=128 spg={g // 16} wide=2"] = DecodeLaunch(16, dot128, g, ec,
+                                                                                  lab=no_asm if g == 64 else {})
+    out["decode rows=dot ec=False bn=128 wide asm"] = DecodeLaunch(16, dot128)
+    out["decode rows=dot ec=True bn=128 spg=4 wide=2 asm"] = DecodeLaunch(16, dot128, 64, ec)
+    out["decode rows=dot ec=True bn=128 spg=8 wide=2 grouped"] = DecodeLaunch(16, dot128, 128, ec)
+    for has_ec in (True, False):  # the one-row GEMV as the tuner most often picks it: 8 warps
+        out[f"decode rows=1 ec={has_ec} warps=8"] = DecodeLaunch(1, gemv32_w8, ec=ec if has_ec else None)
+    # W4+EC with as many columns of A a u-program step as GEMV words a step (what decode.ax_block avoids)
+    out["decode rows=1 ec=True warps=8 bk=128"] = DecodeLaunch(1, gemv32_w8, ec=ec, lab=dict(BK=128))
+    # gate/up with silu(gate) ⊙ up in the epilogue (model.FUSE_SWIGLU): the GEMV loop, and the untuned default at
+    # 16 rows (the dot loop)
+    out["decode rows=1 ec=True swiglu"] = DecodeLaunch(1, gemv32_w8, ec=ec, flags=dict(swiglu=True))
+    out["decode rows=dot ec=True swiglu"] = DecodeLaunch(16, DecodeConfig(), ec=ec, flags=dict(swiglu=True))
+    # the GEMV loop pipelined through shared memory: the untuned default (3 stages)
+    out["decode rows=1 ec=False warps=8 stages=3"] = DecodeLaunch(1, DecodeConfig())
+    # the GEMV loop in fp16x2 (DecodeConfig.gemv_f16x2): 8 warps, and 4 warps, 16 rows of W and 256 words a step,
+    # 2 stages (in float32 too); its 4-row and grouped (g = 32, 128) branches
+    out["decode rows=1 ec=False warps=8 f16x2"] = DecodeLaunch(1, f16x2_w8)
     for on in (False, True):
-        out["decode rows=1 ec=False warps=4 bn=16 bkw=256 stages=2" + " f16x2" * on] = (
-            decode._w4_decode_kernel, decode_ptrs, {**f16x2, "GEMV_F16X2": on, "BN": 16, "BKW": 256, "GEMV_STAGES": 2,
-                                                "BK": decode.ax_block(1, 256)}, 4)
-    for rows, spg, per_channel in ((4, 8, True), (1, 2, False), (1, 8, False)):
-        out[f"decode rows={rows} ec=True spg={spg} per_channel={per_channel} f16x2"] = (
-            decode._w4_decode_kernel, decode_ptrs, {**f16x2, "HAS_EC": True, "GATED": True, "GEMV_ROWS": rows, "SPG": spg,
-                                                "PER_CHANNEL": per_channel, "BKW": 64, "BK": 128}, 4)
+        out["decode rows=1 ec=False warps=4 bn=16 bkw=256 stages=2" + " f16x2" * on] = DecodeLaunch(
+            1, DecodeConfig(16, 0, 4, 2, gemv_rows=4, block_kw=256, gemv_f16x2=on))
+    for rows, g in ((4, None), (1, 32), (1, 128)):
+        out[f"decode rows={rows} ec=True spg={min(8, (g or _K) // 16)} per_channel={g is None} f16x2"] = (
+            DecodeLaunch(rows, f16x2, g, ec))
     # launched dependent on the launch before (kernels.pdl): griddepcontrol.wait first, the release after the loop
-    out["decode rows=1 ec=True f16x2 pdl"] = (decode._w4_decode_kernel, decode_ptrs,
-                                              {**f16x2, "HAS_EC": True, "GATED": True, "BKW": 64, "BK": 128,
-                                               "PDL": True, "PDL_LATE": True}, 4)
-    # each step's codes loaded a step ahead, the first before griddepcontrol.wait (PRELOAD: W4Launch.preload), as the
-    # tuner's single-stage GEMV candidates run under PDL: 8 warps, float32 and fp16x2; 4 warps, 64 words, fp16x2, EC
-    for name, extra, warps in (("decode rows=1 ec=False warps=8 preload", {**const, "HAS_EC": False, "GATED": False}, 8),
-                               ("decode rows=1 ec=False warps=8 f16x2 preload", f16x2, 8),
-                               ("decode rows=1 ec=True warps=4 f16x2 preload", {**f16x2, "HAS_EC": True, "GATED": True,
-                                                                                "BKW": 64, "BK": 128}, 4)):
-        out[name] = (decode._w4_decode_kernel, decode_ptrs, {**extra, "PDL": True, "PDL_LATE": True, "PRELOAD": True}, warps)
-    # an RMSNorm folded across two launches (kernels.norm_fold): the producer's add + Σ h² epilogue, the consumer's
-    # rstd scaling (SwiGLU, as gate/up takes it), both as the tuner's 4-warp fp16x2 EC candidate runs under PDL
-    fold = {**f16x2, "HAS_EC": True, "GATED": True, "BKW": 64, "BK": 128, "PDL": True, "PDL_LATE": True, "PRELOAD": True}
-    out["decode rows=1 ec=True f16x2 add_norm"] = (decode._w4_decode_kernel, {**decode_ptrs, "res_ptr": F16, "nw_ptr": F16,
-                                                                         "hw_ptr": F16, "ssq_ptr": F32},
-                                                   {**fold, "ADD_NORM": True}, 4)
+    out["decode rows=1 ec=True f16x2 pdl"] = DecodeLaunch(1, f16x2, ec=ec, pdl=True)
+    # each step's codes loaded a step ahead, the first before griddepcontrol.wait (W4Launch.preload), as the
+    # single-stage GEMV configs run under PDL: 8 warps, float32 and fp16x2; 4 warps, 64 words, fp16x2, EC
+    for name, cfg, with_ec in (("decode rows=1 ec=False warps=8 preload", gemv32_w8, None),
+                               ("decode rows=1 ec=False warps=8 f16x2 preload", f16x2_w8, None),
+                               ("decode rows=1 ec=True warps=4 f16x2 preload", f16x2, ec)):
+        out[name] = DecodeLaunch(1, cfg, ec=with_ec, pdl=True, launch=_PRELOAD)
+    # an RMSNorm folded across two launches (kernels.norm_fold): the producer's add + Σ h² epilogue (128 tiles), the
+    # consumer's rstd scaling (SwiGLU, as gate/up takes it) at one row and (the dot loop) at 16
+    out["decode rows=1 ec=True f16x2 add_norm"] = DecodeLaunch(
+        1, f16x2, ec=ec, pdl=True, launch=_PRELOAD, flags=dict(add_norm=True, num_ssq=128),
+        pointers={"res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32})
     for rows in (1, 0):
-        out[f"decode rows={rows or 'dot'} ec=True swiglu rms_in"] = (
-            decode._w4_decode_kernel, {**decode_ptrs, "ssq_ptr": F32, "eps": "fp32"},
-            {**fold, "SWIGLU": True, "GEMV_ROWS": rows, "RMS_IN": True, "SSQ_BLOCK": 128}, 4)
-    out["decode rows=dot ec=True swiglu pdl"] = (decode._w4_decode_kernel, decode_ptrs,
-                                                 {**const, "HAS_EC": True, "GATED": True, "SWIGLU": True,
-                                                  "GEMV_ROWS": 0, "PDL": True}, 4)
+        out[f"decode rows={rows or 'dot'} ec=True swiglu rms_in"] = DecodeLaunch(
+            rows or 16, f16x2 if rows else dot, ec=ec, pdl=True, launch=_PRELOAD,
+            flags=dict(swiglu=True, rms_in=True, num_ssq=128), pointers={"ssq_ptr": F32, "eps": "fp32"})
+    out["decode rows=dot ec=True swiglu pdl"] = DecodeLaunch(16, dot, ec=ec, pdl=True, flags=dict(swiglu=True))
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
-    const = dict(HAS_EC=False, GATED=False, HAS_BIAS=False, R=16, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=1,
-                 BKW=64, PER_CHANNEL=True, PEERS=0, U_CHUNK=8, **lab_off)
-    out["decode rows=1 float32 out"] = (decode._w4_decode_kernel, {**decode_ptrs, "y_ptr": F32, "bias_ptr": F32}, const, 4)
+    out["decode rows=1 float32 out"] = DecodeLaunch(1, gemv32, pointers={"y_ptr": F32, "bias_ptr": F32})
     for rows in (1, 0):  # tensor parallelism: the partials y_r and u_r into two ranks' buffers, then the signals
-        const = dict(HAS_EC=True, GATED=True, HAS_BIAS=False, R=32, H=16, BM=16, BN=32, BK=128, SPG=8, GEMV_ROWS=rows,
-                     BKW=64, PER_CHANNEL=True, PEERS=2, U_CHUNK=8, **lab_off)
-        out[f"decode rows={rows or 'dot'} to peers"] = (decode._w4_decode_kernel, {**decode_ptrs, "peer_rows_ptr": I64,
-                                                                               "peer_signals_ptr": I64}, const, 4)
+        out[f"decode rows={rows or 'dot'} to peers"] = DecodeLaunch(
+            rows or 16, gemv32 if rows else dot, ec=ec, flags=dict(peers=2),
+            pointers={"peer_rows_ptr": I64, "peer_signals_ptr": I64})
     return out
 
 
-def _prefill_and_epilogue_variants() -> dict[str, tuple]:
+def _prefill_and_epilogue_variants() -> dict[str, Variant]:
     """The prefill paths' kernels (kernels.w4.prefill) and tensor parallelism's EC epilogues (kernels.ec_epilogue)."""
     from spear.kernels import ec_epilogue
     from spear.kernels.w4 import prefill
 
     f16 = _F16_PTRS
+    w4 = {**f16, "qw_ptr": I32}
     out = {}
-    for split in (False, True):  # the EC's rank-space kernel for the prefill paths: whole K, or K split
-        out["ec_rank" + " split" * split] = (prefill._ec_rank_kernel, {**f16, "u_part_ptr": F32 if split else F16},
-                                             dict(GATED=True, R=32, H=16, BM=32, BK=64, SPLIT=split), 4)
-    out["ec_gate"] = (prefill._ec_gate_kernel, {**f16, "u_part_ptr": F32}, dict(GATED=True, R=32, H=16, BM=32), 4)
-    out["dequant"] = (prefill._dequant_kernel, {**f16, "qw_ptr": I32}, dict(BN=64), 4)
-    for spg in (8, 4):  # the wide dot loop (one dot a block, or a group of 64 with its codes scaled) in the prefill
-        # tile GEMM
-        out[f"prefill_fused wide=2 spg={spg}"] = (
-            prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-            dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8, PER_CHANNEL=spg == 8,
-                 SCALE_CODES=spg != 8), 8)
-    out["prefill_fused wide=2 spg=8 asm"] = (prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-                                             {**out["prefill_fused wide=2 spg=8"][2], "DOT_ASM": True}, 8)
+    for split in (False, True):  # the EC's rank-space kernel for the prefill paths (ec_rank's defaults): whole K, or
+        # K split
+        out["ec_rank" + " split" * split] = Variant(prefill._ec_rank_kernel,
+                                                    {**f16, "u_part_ptr": F32 if split else F16},
+                                                    dict(GATED=True, R=32, H=16, BM=64, BK=64, SPLIT=split), 4, 4)
+    out["ec_gate"] = Variant(prefill._ec_gate_kernel, {**f16, "u_part_ptr": F32}, dict(GATED=True, R=32, H=16, BM=64))
+    out["dequant"] = Variant(prefill._dequant_kernel, w4, dict(BN=64))
+    # the wide dot loop (one dot a block, or a group of 64 with its codes scaled) in the prefill tile GEMM, as
+    # PrefillConfig's default (128 × 128, 8 warps, 3 stages) runs it
+    for spg in (8, 4):
+        out[f"prefill_fused wide=2 spg={spg}"] = Variant(
+            prefill._w4_prefill_kernel, w4, dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8,
+                                                 PER_CHANNEL=spg == 8, SCALE_CODES=spg != 8), 8)
+    per_channel = out["prefill_fused wide=2 spg=8"].constexprs
+    out["prefill_fused wide=2 spg=8 asm"] = Variant(prefill._w4_prefill_kernel, w4, {**per_channel, "DOT_ASM": True}, 8)
     # g = 128: the float32 scale a group (the compile test's contrast), and the codes scaled (launched)
-    grouped = {**out["prefill_fused wide=2 spg=8"][2], "PER_CHANNEL": False, "SCALE_CODES": False}
-    out["prefill_fused wide=2 spg=8 grouped"] = (prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32}, grouped, 8)
-    out["prefill_fused wide=2 spg=8 scale_codes asm"] = (
-        prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32}, {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
+    grouped = {**per_channel, "PER_CHANNEL": False, "SCALE_CODES": False}
+    out["prefill_fused wide=2 spg=8 grouped"] = Variant(prefill._w4_prefill_kernel, w4, grouped, 8)
+    out["prefill_fused wide=2 spg=8 scale_codes asm"] = Variant(prefill._w4_prefill_kernel, w4,
+                                                                {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
     # from 1024 rows with an EC: the 128 × 256 tile as the programmatic dependent of the rank programs beside it
-    out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = (prefill._w4_prefill_kernel, {**f16, "qw_ptr": I32},
-                                                      {**out["prefill_fused wide=2 spg=8 asm"][2], "BN": 256,
-                                                       "PDL": True}, 8)
-    out["ec_rank_programs pdl"] = (prefill._ec_rank_programs_kernel, f16,
-                                   dict(GATED=True, R=32, H=16, BM=128, BK=128, PDL=True), 8)
+    out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = Variant(
+        prefill._w4_prefill_kernel, w4, {**per_channel, "DOT_ASM": True, "BN": 256, "PDL": True}, 8)
+    out["ec_rank_programs pdl"] = Variant(prefill._ec_rank_programs_kernel, f16,
+                                          dict(GATED=True, R=32, H=16, BM=128, BK=prefill.PREFILL_RANK_BK, PDL=True),
+                                          prefill.PREFILL_RANK_WARPS, prefill.PREFILL_RANK_STAGES)
+    epilogue = dict(HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32, BLOCK_H=16)
     for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
-        out[f"ec_epilogue ec={has_ec}"] = (ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32,
-                                                                             "out_ptr": F16, "bias_ptr": F16},
-                                           dict(HAS_EC=has_ec, GATED=has_ec, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
-                                                BLOCK_H=16), 4)
-    out["peer_epilogue"] = (ec_epilogue._peer_epilogue_kernel, {**f16, "slots_ptr": F32, "signals_ptr": I32,
-                                                                 "state_ptr": I32, "out_ptr": F16},
-                            dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
-                                 BLOCK_H=16), 4)
-    out["peer_epilogue add_norm"] = (ec_epilogue._peer_epilogue_kernel,
-                                     {**f16, "slots_ptr": F32, "signals_ptr": I32, "state_ptr": I32, "out_ptr": F16,
-                                      "res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32},
-                                     dict(WORLD=2, HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32,
-                                          BLOCK_H=16, ADD_NORM=True), 4)
+        out[f"ec_epilogue ec={has_ec}"] = Variant(
+            ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32, "out_ptr": F16, "bias_ptr": F16},
+            {**epilogue, "HAS_EC": has_ec, "GATED": has_ec})
+    peer = {**f16, "slots_ptr": F32, "signals_ptr": I32, "state_ptr": I32, "out_ptr": F16}
+    out["peer_epilogue"] = Variant(ec_epilogue._peer_epilogue_kernel, peer, dict(WORLD=2, **epilogue))
+    out["peer_epilogue add_norm"] = Variant(ec_epilogue._peer_epilogue_kernel,
+                                            {**peer, "res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32},
+                                            dict(WORLD=2, **epilogue, ADD_NORM=True))
     return out
 
 
-def _attention_and_f16_variants() -> dict[str, tuple]:
+def _attention_and_f16_variants() -> dict[str, Variant]:
     """Decode attention (kernels.ops) and the float model's one-row GEMV (kernels.f16_gemv)."""
     from spear.kernels import f16_gemv, ops
 
     out = {}
     # decode attention, rows alone or tiled
-
     attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")},
                       **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},
                       **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr")}, "scale": "fp32"}
     for tiles in (False, True):
-        out[f"decode attention tiles={tiles}"] = (
+        out[f"decode attention tiles={tiles}"] = Variant(
             ops._paged_decode_split_kernel, attention_ptrs,
             dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N, PRECISION="tf32",
-                 PDL=True), 4)
-    # the float model's one-row GEMV: one row block, and runs of four with a masked K
+                 PDL=True))
+    # the float model's one-row GEMV (one stage, as f16_gemv launches it): one row block, and runs of four with a
+    # masked K
     gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
     # (block_n, block_k, warps, row_blocks, even K)
     for block_n, block_k, warps, row_blocks, even in ((2, 1024, 4, 1, True), (4, 1024, 4, 4, False)):
-        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even}"] = (
+        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even}"] = Variant(
             f16_gemv._f16_gemv_kernel, gemv_ptrs,
-            dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even,
-                 PDL=True), warps)
+            dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even, PDL=True),
+            warps, 1)
     return out
 
 
 def main() -> None:
     report = {}
-    for name, (kernel, pointers, constexprs, warps) in variants().items():
+    for name, v in variants().items():
         try:
-            compiled = compile_for_gpu(kernel, pointers, constexprs, _DIVISIBLE, num_warps=warps)
-            report[name] = {"ok": True, "warps": warps, "registers": registers(compiled),
+            compiled = compile_variant(v)
+            report[name] = {"ok": True, "warps": v.num_warps, "stages": v.num_stages, "registers": registers(compiled),
                             "loops": [vars(loop) for loop in loop_mix(sass(compiled))]}
         except Exception as e:  # noqa: BLE001 — reported per variant
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}

@@ -29,7 +29,7 @@ import triton.language as tl
 from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, PackedW4
-from spear.kernels.pdl import launch_options, pdl_enter, pdl_release, runs_compiled, w4_launch
+from spear.kernels.pdl import W4Launch, launch_options, pdl_enter, pdl_release, runs_compiled, w4_launch
 from spear.kernels.w4.config import (
     DECODE_KERNEL_MAX_M,
     DecodeConfig,
@@ -336,6 +336,27 @@ def _gemv_rows(m: int, limit: int) -> int:
     return 0 if m > min(limit, 4) else 1 << (m - 1).bit_length()
 
 
+def decode_flags(m: int, cfg: DecodeConfig, group_size: int, per_channel: bool, ec: tuple[int, int, bool] | None,
+                 *, launch: W4Launch, compiled: bool, has_bias: bool = False, peers: int = 0, swiglu: bool = False,
+                 add_norm: bool = False, num_ssq: int = 0, rms_in: bool = False, even: bool = False) -> dict:
+    """The decode kernel's compile-time arguments (its constexprs, num_warps and num_stages) for a launch of m rows
+    under `cfg`: w4_decode launches with exactly these and kernels.offline compiles its variants from them.
+    `ec`: (padded rank R, the gate's hidden size H, gated), or None; `launch`: the PDL switches (kernels.pdl.W4Launch);
+    `compiled`: compiled code (inline PTX), not the interpreter; `num_ssq`: the folded norm's tiles; `even`: unmasked
+    code loads. PDL itself is the launch's (kernels.pdl.launch_options)."""
+    gemv_rows = _gemv_rows(m, cfg.gemv_rows)
+    bm = _row_tile(m)
+    rank, hidden, gated = ec if ec is not None else (16, 16, False)
+    return dict(HAS_EC=ec is not None, GATED=gated, HAS_BIAS=has_bias, R=rank, H=hidden, BM=bm, BN=cfg.block_n,
+                BK=ax_block(gemv_rows, cfg.block_kw), SPG=_slices_per_group(group_size), GEMV_ROWS=gemv_rows,
+                GEMV_STAGES=cfg.num_stages, GEMV_F16X2=cfg.gemv_f16x2, F16X2_ASM=compiled, BKW=cfg.block_kw,
+                PER_CHANNEL=per_channel, PEERS=peers, U_CHUNK=u_chunk(bm, rank), SWIGLU=swiglu,
+                PDL_LATE=launch.late_gemv if gemv_rows else launch.late, PRELOAD=launch.preload,
+                WORD_CHAIN=WORD_CHAIN, EVEN=even, ADD_NORM=add_norm, RMS_IN=rms_in,
+                SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), DOT_ASM=compiled,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 class _Workspace:
     """Per-device scratch for the decode kernel: float32 partial sums of y and u, g's int64 cells, the int32
     counters and the int64 reads count. The counters are zero between launches (each launch restores them), the
@@ -432,7 +453,6 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         raise ValueError("a folded RMSNorm (rms, add_norm) does not combine with peers")
     if add_norm is not None and (swiglu or (out is not None and out.stride(0) != n)):
         raise ValueError("add_norm stores h [M, N] densely: no swiglu, no strided out")
-    bm = _row_tile(m)
     cfg = cfg or decode_config(w, m, ec)
     kw = w.qweight.shape[1]
     blocks = kw // 16
@@ -447,9 +467,15 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     split_k = triton.cdiv(blocks * 128, k_per_split)
     even = (bool(gemv_rows) and n % cfg.block_n == 0 and k % step == 0 and kw * 8 == k  # unmasked code loads
             and options.OPTIONS.w4_even)
-    R = ec.padded_rank if ec is not None else 16
-    H = ec.W1.shape[0] if ec is not None else 16
-    bk = ax_block(gemv_rows, cfg.block_kw)
+    num_ssq = tiles if add_norm is not None else rms.ssq.shape[1] if rms is not None else 0
+    if rms is not None and rms.ssq.shape[0] != m:
+        raise ValueError(f"rms holds {rms.ssq.shape[0]} rows, x {m}")
+    flags = decode_flags(m, cfg, w.group_size, w.scales.shape[1] == 1,
+                         (ec.padded_rank, ec.W1.shape[0], bool(ec.gated)) if ec is not None else None,
+                         launch=w4_launch(), compiled=runs_compiled(x), has_bias=bias is not None,
+                         peers=0 if peers is None else peers.rows.numel(), swiglu=swiglu, add_norm=add_norm is not None,
+                         num_ssq=num_ssq, rms_in=rms is not None, even=even)
+    bm, R, bk = flags["BM"], flags["R"], flags["BK"]
     num_ax, ax_k = 0, bk
     if ec is not None:
         num_ax = max(1, min(triton.cdiv(k, EC_AX_COLUMNS), triton.cdiv(sms, 4)))  # ≤ EC_AX_COLUMNS of A each
@@ -463,11 +489,6 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         width = n // 2 if swiglu else n
         y = out if out is not None else torch.empty(m, width, dtype=x.dtype, device=x.device)
         stride_y = y.stride(0)
-
-    num_ssq = tiles if add_norm is not None else rms.ssq.shape[1] if rms is not None else 0
-    if rms is not None and rms.ssq.shape[0] != m:
-        raise ValueError(f"rms holds {rms.ssq.shape[0]} rows, x {m}")
-    pdl = w4_launch()
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
@@ -476,15 +497,6 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         *(add_norm if add_norm is not None else (y, y, y, rms.ssq if rms is not None else reads)),
         m, n, k, kw, w.scales.shape[1], w.group_size, x.stride(0), stride_y,
         split_k, k_per_split, num_ax, ax_k, tiles, num_ssq, rms.eps if rms is not None else 0.0,
-        HAS_EC=ec is not None, GATED=bool(ec is not None and ec.gated), HAS_BIAS=bias is not None, R=R, H=H,
-        BM=bm, BN=cfg.block_n, BK=bk, SPG=_slices_per_group(w.group_size),
-        GEMV_ROWS=gemv_rows, GEMV_STAGES=cfg.num_stages, GEMV_F16X2=cfg.gemv_f16x2,
-        F16X2_ASM=runs_compiled(x), BKW=cfg.block_kw, PER_CHANNEL=w.scales.shape[1] == 1,
-        PEERS=0 if peers is None else peers.rows.numel(), U_CHUNK=u_chunk(bm, R),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        SWIGLU=swiglu, PDL_LATE=pdl.late_gemv if gemv_rows else pdl.late,
-        PRELOAD=pdl.preload, WORD_CHAIN=WORD_CHAIN, EVEN=even, ADD_NORM=add_norm is not None,
-        RMS_IN=rms is not None, SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)),
-        DOT_ASM=runs_compiled(x), **launch_options(x),
+        **flags, **launch_options(x),
     )
     return y
