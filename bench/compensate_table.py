@@ -153,7 +153,7 @@ def main() -> None:
         row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,
                "heldout_kl": None if report.calibration is None else report.calibration.final_heldout_kl,
                "gate": gates,
-               "modules": len(report.plan.entries), "plan_why": report.plan.why, "ranks": sorted({e.rank for e in report.plan.entries}),
+               "modules": len(report.plan.entries), "ranks": sorted({e.rank for e in report.plan.entries}),
                "gap_closed": {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in datasets},
                "seconds": time.perf_counter() - t}
         rows.append(row)

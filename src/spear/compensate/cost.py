@@ -65,15 +65,16 @@ class LatencyCost:
             raise SpearError("latency cost terms must be ≥ 0 and tp ≥ 1")
 
     def microseconds(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
-        nbytes = ec_nbytes(out_features, in_features, rank, gate_hidden)
-        t = self.t_fixed_us + self.t_per_mb_us * nbytes / 1e6
-        if self.tp > 1 and name.endswith(ROW_PARALLEL_SUFFIXES):
-            t += self.t_reduce_us
-        return t
+        return self._us(name, ec_nbytes(out_features, in_features, rank, gate_hidden))
 
     def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
         nbytes = ec_nbytes(out_features, in_features, rank, gate_hidden)
-        return nbytes + self.bytes_per_us * self.microseconds(name, out_features, in_features, rank, gate_hidden)
+        return nbytes + self.bytes_per_us * self._us(name, nbytes)
+
+    def _us(self, name: str, nbytes: int) -> float:
+        """t_m(r) of the module docstring, from the EC's bytes."""
+        reduce = self.t_reduce_us if self.tp > 1 and name.endswith(ROW_PARALLEL_SUFFIXES) else 0.0
+        return self.t_fixed_us + self.t_per_mb_us * nbytes / 1e6 + reduce
 
 
 def fit_latency_cost(paths: list[str | Path], **overrides) -> LatencyCost:
