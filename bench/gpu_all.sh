@@ -44,7 +44,7 @@ for part in $parts; do
         --json "$out/profile_b1_$tag.json" > $l 2>&1 ;;
     kernels)
       t=$(left 570)
-      timeout $t python bench/kernels.py --json "$out/kernels_h200_$tag.json" --models ${KMODELS:-7b 8b 13b 70b} \
+      timeout $t python bench/w4_kernels.py --json "$out/kernels_h200_$tag.json" --models ${KMODELS:-7b 8b 13b 70b} \
         ${KSHAPES:+--shapes $KSHAPES} --ms ${MS:-1} --time-limit $((t - 45)) > $l 2>&1 ;;
     slo)
       timeout "$(left 450)" python bench/slo_experiment.py --json "$out/slo_experiment_h200_$tag.json" \

@@ -10,7 +10,7 @@ two or three steps loaded ahead into registers, `k2`/`k4` stream-K (2 or 4 persi
 of (tile, step) pairs, loading ahead across tiles: no ramp and tail per tile; timed no faster than the grid on the 7B
 MLP shapes: BENCHMARKS §4). WORK = 0 is the tiling's own streaming ceiling; the gap between
 WORK = 0 and WORK = 20 is what the arithmetic costs where it does not overlap the loads. Each figure is the median
-µs per launch of a CUDA graph over code copies larger than the L2 (bench/kernels.py's method).
+µs per launch of a CUDA graph over code copies larger than the L2 (bench/w4_kernels.py's method).
 
     python bench/stream_lab.py --layer --json bench/results/stream_lab_layer_h200.json   # H200, about a minute
 

@@ -20,6 +20,17 @@ def test_every_suite_names_a_script_of_bench():
         assert (ROOT / "bench" / f"{script}.py").is_file(), script
 
 
+def test_no_bench_script_shadows_an_installed_module():
+    """bench/ is on sys.path ahead of site-packages (tests, `python bench/X.py`): a script named like an installed
+    module hides it from every library that imports it (transformers imports `kernels`, the HF kernel hub)."""
+    import importlib.machinery
+
+    site = [p for p in sys.path if Path(p or ".").resolve() not in (ROOT / "bench", ROOT / "tests")]
+    for script in (ROOT / "bench").glob("*.py"):
+        spec = importlib.machinery.PathFinder.find_spec(script.stem, site)
+        assert spec is None or Path(spec.origin or "").parent == ROOT / "bench", f"bench/{script.name} hides {spec.origin}"
+
+
 def test_shapes_derive_the_linears_from_the_model_table():
     """The (N, K) the kernel benches time follow from ModelArgs: GQA splits q/o from k/v, the launches stack q|k|v
     and gate|up."""

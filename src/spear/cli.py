@@ -104,7 +104,7 @@ def _compensate_config(args):
 
 
 # `spear bench SUITE`: the script of bench/ that runs it; each writes one JSON with date, commit, device and versions
-BENCH_SUITES = {"quality": "quality", "decode": "decode", "kernels": "kernels", "slo": "slo_experiment",
+BENCH_SUITES = {"quality": "quality", "decode": "decode", "kernels": "w4_kernels", "slo": "slo_experiment",
                 "tp": "tp_decode", "serve": "serve"}
 
 

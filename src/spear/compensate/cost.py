@@ -11,7 +11,7 @@ LatencyCost: bytes plus the decode time the EC adds, at an exchange rate of `byt
     t_m(r)    = t_fixed + t_per_mb · bytes_m(r) / 10⁶          (fused W4+EC kernel at one row over plain W4)
               + t_reduce   if m is row-parallel and tp > 1      (its gate needs the reduced Ax: one more reduction)
 
-t_fixed and t_per_mb are a least-squares fit of the kernel benchmark (`bench/kernels.py` JSON: W4 and W4+EC at
+t_fixed and t_per_mb are a least-squares fit of the kernel benchmark (`bench/w4_kernels.py` JSON: W4 and W4+EC at
 ranks 16–64 on Llama shapes, H200; `fit_latency_cost`). The fixed part makes a module's first rank step dearer
 than its later ones, so the plan concentrates on fewer modules as `bytes_per_us` grows. t_reduce is what the
 reduction costs where it is not folded into the GEMM epilogue: ~47 µs for a small NCCL all-reduce, ~0 for the
@@ -78,7 +78,7 @@ class LatencyCost:
 
 
 def fit_latency_cost(paths: list[str | Path], **overrides) -> LatencyCost:
-    """LatencyCost with t_fixed and t_per_mb fitted to kernel benchmark JSONs (bench/kernels.py at one row):
+    """LatencyCost with t_fixed and t_per_mb fitted to kernel benchmark JSONs (bench/w4_kernels.py at one row):
     every shape's `us` entries `w4` and `w4_ec_r{rank}`, the EC's time = the difference, against its bytes
     (A and B in fp16, the kernels' measured form has no gate)."""
     rows = []

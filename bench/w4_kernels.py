@@ -1,7 +1,7 @@
 """Kernel benchmark (issue 4): W4A16 GEMM, with and without the EC, against cuBLAS fp16 and
 PyTorch's int4 kernel, on the linear-layer shapes of Llama-2-7B, Llama-3-8B, Llama-2-13B, Llama-2-70B.
 
-    python bench/kernels.py --json bench/results/kernels_h200.json [--models 7b 8b] [--ms 1 16 4096]
+    python bench/w4_kernels.py --json bench/results/kernels_h200.json [--models 7b 8b] [--ms 1 16 4096]
 
 Random weights in the real shapes (never zeros). Every variant is first checked against the
 PyTorch reference, then timed as the median over replays of a CUDA graph that calls it on
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--time-limit", type=float, default=480, help="stop starting new shapes after this many seconds")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+        raise SystemExit("bench/w4_kernels.py needs a CUDA GPU")
     start = time.perf_counter()
     lines: list[str] = []
 
