@@ -30,6 +30,7 @@ from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import gate_spread  # noqa: E402
 from spear.compensate.cost import LatencyCost  # noqa: E402
 from spear.layer import ErrorCompensator  # noqa: E402
+from spear.compensate.basis import read_rescalings  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402
@@ -87,7 +88,7 @@ def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, Co
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--method", default="rtn", choices=["rtn", "gptq"])
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"])
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=-1)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])
@@ -137,8 +138,11 @@ def main() -> None:
     rows.append({"row": f"W{args.bits}", **w4})
     print(f"{'FP':<44} wiki {fp['wikitext2']:8.3f}  ptb {fp['ptb']:8.3f}", flush=True)
     print(f"{'W' + str(args.bits):<44} wiki {w4['wikitext2']:8.3f}  ptb {w4['ptb']:8.3f}", flush=True)
-    sensitivity = module_sensitivity(lm.model, {n: m.weight_hat for n, m in quantized_layers(quantized).items()},
-                                     ids[: args.sensitivity_samples], SensitivityConfig())
+    rescaled = args.method == "awq"  # AWQ folds scales into the weights: Ŵ read back into the float basis
+    w_hat = {n: m.weight_hat for n, m in quantized_layers(quantized).items()}
+    if rescaled:
+        w_hat = {n: r.to_float_basis(w_hat[n]) for n, r in read_rescalings(lm.model, quantized, ids, list(w_hat)).items()}
+    sensitivity = module_sensitivity(lm.model, w_hat, ids[: args.sensitivity_samples], SensitivityConfig())
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):
             continue
@@ -147,7 +151,7 @@ def main() -> None:
         student = copy.deepcopy(quantized)
         t = time.perf_counter()
         ec_init.ErrorCompensator = TokenScalarGateEC if label == TOKEN_GATE_ROW else ErrorCompensator
-        report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity)
+        report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity, rescaled=rescaled)
         ppl = evaluate(student)
         gates = gate_spread(student, ids[:8])
         row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,

@@ -75,14 +75,12 @@ def compensate_artifact(
     from spear.compensate.pipeline import compensate
 
     config = read_artifact_config(artifact_dir)
-    if config["quant"].get("method") == "awq":
-        raise SpearError("compensating AWQ artifacts is not supported yet (AWQ rescales the float weights)")
     if config["base_model"] is None:
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
     student = load_artifact(artifact_dir, device)
     teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
-    report = compensate(student.model, teacher.model, ids, cfg)
+    report = compensate(student.model, teacher.model, ids, cfg, rescaled=config["quant"].get("method") == "awq")
     info = ArtifactInfo(config["base_model"], config["quant"], asdict(calib), plan=json.loads(report.plan.to_json()),
                         extra={"compensation": report.summary()})
     save_artifact(student.model, student.tokenizer, artifact_dir, info)

@@ -25,7 +25,6 @@ from spear.data.calibration import CalibConfig, calibration_ids
 from spear.eval import perplexity
 from spear.models.loading import load_float_model
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
-from spear.errors import SpearError
 from spear.util import versions
 
 QUICK_CALIB = CalibConfig(num_sequences=16, seq_len=128)
@@ -101,8 +100,6 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
     report.seconds["load"] = time.perf_counter() - t0
 
     _evaluate(lm, config, report.fp, report)
-    if config.compensate is not None and config.settings.method == "awq":
-        raise SpearError("compensating AWQ models is not supported yet (AWQ rescales the float weights); use rtn or gptq")
     float_model = copy.deepcopy(lm.model) if config.compensate is not None else None
     t = time.perf_counter()
     ids = calibration_ids(lm.model, lm.tokenizer, config.calib, model_key(config.model))
@@ -112,7 +109,7 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
 
     plan = None
     if config.compensate is not None:
-        result = compensate(lm.model, float_model, ids, config.compensate)
+        result = compensate(lm.model, float_model, ids, config.compensate, rescaled=config.settings.method == "awq")
         del float_model
         plan = json.loads(result.plan.to_json())
         report.ec = result.summary()

@@ -6,6 +6,8 @@
     A_m, B_m  = closed form of W_m − Ŵ_m (LoRC / LQER / QERA-exact); the adaptive EC starts from QERA
     calibrate = min KL(float ‖ W4 + EC) on self-sampled sequences (adaptive: gate, alpha, A, B)
 
+A quantizer that rescales channels (AWQ) is read back into the float model's basis first (compensate.basis).
+
 `kind` picks the EC: "adaptive" (SPEAR: gated, KL-trained) or a static baseline ("lorc",
 "lqer", "qera": gate off, closed form only). `train_static` is the "gate off" ablation:
 a static EC trained with the same KL loss.
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from spear.compensate.basis import check_quantization_of, read_rescalings
 from spear.compensate.calibrate import CalibrateConfig, CalibrationResult, calibrate_ecs
 from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sensitivity
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
@@ -104,9 +107,11 @@ def compensate(
     calib_ids: torch.Tensor,
     cfg: CompensateConfig = CompensateConfig(),
     sensitivity: SensitivityTable | None = None,
+    rescaled: bool = False,
 ) -> CompensateReport:
     """Attach ECs to `student` (quantized, in place) and, for trained kinds, calibrate them against
-    the float `teacher`. A sensitivity table computed earlier (same model and quantization) can be reused."""
+    the float `teacher`. A sensitivity table computed earlier (same model and quantization) can be reused.
+    `rescaled`: the quantizer folded per-channel scales into the student (AWQ: see compensate.basis)."""
     layers = quantized_layers(student)
     if not layers:
         raise SpearError("the model has no quantized layers: quantize it first")
@@ -115,8 +120,13 @@ def compensate(
     seconds = {}
 
     t = time.perf_counter()
+    # Ŵ in the float model's basis: AWQ's rescaled linears read back (compensate.basis), the others as they are
+    rescaled = read_rescalings(teacher, student, calib_ids, list(layers)) if rescaled else {}
+    w_hat = {n: rescaled[n].to_float_basis(m.weight_hat) if n in rescaled else m.weight_hat for n, m in layers.items()}
+    for n, w in w_hat.items():
+        check_quantization_of(n, teacher_linears[n].weight, w)
     if sensitivity is None:
-        sensitivity = module_sensitivity(teacher, {n: m.weight_hat for n, m in layers.items()}, calib_ids, cfg.sensitivity)
+        sensitivity = module_sensitivity(teacher, w_hat, calib_ids, cfg.sensitivity)
     seconds["sensitivity"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -129,7 +139,7 @@ def compensate(
     if marginal:  # every kind is allocated from the same whitened spectra: equal modules and ranks
         for n, m in tqdm(layers.items(), desc="whitened error spectra", unit="module"):
             W = teacher_linears[n].weight.to(m.weight_hat.device)
-            errors[n] = WhitenedError.of(W, m.weight_hat, stats[n], planner.max_rank)
+            errors[n] = WhitenedError.of(W, w_hat[n], stats[n], planner.max_rank)
     seconds["spectra"] = time.perf_counter() - t
     spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
     plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cfg.cost, cfg.seed, planner, spectra)
@@ -140,9 +150,11 @@ def compensate(
         layer = layers[entry.name]
         W = teacher_linears[entry.name].weight.to(layer.weight_hat.device)
         if init_kind == "qera" and entry.name in errors:  # the SVD the plan already computed
-            A, B = errors[entry.name].factors(W, layer.weight_hat, entry.rank)
+            A, B = errors[entry.name].factors(W, w_hat[entry.name], entry.rank)
         else:
-            A, B = init_ec(init_kind, W, layer.weight_hat, entry.rank, stats.get(entry.name))
+            A, B = init_ec(init_kind, W, w_hat[entry.name], entry.rank, stats.get(entry.name))
+        if entry.name in rescaled:
+            A, B = rescaled[entry.name].to_student(A, B)
         attach_ec(layer, A, B, entry.gate_hidden)
     seconds["init"] = time.perf_counter() - t
 
