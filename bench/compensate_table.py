@@ -88,7 +88,7 @@ def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, Co
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"])
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "omniquant"])
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=-1)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])

@@ -61,6 +61,8 @@ def _method_options(settings: QuantSettings) -> dict:
         return {"damp": settings.gptq_damp, "block_size": settings.gptq_block_size, "act_order": settings.gptq_act_order}
     if settings.method == "awq":
         return {"grid": settings.awq_grid}
+    if settings.method == "omniquant":
+        return {"epochs": settings.omniquant_epochs, "lr": settings.omniquant_lr}
     return {}
 
 

@@ -17,7 +17,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq"])
+    from spear.quant.pipeline import QuantSettings
+
+    p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "omniquant"],
+                   help="rtn (default), gptq, awq, or omniquant (learnable weight clipping, trained layer by layer)")
     p.add_argument("--bits", type=int, default=4, help="2 to 8 (default 4)")
     p.add_argument("--group-size", type=int, default=-1, help="-1 per-channel (default), or e.g. 32, 64, 128")
     p.add_argument("--asym", action="store_true", help="asymmetric (min-max) grid instead of symmetric")
@@ -25,6 +28,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="symmetric grid: absmax s=max|w|/(2^(b-1)-1) (default) or gptq s=2max|w|/(2^b-1)")
     p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="GPTQ: quantize columns in order of decreasing Hessian diagonal (default on; --no-act-order for the plain sweep)")
+    p.add_argument("--omniquant-epochs", type=int, default=QuantSettings.omniquant_epochs,
+                   help=f"OmniQuant: passes over the calibration set per layer (default {QuantSettings.omniquant_epochs})")
     _add_calib_args(p)
 
 
@@ -243,7 +248,10 @@ def _settings(args):
     if args.calib_samples < 1 or args.calib_len < 2:
         raise SpearError("--calib-samples must be at least 1 and --calib-len at least 2")
     calib = _calib_config(args)
-    return QuantSettings(method=args.method, quant=quant, gptq_act_order=args.act_order), calib
+    if args.omniquant_epochs < 1:
+        raise SpearError("--omniquant-epochs must be at least 1")
+    return QuantSettings(method=args.method, quant=quant, gptq_act_order=args.act_order,
+                         omniquant_epochs=args.omniquant_epochs), calib
 
 
 def cmd_quantize(args) -> int:

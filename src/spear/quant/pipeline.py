@@ -1,7 +1,7 @@
-"""Quantize every linear layer of a model's decoder stack, in place, with RTN, GPTQ or AWQ.
+"""Quantize every linear layer of a model's decoder stack, in place, with RTN, GPTQ, AWQ or OmniQuant (LWC).
 
 The float nn.Linear modules are replaced by SpearLinear (spear.layer) holding the
-quantized-weight record. GPTQ and AWQ go layer by layer so memory stays one layer deep.
+quantized-weight record. GPTQ, AWQ and OmniQuant go layer by layer so memory stays one layer deep.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from spear.layer import SpearLinear
 from spear.models.layerwise import quantizable_linears, set_module
 from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
 
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "omniquant")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class QuantSettings:
     # calibration it turns GPTQ from about-RTN into a clear win (docstring of spear.quant.gptq)
     gptq_act_order: bool = True
     awq_grid: int = 20  # number of alpha values in [0, 1) searched per scaled group
+    omniquant_epochs: int = 20  # passes over the calibration set per decoder layer (the reference's 20)
+    omniquant_lr: float = 1e-2  # AdamW on the clipping logits (the reference's lwc_lr)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,7 +57,7 @@ def check_shapes(model: nn.Module, cfg: QuantConfig) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, settings: QuantSettings, calib_ids: torch.Tensor | None = None) -> dict[str, QuantizedWeight]:
-    """Quantize `model` in place; return the records by module name. GPTQ/AWQ need calib_ids."""
+    """Quantize `model` in place; return the records by module name. GPTQ, AWQ and OmniQuant need calib_ids."""
     check_shapes(model, settings.quant)
     if settings.method == "rtn":
         records = {}
@@ -69,6 +71,10 @@ def quantize_model(model: nn.Module, settings: QuantSettings, calib_ids: torch.T
         from spear.quant.gptq import gptq_quantize_model
 
         return gptq_quantize_model(model, settings, calib_ids)
+    if settings.method == "omniquant":
+        from spear.quant.omniquant import omniquant_quantize_model
+
+        return omniquant_quantize_model(model, settings, calib_ids)
     from spear.quant.awq import awq_quantize_model
 
     return awq_quantize_model(model, settings, calib_ids)
