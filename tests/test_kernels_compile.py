@@ -8,6 +8,7 @@ through the real compiler, down to a cubin, in a subprocess without TRITON_INTER
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -28,36 +29,71 @@ def report() -> dict:
     return json.loads(done.stdout)
 
 
+def _recorded(module, monkeypatch) -> dict[str, dict]:
+    """Replaces the Triton kernels of `module` with recorders: kernel name → the keyword arguments of its launch
+    (triton's launch_pdl left out)."""
+    seen = {}
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen[self.name] = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
+
+            return launch
+
+    for name in dir(module):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(module, name, Recorder(name))
+    return seen
+
+
+def _pdl_options(pdl: bool) -> dict:
+    """kernels.pdl.launch_options on an sm_90 GPU with PDL on (pdl) or off."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+def _packed_w4(n: int, k: int, group_size: int):
+    from spear.kernels.pack import PackedW4
+
+    f16 = dict(dtype=torch.float16)
+    return PackedW4(torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // group_size, **f16),
+                    torch.zeros(n, k // group_size, **f16), group_size, k)
+
+
+def _gate(r: int, h: int) -> tuple[torch.Tensor, ...]:
+    """An EC's gate: W1 [h, r], b1 [h], W2 [r, h], b2 [r]."""
+    f16 = dict(dtype=torch.float16)
+    return torch.zeros(h, r, **f16), torch.zeros(h, **f16), torch.zeros(r, h, **f16), torch.zeros(r, **f16)
+
+
+def _packed_ec(ec: tuple[int, int, bool], n: int, k: int):
+    """A PackedEC of (padded rank, the gate's hidden size, gated) on an [n, k] weight."""
+    from spear.kernels.pack import PackedEC
+
+    r, h, gated = ec
+    return PackedEC(torch.zeros(r, k, dtype=torch.float16), torch.zeros(n, r, dtype=torch.float16), *_gate(r, h),
+                    rank=r, gated=gated)
+
+
 def _launch_kwargs(launch, monkeypatch) -> dict:
     """The keyword arguments w4_decode passes to the decode kernel for an offline.DecodeLaunch's inputs, as on an
     sm_90 GPU (compiled code, PDL as the launch has it), from its host code with the kernel replaced by a recorder."""
     from spear.kernels.norm_fold import FoldedNorm
-    from spear.kernels.pack import PackedEC, PackedW4
     from spear.kernels.w4 import decode
 
-    seen = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(kwargs)
-
-    monkeypatch.setattr(decode, "_w4_decode_kernel", Recorder())
+    seen = _recorded(decode, monkeypatch)
     monkeypatch.setattr(decode, "runs_compiled", lambda x: True)
     monkeypatch.setattr(decode, "w4_launch", lambda: launch.launch)
-    monkeypatch.setattr(decode, "launch_options", lambda x: {"PDL": True, "launch_pdl": True} if launch.pdl
-                        else {"PDL": False})
+    monkeypatch.setattr(decode, "launch_options", lambda x: _pdl_options(launch.pdl))
     cfg, m, flags = launch.cfg, launch.m, launch.flags
     k = 2048 if flags.get("even") else 2176  # 2176: no GEMV step divides it, so the code loads stay masked
     n = cfg.block_n * flags.get("num_ssq", 4)  # with add_norm, num_ssq is the tiles
-    g = launch.group_size or k
     f16 = dict(dtype=torch.float16)
-    w = PackedW4(torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // g, **f16),
-                 torch.zeros(n, k // g, **f16), g, k)
-    ec = None
-    if launch.ec is not None:
-        r, h, gated = launch.ec
-        ec = PackedEC(torch.zeros(r, k, **f16), torch.zeros(n, r, **f16), torch.zeros(h, r, **f16),
-                      torch.zeros(h, **f16), torch.zeros(r, h, **f16), torch.zeros(r, **f16), rank=r, gated=gated)
+    w = _packed_w4(n, k, launch.group_size or k)
+    ec = _packed_ec(launch.ec, n, k) if launch.ec is not None else None
     x = torch.zeros(m, k, **f16)
     peers = None
     if flags.get("peers"):
@@ -68,8 +104,7 @@ def _launch_kwargs(launch, monkeypatch) -> dict:
                      rms=FoldedNorm(x, x, torch.zeros(m, flags["num_ssq"]), 1e-6) if flags.get("rms_in") else None,
                      add_norm=(torch.zeros(m, n, **f16), torch.zeros(n, **f16), torch.zeros(m, n, **f16),
                                torch.zeros(m, n // cfg.block_n)) if flags.get("add_norm") else None)
-    seen.pop("launch_pdl", None)
-    return seen
+    return seen["_w4_decode_kernel"]
 
 
 def test_offline_decode_variants_compile_what_w4_decode_launches(monkeypatch):
@@ -81,6 +116,79 @@ def test_offline_decode_variants_compile_what_w4_decode_launches(monkeypatch):
         compiled = {**variant.constexprs, "num_warps": variant.num_warps, "num_stages": variant.num_stages}
         assert compiled == {**launched, **launch.lab}, name
         assert all(launched[key] != value for key, value in launch.lab.items()), name
+
+
+def _launcher_kwargs(launch, monkeypatch) -> dict:
+    """The keyword arguments the launcher behind an offline.Launch's flags function passes to its kernel for the
+    launch's inputs, as on an sm_90 GPU (compiled code, PDL as the launch has it), from its host code with the
+    module's kernels replaced by recorders."""
+    from spear.kernels import ec_epilogue, f16_gemv, ops
+    from spear.kernels.w4 import prefill
+
+    module = sys.modules[launch.flags.__module__]
+    seen = _recorded(module, monkeypatch)
+    for name, fake in (("launch_options", lambda x: _pdl_options(bool(launch.pdl))), ("runs_compiled", lambda x: True)):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, fake)
+    inputs, flags, f16, f32 = launch.inputs, launch.flags, dict(dtype=torch.float16), dict(dtype=torch.float32)
+    m, n, k = 64, 256, 1024
+    if flags in (prefill.ec_rank_flags, prefill.ec_gate_flags):  # the gate's launch follows a split rank launch
+        split = flags is prefill.ec_gate_flags or inputs["split"]
+        prefill.ec_rank(torch.zeros(m, k, **f16), _packed_ec(inputs["ec"], n, k), splits=2 if split else 1)
+    elif flags is prefill.dequant_flags:
+        prefill.dequantize_w4_into(_packed_w4(n, k, 128), torch.zeros(n, k, **f16), **inputs)
+    elif flags in (prefill.prefill_flags, prefill.rank_programs_flags):  # rank programs beside the GEMM under PDL
+        ec = _packed_ec(inputs["ec"], n, k) if inputs["ec"] is not None else None
+        w = _packed_w4(n, k, k if inputs.get("per_channel", True) else inputs["group_size"])
+        bias = torch.zeros(n, **f16) if inputs.get("has_bias") else None
+        g = torch.zeros(m, ec.padded_rank, **f16) if ec is not None and not launch.pdl else None
+        prefill.w4_prefill_fused(torch.zeros(m, k, **f16), w, ec, bias, inputs["cfg"], g=g,
+                                 rank_programs=int(bool(launch.pdl)))
+    elif flags in (ec_epilogue.epilogue_flags, ec_epilogue.peer_epilogue_flags):
+        r, h = inputs["rank"], inputs["hidden"]
+        b = torch.zeros(n, r, **f16) if inputs["has_ec"] else None
+        gate, bias = _gate(r, h) if inputs["gated"] else (), torch.zeros(n, **f16) if inputs["has_bias"] else None
+        if flags is ec_epilogue.epilogue_flags:
+            ec_epilogue.ec_epilogue(torch.zeros(m, n, **f32), torch.zeros(m, r, **f32) if inputs["has_ec"] else None,
+                                    b, *gate, bias=bias, out=torch.zeros(m, n, **f16))
+        else:
+            world, width = inputs["world"], n + r
+            add_norm = (torch.zeros(m, n, **f16), torch.zeros(n, **f16), torch.zeros(m, n, **f16),
+                        torch.zeros(m, n // 128)) if inputs.get("add_norm") else None
+            ec_epilogue.peer_epilogue(torch.zeros(world, m, width, **f32), torch.zeros(world, dtype=torch.int32),
+                                      torch.zeros(2, dtype=torch.int32), m, n, width, b, *gate, bias=bias, rank=r,
+                                      add_norm=add_norm)
+    elif flags is ops.attention_flags:  # two KV heads of `group` query heads each, blocks of 16 keys
+        kv, d = 2, inputs["head_dim"]
+        pools = [torch.zeros(8, 16, kv, d, **f16) for _ in range(2)]
+        tiles = torch.zeros(1, 2, dtype=torch.int32) if inputs.get("tiles") else None
+        q = torch.zeros(2, inputs["group"] * kv, d, dtype=inputs.get("dtype", torch.float16))
+        ops.paged_decode_attention(q, *pools, torch.zeros(2, 4, dtype=torch.int32),
+                                   torch.full((2,), 40, dtype=torch.int32), use_triton=True, splits=inputs["splits"],
+                                   tiles=tiles,
+                                   **{key: inputs[key] for key in ("tile_rows", "block_n", "window") if key in inputs})
+    elif flags is f16_gemv.f16_gemv_flags:
+        cfg, k = inputs["cfg"], inputs["k"]
+        rows = cfg.block_n * cfg.row_blocks
+        f16_gemv.f16_gemv(torch.zeros(1, k, **f16), torch.zeros(rows, k, **f16),
+                          torch.zeros(rows, **f16) if inputs["has_bias"] else None, cfg)
+    return seen[launch.kernel.__name__]
+
+
+def test_offline_variants_compile_what_their_launchers_launch(monkeypatch):
+    """kernels.offline compiles every other kernel's variants with the keyword arguments their launchers pass for the
+    same inputs (constexprs, num_warps, num_stages, PDL): both take them from the launcher's flags function
+    (prefill_flags, epilogue_flags, attention_flags, ...), and only a variant's `lab` overrides differ."""
+    launches = offline.launches()
+    assert set(offline.variants()) == set(offline.decode_launches()) | set(launches)
+    for name, launch in launches.items():
+        variant = launch.variant()
+        launched = {"num_warps": 4, "num_stages": 3, **_launcher_kwargs(launch, monkeypatch)}  # Triton's defaults
+        compiled = {**variant.constexprs, "num_warps": variant.num_warps, "num_stages": variant.num_stages}
+        assert compiled == {**launched, **launch.lab}, name
+        defaults = {p.name: p.default for p in inspect.signature(launch.kernel.fn).parameters.values()
+                    if p.default is not p.empty}
+        assert all({**defaults, **launched}[key] != value for key, value in launch.lab.items()), name
 
 
 def test_every_kernel_variant_compiles(report):

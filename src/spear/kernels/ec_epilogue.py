@@ -143,10 +143,25 @@ def ec_epilogue(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None,
         y, u if u is not None else y, out, B if B is not None else y,
         *((W1, b1, W2, b2) if gated else (y,) * 4), bias if bias is not None else y, N, R, H,
         y.stride(0), 0 if u is None else u.stride(0), out.stride(0),
-        HAS_EC=u is not None, GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_H=max(16, triton.next_power_of_2(H)),
+        **epilogue_flags(R, H, has_ec=u is not None, gated=gated, has_bias=bias is not None, block_n=block_n),
     )
     return out
+
+
+def epilogue_flags(rank: int, hidden: int, *, has_ec: bool, gated: bool, has_bias: bool, block_n: int = 128) -> dict:
+    """_ec_epilogue_kernel's compile-time arguments, which _peer_epilogue_kernel shares (peer_epilogue_flags): the
+    EC's rank R and the gate's hidden size H (1 where there is none) padded to powers of two of at least 16, and
+    block_n columns a program. ec_epilogue launches with these, kernels.offline compiles them."""
+    return dict(HAS_EC=has_ec, GATED=gated, HAS_BIAS=has_bias, BLOCK_N=block_n,
+                BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_H=max(16, triton.next_power_of_2(hidden)))
+
+
+def peer_epilogue_flags(world: int, rank: int, hidden: int, *, has_ec: bool, gated: bool, has_bias: bool,
+                        add_norm: bool = False, block_n: int = 128) -> dict:
+    """_peer_epilogue_kernel's compile-time arguments over `world` ranks (peer_epilogue's): epilogue_flags's, and
+    ADD_NORM where the next RMSNorm's share is formed."""
+    return dict(WORLD=world, **epilogue_flags(rank, hidden, has_ec=has_ec, gated=gated, has_bias=has_bias,
+                                              block_n=block_n), ADD_NORM=add_norm)
 
 
 def peer_epilogue(slots: torch.Tensor, signals: torch.Tensor, state: torch.Tensor, rows: int, n: int, width: int,
@@ -172,8 +187,7 @@ def peer_epilogue(slots: torch.Tensor, signals: torch.Tensor, state: torch.Tenso
         slots, signals, state, out, B if B is not None else dummy, *((W1, b1, W2, b2) if gated else (dummy,) * 4),
         bias if bias is not None else dummy, *(add_norm if add_norm is not None else (dummy,) * 4),
         n, R, H, width, slots.stride(0), out.stride(0),
-        WORLD=world, HAS_EC=B is not None, GATED=gated, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_H=max(16, triton.next_power_of_2(H)),
-        ADD_NORM=add_norm is not None,
+        **peer_epilogue_flags(world, R, H, has_ec=B is not None, gated=gated, has_bias=bias is not None,
+                              add_norm=add_norm is not None, block_n=block_n),
     )
     return out

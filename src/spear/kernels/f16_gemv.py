@@ -105,10 +105,15 @@ def f16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     y = torch.empty(1, n, dtype=torch.float16, device=x.device) if out is None else out
     _f16_gemv_kernel[(n // (cfg.block_n * cfg.row_blocks),)](
         x, weight, bias if bias is not None else weight, y, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=1,
-        **launch_options(x))
+        **f16_gemv_flags(cfg, k, bias is not None), **launch_options(x))
     return y
+
+
+def f16_gemv_flags(cfg: GemvConfig, k: int, has_bias: bool) -> dict:
+    """_f16_gemv_kernel's compile-time arguments under `cfg` for K = k columns (one stage: the kernel loads a tile
+    ahead itself): f16_gemv launches with these, kernels.offline compiles them. PDL is the launch's."""
+    return dict(HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROW_BLOCKS=cfg.row_blocks,
+                EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=1)
 
 
 def _key(weight: torch.Tensor) -> tuple:

@@ -8,9 +8,11 @@ example, passes the interpreter and fails to compile on the GPU. `compile_for_gp
 compiler (frontend to cubin) for sm_90, so CI catches that; `loop_mix` counts the instructions of
 each loop in the SASS, which is how the decode kernel's instructions per weight are read off
 (bench/NOTES-kernels.md). Run it without TRITON_INTERPRET: under the interpreter `triton.jit` gives
-interpreted functions, which the compiler cannot take. The decode kernel's variants take their compile-time flags
-from decode.decode_flags, which w4_decode launches with (tests/test_kernels_compile.py checks that the two agree);
-the other kernels' are written out here as their launchers pass them.
+interpreted functions, which the compiler cannot take. Every variant takes its compile-time flags from the function
+its launcher launches with: the decode kernel's from decode.decode_flags (w4_decode), the others' from prefill's
+ec_rank_flags, ec_gate_flags, dequant_flags, rank_programs_flags and prefill_flags, ec_epilogue's epilogue_flags and
+peer_epilogue_flags, ops.attention_flags and f16_gemv.f16_gemv_flags; a variant overrides one only for a comparison
+no launch makes (`lab`). tests/test_kernels_compile.py checks that each launcher passes what is compiled here.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import triton
@@ -29,7 +32,7 @@ from triton.compiler import ASTSource
 
 from spear.kernels.pdl import W4Launch
 from spear.kernels.w4 import decode
-from spear.kernels.w4.config import DecodeConfig
+from spear.kernels.w4.config import DecodeConfig, PrefillConfig
 
 H200 = GPUTarget("cuda", 90, 32)
 
@@ -113,15 +116,23 @@ def compile_variant(v: Variant):
                            num_stages=v.num_stages)
 
 
+def _variant(kernel, pointers: dict[str, str], flags: dict) -> Variant:
+    """A Variant from a launch's keywords: constexprs, with num_warps and num_stages where the launch sets them
+    (else Triton's defaults, 4 and 3)."""
+    constexprs = dict(flags)
+    warps, stages = constexprs.pop("num_warps", 4), constexprs.pop("num_stages", 3)
+    return Variant(kernel, pointers, constexprs, warps, stages)
+
+
 def variants() -> dict[str, Variant]:
     """name → Variant for each kernel variant the host code launches (and the few comparisons the tests read)."""
-    return {**{name: launch.variant() for name, launch in decode_launches().items()},
-            **_prefill_and_epilogue_variants(), **_attention_and_f16_variants()}
+    return {name: launch.variant() for name, launch in {**decode_launches(), **launches()}.items()}
 
 
 _DECODE_PTRS = {**_F16_PTRS, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
                 "reads_ptr": I64}
 _K = 4096  # the columns a per-channel group spans (Llama-2-7B's hidden size)
+_EC = (32, 16, True)  # an EC's padded rank 32, the gate's hidden size 16, gated
 _NO_PRELOAD = W4Launch(late=True, preload=False)  # SPEAR_W4_PRELOAD=0: each step's codes loaded in their step
 _PRELOAD = W4Launch(late=True, preload=True)  # the default (kernels.options)
 
@@ -150,15 +161,14 @@ class DecodeLaunch:
                 "PDL": self.pdl}
 
     def variant(self) -> Variant:
-        constexprs = {**self.launch_flags(), **self.lab}
-        warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
-        return Variant(decode._w4_decode_kernel, {**_DECODE_PTRS, **self.pointers}, constexprs, warps, stages)
+        pointers = {**_DECODE_PTRS, **self.pointers}
+        return _variant(decode._w4_decode_kernel, pointers, {**self.launch_flags(), **self.lab})
 
 
 def decode_launches() -> dict[str, DecodeLaunch]:
     """The W4 decode kernel's variants (kernels.w4.decode): the tuner's configs (w4.config.DECODE_CANDIDATES) and
     the untuned default at 1 to 128 rows, with and without the EC, groups, PDL and the epilogues' extra ops."""
-    ec = (32, 16, True)  # padded rank 32, the gate's hidden size 16, gated
+    ec = _EC
     gemv32 = DecodeConfig(32, 0, 4, 1, gemv_rows=4, block_kw=64)  # the float32 GEMV loop, 4 warps, one stage
     gemv32_w8 = DecodeConfig(32, 0, 8, 1, gemv_rows=4, block_kw=128)  # the same at 8 warps (a candidate)
     f16x2, f16x2_w8 = (replace(c, gemv_f16x2=True) for c in (gemv32, gemv32_w8))  # candidates
@@ -228,7 +238,34 @@ def decode_launches() -> dict[str, DecodeLaunch]:
     return out
 
 
-def _prefill_and_epilogue_variants() -> dict[str, Variant]:
+@dataclass(frozen=True)
+class Launch:
+    """A launch of `kernel` by its launcher's inputs: its constexprs (num_warps and num_stages where the launcher sets
+    them) are `flags(**inputs)`, what the launcher passes for those inputs, with PDL (None: the kernel takes none)
+    as kernels.pdl.launch_options gives it; `lab`: overrides for a comparison no launch makes (the tests read them)."""
+
+    kernel: object
+    pointers: dict[str, str]
+    flags: Callable[..., dict]
+    inputs: dict = field(default_factory=dict)
+    pdl: bool | None = None
+    lab: dict = field(default_factory=dict)
+
+    def launch_flags(self) -> dict:
+        """What the launcher passes for these inputs on an sm_90 GPU: constexprs with PDL, num_warps and num_stages
+        where it sets them."""
+        return {**self.flags(**self.inputs), **({} if self.pdl is None else {"PDL": self.pdl})}
+
+    def variant(self) -> Variant:
+        return _variant(self.kernel, self.pointers, {**self.launch_flags(), **self.lab})
+
+
+def launches() -> dict[str, Launch]:
+    """The variants of every kernel but the decode kernel's (decode_launches), by their launchers' inputs."""
+    return {**_prefill_and_epilogue_launches(), **_attention_and_f16_launches()}
+
+
+def _prefill_and_epilogue_launches() -> dict[str, Launch]:
     """The prefill paths' kernels (kernels.w4.prefill) and tensor parallelism's EC epilogues (kernels.ec_epilogue)."""
     from spear.kernels import ec_epilogue
     from spear.kernels.w4 import prefill
@@ -238,66 +275,69 @@ def _prefill_and_epilogue_variants() -> dict[str, Variant]:
     out = {}
     for split in (False, True):  # the EC's rank-space kernel for the prefill paths (ec_rank's defaults): whole K, or
         # K split
-        out["ec_rank" + " split" * split] = Variant(prefill._ec_rank_kernel,
-                                                    {**f16, "u_part_ptr": F32 if split else F16},
-                                                    dict(GATED=True, R=32, H=16, BM=64, BK=64, SPLIT=split), 4, 4)
-    out["ec_gate"] = Variant(prefill._ec_gate_kernel, {**f16, "u_part_ptr": F32}, dict(GATED=True, R=32, H=16, BM=64))
-    out["dequant"] = Variant(prefill._dequant_kernel, w4, dict(BN=64))
+        out["ec_rank" + " split" * split] = Launch(prefill._ec_rank_kernel,
+                                                   {**f16, "u_part_ptr": F32 if split else F16},
+                                                   prefill.ec_rank_flags, dict(ec=_EC, split=split))
+    out["ec_gate"] = Launch(prefill._ec_gate_kernel, {**f16, "u_part_ptr": F32}, prefill.ec_gate_flags, dict(ec=_EC))
+    out["dequant"] = Launch(prefill._dequant_kernel, w4, prefill.dequant_flags)
+
+    def fused(group_size: int | None, cfg: PrefillConfig | None = None, pdl: bool = False, lab: dict | None = None):
+        """The tile GEMM with the EC, no bias, compiled, under `cfg` (None: PrefillConfig's default); groups of
+        `group_size` columns (None: per-channel)."""
+        return Launch(prefill._w4_prefill_kernel, w4, prefill.prefill_flags,
+                      dict(cfg=cfg or PrefillConfig(), group_size=group_size or _K, per_channel=group_size is None,
+                           ec=_EC, has_bias=False, compiled=True), pdl, lab or {})
+
     # the wide dot loop (one dot a block, or a group of 64 with its codes scaled) in the prefill tile GEMM, as
-    # PrefillConfig's default (128 × 128, 8 warps, 3 stages) runs it
-    for spg in (8, 4):
-        out[f"prefill_fused wide=2 spg={spg}"] = Variant(
-            prefill._w4_prefill_kernel, w4, dict(HAS_EC=True, HAS_BIAS=False, R=32, BM=128, BN=128, SPG=spg, GROUP_M=8,
-                                                 PER_CHANNEL=spg == 8, SCALE_CODES=spg != 8), 8)
-    per_channel = out["prefill_fused wide=2 spg=8"].constexprs
-    out["prefill_fused wide=2 spg=8 asm"] = Variant(prefill._w4_prefill_kernel, w4, {**per_channel, "DOT_ASM": True}, 8)
+    # PrefillConfig's default (128 × 128, 8 warps, 3 stages) runs it; the codes without inline PTX (DOT_ASM), as no
+    # launch compiles them: each "... asm" variant is its twin as launched (the test's contrast)
+    no_asm = dict(DOT_ASM=False)
+    out["prefill_fused wide=2 spg=8"] = fused(None, lab=no_asm)
+    out["prefill_fused wide=2 spg=4"] = fused(64, lab=no_asm)
+    out["prefill_fused wide=2 spg=8 asm"] = fused(None)
     # g = 128: the float32 scale a group (the compile test's contrast), and the codes scaled (launched)
-    grouped = {**per_channel, "PER_CHANNEL": False, "SCALE_CODES": False}
-    out["prefill_fused wide=2 spg=8 grouped"] = Variant(prefill._w4_prefill_kernel, w4, grouped, 8)
-    out["prefill_fused wide=2 spg=8 scale_codes asm"] = Variant(prefill._w4_prefill_kernel, w4,
-                                                                {**grouped, "SCALE_CODES": True, "DOT_ASM": True}, 8)
+    out["prefill_fused wide=2 spg=8 grouped"] = fused(128, lab=dict(DOT_ASM=False, SCALE_CODES=False))
+    out["prefill_fused wide=2 spg=8 scale_codes asm"] = fused(128)
     # from 1024 rows with an EC: the 128 × 256 tile as the programmatic dependent of the rank programs beside it
-    out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = Variant(
-        prefill._w4_prefill_kernel, w4, {**per_channel, "DOT_ASM": True, "BN": 256, "PDL": True}, 8)
-    out["ec_rank_programs pdl"] = Variant(prefill._ec_rank_programs_kernel, f16,
-                                          dict(GATED=True, R=32, H=16, BM=128, BK=prefill.PREFILL_RANK_BK, PDL=True),
-                                          prefill.PREFILL_RANK_WARPS, prefill.PREFILL_RANK_STAGES)
-    epilogue = dict(HAS_EC=True, GATED=True, HAS_BIAS=True, BLOCK_N=128, BLOCK_R=32, BLOCK_H=16)
+    wide = PrefillConfig(block_n=256)
+    out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = fused(None, wide, pdl=True)
+    out["ec_rank_programs pdl"] = Launch(prefill._ec_rank_programs_kernel, f16, prefill.rank_programs_flags,
+                                         dict(ec=_EC, cfg=wide), pdl=True)
+    rank, hidden, _ = _EC
     for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
-        out[f"ec_epilogue ec={has_ec}"] = Variant(
+        out[f"ec_epilogue ec={has_ec}"] = Launch(
             ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32, "out_ptr": F16, "bias_ptr": F16},
-            {**epilogue, "HAS_EC": has_ec, "GATED": has_ec})
+            ec_epilogue.epilogue_flags, dict(rank=rank if has_ec else 1, hidden=hidden if has_ec else 1,
+                                             has_ec=has_ec, gated=has_ec, has_bias=True))
     peer = {**f16, "slots_ptr": F32, "signals_ptr": I32, "state_ptr": I32, "out_ptr": F16}
-    out["peer_epilogue"] = Variant(ec_epilogue._peer_epilogue_kernel, peer, dict(WORLD=2, **epilogue))
-    out["peer_epilogue add_norm"] = Variant(ec_epilogue._peer_epilogue_kernel,
-                                            {**peer, "res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32},
-                                            dict(WORLD=2, **epilogue, ADD_NORM=True))
+    for add_norm in (False, True):
+        out["peer_epilogue" + " add_norm" * add_norm] = Launch(
+            ec_epilogue._peer_epilogue_kernel,
+            {**peer, **({"res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32} if add_norm else {})},
+            ec_epilogue.peer_epilogue_flags,
+            dict(world=2, rank=rank, hidden=hidden, has_ec=True, gated=True, has_bias=True, add_norm=add_norm))
     return out
 
 
-def _attention_and_f16_variants() -> dict[str, Variant]:
+def _attention_and_f16_launches() -> dict[str, Launch]:
     """Decode attention (kernels.ops) and the float model's one-row GEMV (kernels.f16_gemv)."""
     from spear.kernels import f16_gemv, ops
 
     out = {}
-    # decode attention, rows alone or tiled
+    # decode attention, rows alone or tiled: Llama-2-7B's heads (MHA, D = 128) in 4 splits
     attention_ptrs = {**{n: F16 for n in ("q_ptr", "k_pool_ptr", "v_pool_ptr", "out_ptr")},
                       **{n: I32 for n in ("tables_ptr", "seq_lens_ptr", "tiles_ptr")},
                       **{n: F32 for n in ("m_ptr", "l_ptr", "acc_ptr")}, "scale": "fp32"}
     for tiles in (False, True):
-        out[f"decode attention tiles={tiles}"] = Variant(
-            ops._paged_decode_split_kernel, attention_ptrs,
-            dict(GROUP=1, BLOCK_G=1, BLOCK_Q=16, HAS_TILES=tiles, D=128, SPLITS=4, BLOCK_N=ops.BLOCK_N, PRECISION="tf32",
-                 PDL=True))
-    # the float model's one-row GEMV (one stage, as f16_gemv launches it): one row block, and runs of four with a
-    # masked K
+        out[f"decode attention tiles={tiles}"] = Launch(
+            ops._paged_decode_split_kernel, attention_ptrs, ops.attention_flags,
+            dict(group=1, head_dim=128, splits=4, tiles=tiles, tile_rows=ops.attention_tile_rows(1)), pdl=True)
+    # the float model's one-row GEMV: one row block and K = 4096, and runs of four with a masked K (11008, down's)
     gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
-    # (block_n, block_k, warps, row_blocks, even K)
-    for block_n, block_k, warps, row_blocks, even in ((2, 1024, 4, 1, True), (4, 1024, 4, 4, False)):
-        out[f"f16 gemv {block_n}x{block_k} warps={warps} row_blocks={row_blocks} even_k={even}"] = Variant(
-            f16_gemv._f16_gemv_kernel, gemv_ptrs,
-            dict(HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k, ROW_BLOCKS=row_blocks, EVEN_K=even, PDL=True),
-            warps, 1)
+    for cfg, k in ((f16_gemv.GemvConfig(2, 1024, 4), _K), (f16_gemv.GemvConfig(4, 1024, 4, 4), 11008)):
+        out[f"f16 gemv {cfg.block_n}x{cfg.block_k} warps={cfg.num_warps} row_blocks={cfg.row_blocks} "
+            f"even_k={k % cfg.block_k == 0}"] = Launch(f16_gemv._f16_gemv_kernel, gemv_ptrs, f16_gemv.f16_gemv_flags,
+                                                       dict(cfg=cfg, k=k, has_bias=True), pdl=True)
     return out
 
 

@@ -434,20 +434,28 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         acc = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     else:  # the split kernel writes the output itself
         m = l = acc = out
-    group = H // KV
-    block_g = _next_pow2(group)
-    rows = tile_rows if tiles is not None else 1
     _paged_decode_split_kernel[(num_tiles, KV, splits)](
         q, k_pool, v_pool, block_tables, seq_lens, tiles if tiles is not None else seq_lens, m, l, acc, out,
         D**-0.5 if scale is None else scale, H, block_size, block_tables.stride(0),
         tiles.stride(0) if tiles is not None else 0, q.stride(0), k_pool.stride(0), k_pool.stride(1),
-        GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, rows * block_g), HAS_TILES=tiles is not None,
-        D=D, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WINDOW=window or 0, **launch_options(q))
+        **attention_flags(H // KV, D, splits, tiles=tiles is not None, tile_rows=tile_rows, block_n=block_n,
+                          dtype=q.dtype, window=window), **launch_options(q))
     if splits > 1:
         _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
                                              num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
     return out
+
+
+def attention_flags(group: int, head_dim: int, splits: int, *, tiles: bool = False, tile_rows: int = 1,
+                    block_n: int = BLOCK_N, dtype: torch.dtype = torch.float16, window: int | None = None) -> dict:
+    """_paged_decode_split_kernel's compile-time arguments for `group` query heads a KV head, in `splits` splits:
+    paged_decode_attention launches with these, kernels.offline compiles them. `tiles`: rows in tiles of up to
+    `tile_rows` (else each row alone); `dtype`: q's (float32 dots in IEEE precision, else TF32). PDL is the
+    launch's (kernels.pdl.launch_options)."""
+    block_g = _next_pow2(group)
+    return dict(GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, (tile_rows if tiles else 1) * block_g), HAS_TILES=tiles,
+                D=head_dim, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                WINDOW=window or 0)
 
 
 def _dense_heads(x: torch.Tensor) -> torch.Tensor:

@@ -203,13 +203,45 @@ def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 64, block_k: int = 64,
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     u_part = torch.empty(splits, m, ec.padded_rank, dtype=torch.float32, device=x.device) if splits > 1 else g
-    common = dict(GATED=ec.gated, R=ec.padded_rank, H=ec.W1.shape[0], BM=block_m, num_warps=num_warps)
+    ec_dims = (ec.padded_rank, ec.W1.shape[0], ec.gated)
     _ec_rank_kernel[(row_blocks, splits)](
         x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, u_part, m, k, x.stride(0), g.stride(0), k_per_split,
-        BK=block_k, SPLIT=splits > 1, num_stages=num_stages, **common)
+        **ec_rank_flags(ec_dims, block_m, block_k, splits > 1, num_warps, num_stages))
     if splits > 1:
-        _ec_gate_kernel[(row_blocks,)](u_part, ec.W1, ec.b1, ec.W2, ec.b2, g, m, splits, g.stride(0), **common)
+        _ec_gate_kernel[(row_blocks,)](u_part, ec.W1, ec.b1, ec.W2, ec.b2, g, m, splits, g.stride(0),
+                                       **ec_gate_flags(ec_dims, block_m, num_warps))
     return g
+
+
+def ec_gate_flags(ec: tuple[int, int, bool], block_m: int = 64, num_warps: int = 4) -> dict:
+    """_ec_gate_kernel's compile-time arguments for an EC (padded rank R, the gate's hidden size H, gated) at block_m
+    rows a program: ec_rank launches with these, kernels.offline compiles them."""
+    rank, hidden, gated = ec
+    return dict(GATED=gated, R=rank, H=hidden, BM=block_m, num_warps=num_warps)
+
+
+def ec_rank_flags(ec: tuple[int, int, bool], block_m: int = 64, block_k: int = 64, split: bool = False,
+                  num_warps: int = 4, num_stages: int = 4) -> dict:
+    """_ec_rank_kernel's compile-time arguments (ec_rank's defaults): ec_gate_flags's, block_k columns a step, and
+    SPLIT where K is split (the float32 partials to _ec_gate_kernel)."""
+    return {**ec_gate_flags(ec, block_m, num_warps), "BK": block_k, "SPLIT": split, "num_stages": num_stages}
+
+
+def rank_programs_flags(ec: tuple[int, int, bool], cfg: PrefillConfig) -> dict:
+    """_ec_rank_programs_kernel's compile-time arguments beside the tile GEMM under `cfg` (its row blocks); PDL is
+    the launch's (kernels.pdl.launch_options)."""
+    return {**ec_gate_flags(ec, cfg.block_m, PREFILL_RANK_WARPS), "BK": PREFILL_RANK_BK,
+            "num_stages": PREFILL_RANK_STAGES}
+
+
+def prefill_flags(cfg: PrefillConfig, group_size: int, per_channel: bool, ec: tuple[int, int, bool] | None, *,
+                  has_bias: bool, compiled: bool) -> dict:
+    """_w4_prefill_kernel's compile-time arguments (constexprs, num_warps, num_stages) under `cfg`: w4_prefill_fused
+    launches with these, kernels.offline compiles them. `ec` as ec_gate_flags's, or None; `compiled`: compiled code
+    (the codes through inline PTX), not the interpreter. PDL is the launch's."""
+    return dict(HAS_EC=ec is not None, HAS_BIAS=has_bias, R=ec[0] if ec is not None else 16, BM=cfg.block_m,
+                BN=cfg.block_n, SPG=_slices_per_group(group_size), GROUP_M=cfg.group_m, PER_CHANNEL=per_channel,
+                DOT_ASM=compiled, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def rank_splits(row_blocks: int, k: int, block_k: int, sms: int, fill: int = 2) -> int:
@@ -235,6 +267,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
     row_blocks = triton.cdiv(m, cfg.block_m)
     tiles = row_blocks * triton.cdiv(n, cfg.block_n)
     beside = {"PDL": False}  # the GEMM's launch options: PDL after the rank programs
+    ec_dims = (ec.padded_rank, ec.W1.shape[0], ec.gated) if ec is not None else None
     if ec is not None and g is None:
         if rank_programs is None:
             rank_programs = prefill_rank_programs(row_blocks, tiles, cfg, num_sms(x.device)) if uses_pdl(x) else 0
@@ -242,19 +275,16 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
             g = torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
             beside = launch_options(x)
             _ec_rank_programs_kernel[(rank_programs,)](
-                x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0), g.stride(0), GATED=ec.gated,
-                R=ec.padded_rank, H=ec.W1.shape[0], BM=cfg.block_m, BK=PREFILL_RANK_BK, num_warps=PREFILL_RANK_WARPS,
-                num_stages=PREFILL_RANK_STAGES, **beside)
+                x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0), g.stride(0),
+                **rank_programs_flags(ec_dims, cfg), **beside)
         else:
             g = ec_rank(x, ec)
     _w4_prefill_kernel[(tiles,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
         g if g is not None else y, ec.B if ec is not None else y,
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
-        HAS_EC=ec is not None, HAS_BIAS=bias is not None, R=ec.padded_rank if ec is not None else 16,
-        BM=cfg.block_m, BN=cfg.block_n, SPG=_slices_per_group(w.group_size), GROUP_M=cfg.group_m,
-        PER_CHANNEL=w.scales.shape[1] == 1, DOT_ASM=runs_compiled(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **beside,
+        **prefill_flags(cfg, w.group_size, w.scales.shape[1] == 1, ec_dims, has_bias=bias is not None,
+                        compiled=runs_compiled(x)), **beside,
     )
     return y
 
@@ -302,9 +332,14 @@ def dequantize_w4_into(w: PackedW4, out: torch.Tensor, block_n: int = 64) -> tor
     n, kw = w.qweight.shape
     _dequant_kernel[(triton.cdiv(n, block_n), kw // 16)](
         w.qweight, w.scales, w.zeros, out, n, w.in_features, kw, w.scales.shape[1], w.group_size, out.stride(0),
-        BN=block_n, num_warps=4,
+        **dequant_flags(block_n),
     )
     return out
+
+
+def dequant_flags(block_n: int = 64) -> dict:
+    """_dequant_kernel's compile-time arguments for tiles of block_n rows (dequantize_w4_into's)."""
+    return dict(BN=block_n, num_warps=4)
 
 
 def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: torch.Tensor | None = None,
