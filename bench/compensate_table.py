@@ -89,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2")
     p.add_argument("--method", default="rtn", choices=["rtn", "gptq", "awq", "omniquant"])
+    p.add_argument("--omniquant-epochs", type=int, default=QuantSettings.omniquant_epochs)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=-1)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])
@@ -115,7 +116,7 @@ def main() -> None:
                         temperature=args.calib_temperature, top_p=args.calib_top_p, first_token=args.calib_first_token,
                         start=args.calib_start)
     ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(args.model))
-    settings = QuantSettings(args.method, QuantConfig(args.bits, args.group_size))
+    settings = QuantSettings(args.method, QuantConfig(args.bits, args.group_size), omniquant_epochs=args.omniquant_epochs)
     datasets = ("wikitext2", "ptb")
     rows: list[dict] = []
 

@@ -5,6 +5,8 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite tables      # the four settings: static baselines, SPEAR, gate off
     spear bench quality --model $GGUF --out OUTDIR --suite ablations   # the hard case (W4 RTN per-channel): every ablation
     spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, gate form
+    spear bench quality --model $GGUF --out OUTDIR --suite levers      # untested levers: BOS-free windows, latency cost,
+                                                                       # SPEAR on AWQ and OmniQuant bases
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
 
@@ -30,6 +32,8 @@ PC = ["--method", "rtn", "--bits", "4", "--group-size", "-1"]
 G4 = ["--method", "gptq", "--bits", "4", "--group-size", "-1"]
 R64 = ["--method", "rtn", "--bits", "4", "--group-size", "64"]
 G3 = ["--method", "gptq", "--bits", "3", "--group-size", "64"]
+AWQ = ["--method", "awq", "--bits", "4", "--group-size", "-1"]
+OMNI = ["--method", "omniquant", "--bits", "4", "--group-size", "-1"]
 STATIC = ["--budgets", "0.01", "--only", "LQER", "QERA", "+SPEAR"]
 
 
@@ -71,6 +75,13 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("data_512_token_gate", table, PC + ["--only", "per-token scalar gate"]),
             ("data_1024", table, PC + ["--calib-samples", "1024", "--only", "+SPEAR"]),
         ],
+        "levers": [  # the hard case at the defaults, one lever each; then SPEAR on the other 4-bit per-channel bases
+            ("lev_calib_mid", table, PC + ["--calib-start", "mid", "--only", "+SPEAR"]),
+            ("lev_cost_latency", table, PC + ["--cost", "latency", "--only", "+SPEAR"]),
+            ("lev_awq_w4pc", table, AWQ + ["--budgets", "0.01", "--only", "QERA", "+SPEAR"]),
+            ("lev_omniquant_w4pc", table, OMNI + ["--omniquant-epochs", "10", "--budgets", "0.01", "--only", "QERA",
+                                                  "+SPEAR"]),
+        ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
     }
@@ -90,7 +101,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
-    p.add_argument("--suite", default="tables", choices=["tables", "ablations", "data", "quant", "warm"])
+    p.add_argument("--suite", default="tables", choices=["tables", "ablations", "data", "levers", "quant", "warm"])
     p.add_argument("--time-limit", type=int, default=540, help="seconds each row's process may run")
     args = p.parse_args()
     from spear.eval.perplexity import data_dir
