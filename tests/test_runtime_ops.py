@@ -149,15 +149,18 @@ def test_paged_decode_attention_matches_reference(dtype, heads, kv_heads, window
         assert_close(out, ref, f"decode attention H={heads} KV={kv_heads} {dtype} splits={splits} window={window}")
 
 
-def test_paged_decode_attention_head_dim_block_size_and_scale(gen):
-    block_size, width, head_dim = 8, 6, 64
+@pytest.mark.parametrize("head_dim", [64, 96, 80])  # 96: Phi-3's, padded to 128 in the kernel; 80 to 128 as well
+def test_paged_decode_attention_head_dim_block_size_and_scale(head_dim, gen):
+    block_size, width = 8, 6
     seq_lens = [48, 9, 30]
     kv_heads, dtype = 2, torch.float16
     tables, (k_pool, v_pool), (k_ref, v_ref) = random_cache(seq_lens, width, block_size, kv_heads, head_dim, dtype, gen)
     q = randn(len(seq_lens), 8 + 3, head_dim, gen=gen, dtype=dtype)[:, :8]  # rows strided, as a q|k|v output's q
     lens = torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32)
     out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, use_triton=True, splits=4, block_n=16)
-    assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), "decode attention D=64 bs=8")
+    assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), f"decode attention D={head_dim} bs=8")
+    out = ops.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.3, use_triton=True, splits=1, block_n=16)
+    assert_close(out, ops.paged_decode_attention_ref(q, k_ref, v_ref, tables, lens, 0.3), f"D={head_dim} one split")
 
 
 @pytest.mark.parametrize("window", [None, 12])  # with a sliding window each row of a tile has its own first key

@@ -332,6 +332,10 @@ def _attention_and_f16_launches() -> dict[str, Launch]:
         out[f"decode attention tiles={tiles}"] = Launch(
             ops._paged_decode_split_kernel, attention_ptrs, ops.attention_flags,
             dict(group=1, head_dim=128, splits=4, tiles=tiles, tile_rows=ops.attention_tile_rows(1)), pdl=True)
+    # Phi-3-mini's heads (MHA, D = 96): the head dim padded to 128 with masked lanes
+    out["decode attention D=96 tiles=True"] = Launch(
+        ops._paged_decode_split_kernel, attention_ptrs, ops.attention_flags,
+        dict(group=1, head_dim=96, splits=4, tiles=True, tile_rows=ops.attention_tile_rows(1)), pdl=True)
     # the float model's one-row GEMV: one row block and K = 4096, and runs of four with a masked K (11008, down's)
     gemv_ptrs = {n: F16 for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
     for cfg, k in ((f16_gemv.GemvConfig(2, 1024, 4), _K), (f16_gemv.GemvConfig(4, 1024, 4, 4), 11008)):

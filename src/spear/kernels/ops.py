@@ -297,14 +297,23 @@ def _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION: tl.constexpr
 
 
 @_jit
+def _head_mask(rows_ok, d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[rows, BLOCK_D] mask of rows_ok and, where the head dim is padded to a power of two (D = 96 in 128), d < D."""
+    mask = rows_ok[:, None]
+    if BLOCK_D != D:  # compile time: a power-of-two D keeps the row mask alone
+        mask = mask & (d < D)[None, :]
+    return mask
+
+
+@_jit
 def _attention_step(q, m, l, acc, block, t, end, visible, k_pool_ptr, v_pool_ptr, kv, d, scale, block_size,
-                    stride_pool_block, stride_pool_offset, D: tl.constexpr, PRECISION: tl.constexpr,
-                    WINDOW: tl.constexpr):
+                    stride_pool_block, stride_pool_offset, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """A step over the cached keys at positions t [BLOCK_N] (< end), in the pool blocks `block`."""
-    t_ok = t < end
     kv_off = block * stride_pool_block + (t % block_size) * stride_pool_offset + kv * D
-    k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)  # [BLOCK_N, D]
-    v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+    mask = _head_mask(t < end, d, D, BLOCK_D)
+    k = tl.load(k_pool_ptr + kv_off[:, None] + d[None, :], mask=mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_pool_ptr + kv_off[:, None] + d[None, :], mask=mask, other=0.0)
     return _softmax_step(q, m, l, acc, k, v, t, visible, scale, PRECISION, WINDOW)
 
 
@@ -314,7 +323,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
                                scale, H, block_size, stride_table, stride_tiles, stride_qt,
                                stride_pool_block, stride_pool_offset,
                                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
-                               HAS_TILES: tl.constexpr, D: tl.constexpr,
+                               HAS_TILES: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                                SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                                WINDOW: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, kv, p): the GROUP query heads of KV head kv, for each of the tile's rows (up to
@@ -327,7 +336,8 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     (float32) for the split; a split past a row's end writes m = -inf, l = 0 only. With one split, the output
     acc / l itself (no combine launch). Without tiles every row is a tile of its own (a decode step). With a
     sliding window (WINDOW > 0) row r sees keys seq_len_r - WINDOW .. seq_len_r - 1 only, and the splits cut
-    the tile's keys from its first row's first one, lo = seq_len_first - WINDOW, instead of 0.
+    the tile's keys from its first row's first one, lo = seq_len_first - WINDOW, instead of 0. A head dim D that
+    is no power of two (Phi-3's 96) runs in BLOCK_D = the next one, its padding lanes zero in q, k and v.
     The step's tiles, lengths and block tables (written by the host, never by a kernel) are read before the PDL
     wait, the first step's table entries included; q and the keys after it."""
     tile, kv, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -346,7 +356,7 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
     end = tl.minimum(start + split_len, seq_len)
     t = start + tl.arange(0, BLOCK_N)  # the first step's key positions
     block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)
     pdl_enter(PDL)
     if count > 0:
         i = tl.arange(0, BLOCK_Q)  # dot row i: query row first + i // BLOCK_G, head kv * GROUP + i % BLOCK_G
@@ -355,35 +365,38 @@ def _paged_decode_split_kernel(q_ptr, k_pool_ptr, v_pool_ptr, tables_ptr, seq_le
         row = first + r
         head = kv * GROUP + g
         row_len = tl.load(seq_lens_ptr + row, mask=ok, other=0)  # [BLOCK_Q] keys each row sees
-        q = tl.load(q_ptr + (row * stride_qt + head * D)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+        q = tl.load(q_ptr + (row * stride_qt + head * D)[:, None] + d[None, :], mask=_head_mask(ok, d, D, BLOCK_D),
+                    other=0.0)
 
         m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, D], tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
         if start < end:  # the first step, its table entries read before the wait
             m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
-                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION, WINDOW)
+                                        block_size, stride_pool_block, stride_pool_offset, D, BLOCK_D, PRECISION,
+                                        WINDOW)
         for n0 in range(start + BLOCK_N, end, BLOCK_N):  # no steps past the end: an empty split writes (-inf, 0)
             t = n0 + tl.arange(0, BLOCK_N)  # key positions
             block = tl.load(tables_ptr + last * stride_table + t // block_size, mask=t < end, other=0)  # [BLOCK_N]
             m, l, acc = _attention_step(q, m, l, acc, block, t, end, row_len, k_pool_ptr, v_pool_ptr, kv, d, scale,
-                                        block_size, stride_pool_block, stride_pool_offset, D, PRECISION, WINDOW)
+                                        block_size, stride_pool_block, stride_pool_offset, D, BLOCK_D, PRECISION,
+                                        WINDOW)
 
         if SPLITS == 1:  # every key in this program: the output
             out = (row * H + head)[:, None] * D + d[None, :]
             l = tl.where(ok, l, 1.0)  # padding lanes saw no key: l = 0
-            tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+            tl.store(out_ptr + out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=_head_mask(ok, d, D, BLOCK_D))
         else:
             out = (row * H + head) * SPLITS + p  # [BLOCK_Q] into the [B, H, SPLITS] workspace
             tl.store(m_ptr + out, m, mask=ok)
             tl.store(l_ptr + out, l, mask=ok)
             # the combine never reads the acc of a split that starts past a row's end (its m is -inf)
-            tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=(ok & (start < row_len))[:, None])
+            tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=_head_mask(ok & (start < row_len), d, D, BLOCK_D))
 
 
 @_jit
-def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                                 SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
+def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h): merge the splits, all at once (a split that saw no key has m = -inf, weight 0):
 
         M = max m_p;  out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) l_p
@@ -391,14 +404,15 @@ def _paged_decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, D: tl.constexpr
     pdl_enter(PDL)
     bh = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     p = tl.arange(0, SPLITS_P2)
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)
     m = tl.load(m_ptr + bh * SPLITS + p, mask=p < SPLITS, other=float("-inf"))  # [SPLITS_P2]
     saw_keys = m > float("-inf")  # every row sees a key, so at least one split did
     weight = tl.exp(m - tl.max(m, axis=0))
     l = tl.sum(weight * tl.load(l_ptr + bh * SPLITS + p, mask=saw_keys, other=0.0), axis=0)
-    acc = tl.load(acc_ptr + (bh * SPLITS + p)[:, None] * D + d[None, :], mask=saw_keys[:, None], other=0.0)
-    acc = tl.sum(weight[:, None] * acc, axis=0)  # [D]
-    tl.store(out_ptr + bh * D + d, (acc / l).to(out_ptr.dtype.element_ty))
+    acc = tl.load(acc_ptr + (bh * SPLITS + p)[:, None] * D + d[None, :], mask=_head_mask(saw_keys, d, D, BLOCK_D),
+                  other=0.0)
+    acc = tl.sum(weight[:, None] * acc, axis=0)  # [BLOCK_D]
+    tl.store(out_ptr + bh * D + d, (acc / l).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -420,7 +434,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return paged_decode_attention_ref(q, k_pool, v_pool, block_tables, seq_lens, scale, window)
     B, H, D = q.shape
     _, block_size, KV, _ = k_pool.shape
-    assert D >= 16 and D & (D - 1) == 0, f"head_dim must be a power of two >= 16, got {D}"
+    assert D >= 16, f"head_dim must be at least 16 (a dot tile), got {D}"
     _check_pools(k_pool, v_pool, D)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
     num_tiles = tiles.shape[0] if tiles is not None else B
@@ -441,7 +455,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         **attention_flags(H // KV, D, splits, tiles=tiles is not None, tile_rows=tile_rows, block_n=block_n,
                           dtype=q.dtype, window=window), **launch_options(q))
     if splits > 1:
-        _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, SPLITS=splits, SPLITS_P2=_next_pow2(splits),
+        _paged_decode_combine_kernel[(B, H)](m, l, acc, out, D=D, BLOCK_D=_next_pow2(D), SPLITS=splits,
+                                             SPLITS_P2=_next_pow2(splits),
                                              num_warps=1 if splits * D <= 1024 else 2, **launch_options(q))
     return out
 
@@ -454,7 +469,7 @@ def attention_flags(group: int, head_dim: int, splits: int, *, tiles: bool = Fal
     launch's (kernels.pdl.launch_options)."""
     block_g = _next_pow2(group)
     return dict(GROUP=group, BLOCK_G=block_g, BLOCK_Q=max(16, (tile_rows if tiles else 1) * block_g), HAS_TILES=tiles,
-                D=head_dim, SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                D=head_dim, BLOCK_D=_next_pow2(head_dim), SPLITS=splits, BLOCK_N=block_n, PRECISION="ieee" if dtype == torch.float32 else "tf32",
                 WINDOW=window or 0)
 
 
