@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from test_awq import calib_and_test, llama_with_outliers
 
 from spear.cli import main
-from spear.compensate.basis import Rescaling, check_quantization_of, read_rescalings, relative_error
+from spear.compensate.basis import check_quantization_of, fit_rescaling, read_rescalings, relative_error
 from spear.compensate.calibrate import CalibrateConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
 from spear.errors import SpearError
@@ -37,18 +37,25 @@ def test_a_foreign_float_model_is_refused():
         check_quantization_of("layers.0.mlp.up_proj", W, rtn_quantize(other, CFG).dequantize())
 
 
-def test_given_s_the_rows_give_t_and_the_float_basis():
-    W, w_hat, s, t = rescaled_quantization()
-    assert (w_hat.abs().sum(0) == 0).any()  # channels scaled down to nothing: the weights cannot give their s
-    r = Rescaling.with_input_scale(W, w_hat, s)
-    assert torch.allclose(r.t, t.double(), rtol=0.1)  # rows least-squares through their rounding
+def test_weights_give_the_rescaling_but_not_of_blind_channels():
+    W, w_hat, s, _ = rescaled_quantization(spread=1.0)
+    blind = w_hat.abs().sum(0) == 0
+    assert blind.any()  # channels scaled down to nothing: the weights cannot give their s
+    _, identified = fit_rescaling(W, w_hat)
+    assert not (identified & blind).any() and identified.float().mean() > 0.8  # (a lone nonzero entry: not enough)
+    assert fit_rescaling(W, rtn_quantize(W, CFG).dequantize())[1].all()
+    W, w_hat, s, t = rescaled_quantization(spread=0.5)
+    fit, identified = fit_rescaling(W, w_hat)
+    c = (fit.s[identified] / s[identified]).median()  # (s, t) up to one common factor, which the maps do not see
+    assert (fit.s[identified] / c / s[identified] - 1).abs().median() < 0.05  # columns of few nonzeros: biased
+    assert torch.allclose(fit.t / c, t.double(), rtol=0.1)
     exact = rtn_quantize(W * s, CFG).dequantize() / s  # Q(W diag(s)) diag(s)⁻¹: what AWQ's search compares with W
-    assert relative_error(exact, r.to_float_basis(w_hat)) < 0.03 < 1 < relative_error(W, w_hat)
+    assert relative_error(exact, fit.to_float_basis(w_hat)) < 0.1 < 0.5 < relative_error(W, w_hat)
 
 
 def test_factors_map_to_the_student_basis():
     W, w_hat, s, _ = rescaled_quantization()
-    r = Rescaling.with_input_scale(W, w_hat, s)
+    r = fit_rescaling(W, w_hat)[0]
     A, B = torch.randn(4, 96, dtype=torch.float64), torch.randn(48, 4, dtype=torch.float64)
     x = torch.randn(96, 5, dtype=torch.float64)
     A2, B2 = r.to_student(A, B)
@@ -73,20 +80,27 @@ def awq_model():
     return teacher, student, calib, test, ref
 
 
-def test_inputs_give_awqs_scales(awq_model):
+def test_awqs_scales_are_read_back(awq_model):
     teacher, student, calib, _, _ = awq_model
-    names = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.up_proj", "self_attn.o_proj")]
+    names = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.up_proj")]
     rescalings = read_rescalings(teacher, student, calib, names)
     assert set(rescalings) == set(names)
     for i in range(2):  # where the op before is a norm, AWQ's s is the ratio of the norms' weights
         for norm, linear in (("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.up_proj")):
             layer_f, layer_q = teacher.model.layers[i], student.model.layers[i]
             s = getattr(layer_f, norm).weight.double() / getattr(layer_q, norm).weight.double()
-            error = (rescalings[f"model.layers.{i}.{linear}"].s / s - 1).abs()
-            if (i, linear) == (0, "self_attn.q_proj"):  # no rounding upstream: the inputs differ by s alone
-                assert error.max() < 1e-6
-            else:  # later ones drift with the rounding upstream (3-bit here)
-                assert error.mean() < 0.1 and error.max() < 0.25
+            ratio = rescalings[f"model.layers.{i}.{linear}"].s / s
+            error = (ratio / ratio.median() - 1).abs()  # up to the common factor; 3-bit rounding and clipping: a few %
+            assert error.mean() < 0.05 and error.max() < 0.2
+
+
+def test_linears_awq_left_alone_are_not_rescaled():
+    teacher = llama_with_outliers(kv_heads=2)  # grouped-query attention: AWQ does not rescale v→o
+    calib, _ = calib_and_test()
+    student = copy.deepcopy(teacher)
+    quantize_model(student, QuantSettings(method="awq", quant=QuantConfig(bits=4, group_size=-1), awq_grid=10), calib)
+    names = ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    assert read_rescalings(teacher, student, calib, names) == {}
 
 
 def test_static_ecs_on_awq_need_the_float_basis(awq_model):

@@ -11,11 +11,13 @@ back to the student as
 
     A' = A diag(s)   (A' x' = A x: the gate sees the same u)      B' = diag(1/t) B.
 
-Checkpoints do not store AWQ's scales, and the weights alone cannot give them: a channel that AWQ scaled down
-far enough rounds to zero in every row, and then says nothing of its s; a mild rescaling is hard to tell from
-rounding. So s is read from the inputs, the float model's E|x| over the student's E|x'| per channel (upstream
-rounding moves these by a few percent), and t from the weights given s, by least squares over each row (no row
-rounds to zero: its largest entry sets its scale). Linears AWQ left alone come out with s ≈ 1 and t ≈ 1.
+Checkpoints do not store AWQ's scales, so (s, t) are fitted to (W, Ŵ') by alternating least squares: t over each
+row, s over each column's nonzero entries (an entry rounded to zero says only that it is small). The pair is
+determined up to one common factor, which cancels in both maps above. A channel that AWQ scaled down far enough
+rounds to zero in every row and says nothing of its s in the weights: there s comes from the inputs, the float
+model's E|x| over the student's E|x'| (which also moves with the rounding upstream, so it is used only there).
+The fit is kept where it at least brings the error ‖Ŵ − W‖ below RESCALED_GAIN of ‖Ŵ' − W‖: linears AWQ left alone
+(o_proj under grouped-query attention) stay as they are.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 
 MISMATCH_ERROR = 1.2  # ‖Ŵ − W‖ / ‖W‖ of no quantization (even Ŵ = 0 gives 1; unrelated weights ≈ √2)
-INPUT_SEQUENCES = 32  # calibration sequences whose inputs give s
+RESCALED_GAIN = 0.9  # a fit that leaves more than this share of the plain error is rounding noise, not a rescaling
+FIT_ITERATIONS = 20
+MIN_NONZERO = 2  # nonzero entries a column needs for its s to come from the weights
+INPUT_SEQUENCES = 32  # calibration sequences whose inputs give the s of all-zero columns
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,9 @@ class Rescaling:
 
     @classmethod
     def with_input_scale(cls, W: torch.Tensor, w_hat: torch.Tensor, s: torch.Tensor) -> "Rescaling":
-        """s given; t by least squares of each row of Ŵ' against the row of W diag(s)."""
-        Ws = W.detach().double() * s.double().to(W.device)
+        """s given; t by least squares of each row of Ŵ' against the row of W diag(s), over Ŵ''s nonzero entries."""
         Q = w_hat.detach().double().to(W.device)
+        Ws = torch.where(Q != 0, W.detach().double() * s.double().to(W.device), torch.zeros_like(Q))
         u = (Q * Ws).sum(1) / Ws.square().sum(1).clamp(min=1e-300)
         u = torch.where(u.abs() > 1e-12, u, torch.ones_like(u))  # an all-zero row says nothing of its scale
         return cls(s.double().to(W.device), 1 / u)
@@ -71,6 +77,21 @@ def check_quantization_of(name: str, W: torch.Tensor, w_hat: torch.Tensor) -> No
                          f"{error:.2f}): is the base model the one it was quantized from?")
 
 
+def fit_rescaling(W: torch.Tensor, w_hat: torch.Tensor, iterations: int = FIT_ITERATIONS) -> tuple[Rescaling, torch.Tensor]:
+    """The least-squares (s, t) of diag(1/t) W diag(s) ≈ Ŵ' (module docstring), and which columns the weights
+    identify (their s; the others keep s = 1)."""
+    W, Q = W.detach().double(), w_hat.detach().double().to(W.device)
+    nonzero = Q != 0
+    identified = nonzero.sum(0) >= MIN_NONZERO
+    s = torch.ones(W.shape[1], dtype=torch.float64, device=W.device)
+    for _ in range(iterations):
+        t = Rescaling.with_input_scale(W, Q, s).t
+        uW = torch.where(nonzero, W / t[:, None], torch.zeros_like(W))
+        fitted = (Q * uW).sum(0) / uW.square().sum(0).clamp(min=1e-300)
+        s = torch.where(identified & (fitted.abs() > 1e-12), fitted, s)
+    return Rescaling.with_input_scale(W, Q, s), identified
+
+
 @torch.no_grad()
 def input_mean_abs(model: nn.Module, calib_ids: torch.Tensor, names: list[str], batch_size: int = 8) -> dict:
     """E|x| per input channel [in] float64 of each named linear of `model`, on the first INPUT_SEQUENCES."""
@@ -96,12 +117,21 @@ def input_mean_abs(model: nn.Module, calib_ids: torch.Tensor, names: list[str], 
 
 
 def read_rescalings(teacher: nn.Module, student: nn.Module, calib_ids: torch.Tensor, names: list[str]) -> dict:
-    """name → Rescaling of each named linear of `student`, whose quantizer rescaled channels (AWQ)."""
-    x_float, x_student = input_mean_abs(teacher, calib_ids, names), input_mean_abs(student, calib_ids, names)
-    out = {}
-    for n in names:
-        dead = x_student[n] <= 1e-12 * x_student[n].max()  # a channel that is zero in the student: its s is moot
-        s = torch.where(dead, torch.ones_like(x_student[n]), x_float[n] / x_student[n].clamp(min=1e-300))
+    """name → Rescaling of each named linear of `student` that its quantizer rescaled (AWQ); the others are left out."""
+    fits = {}
+    for n in tqdm(names, desc="rescaled linears", unit="module"):
         W, w_hat = teacher.get_submodule(n).weight, student.get_submodule(n).weight_hat
-        out[n] = Rescaling.with_input_scale(W, w_hat, s)
-    return out
+        fit, identified = fit_rescaling(W, w_hat)
+        if relative_error(W, fit.to_float_basis(w_hat.double())) < RESCALED_GAIN * relative_error(W, w_hat):
+            fits[n] = (fit, identified)
+    blind = [n for n, (_, identified) in fits.items() if not identified.all()]
+    if blind:  # all-zero columns: s from the inputs, brought to the fit's common factor on the identified columns
+        x_float, x_student = input_mean_abs(teacher, calib_ids, blind), input_mean_abs(student, calib_ids, blind)
+        for n in blind:
+            (fit, identified), live = fits[n], x_student[n] > 1e-12 * x_student[n].max()
+            from_inputs = x_float[n] / x_student[n].clamp(min=1e-300)
+            ok = identified & live
+            c = (from_inputs[ok] / fit.s[ok]).median() if ok.any() else 1.0
+            s = torch.where(identified | ~live, fit.s, from_inputs / c)
+            fits[n] = (Rescaling(s, fit.t), identified)  # t is unchanged: all-zero columns do not enter its fit
+    return {n: fit for n, (fit, _) in fits.items()}
