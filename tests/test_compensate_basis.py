@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from test_awq import calib_and_test, llama_with_outliers
 
 from spear.cli import main
-from spear.compensate.basis import check_quantization_of, fit_rescaling, read_rescalings, relative_error
+from spear.compensate.basis import (
+    Rescaling, check_quantization_of, column_scales, read_awq_rescalings, relative_error, row_scales,
+)
 from spear.compensate.calibrate import CalibrateConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
 from spear.errors import SpearError
@@ -37,25 +39,26 @@ def test_a_foreign_float_model_is_refused():
         check_quantization_of("layers.0.mlp.up_proj", W, rtn_quantize(other, CFG).dequantize())
 
 
-def test_weights_give_the_rescaling_but_not_of_blind_channels():
+def test_rows_and_columns_give_the_scales():
+    W, w_hat, s, t = rescaled_quantization(spread=1.0)
+    assert torch.allclose(row_scales(W, w_hat, s), t.double(), rtol=0.1)  # t given s: rows are never all zero
     W, w_hat, s, _ = rescaled_quantization(spread=1.0)
-    blind = w_hat.abs().sum(0) == 0
-    assert blind.any()  # channels scaled down to nothing: the weights cannot give their s
-    _, identified = fit_rescaling(W, w_hat)
-    assert not (identified & blind).any() and identified.float().mean() > 0.8  # (a lone nonzero entry: not enough)
-    assert fit_rescaling(W, rtn_quantize(W, CFG).dequantize())[1].all()
-    W, w_hat, s, t = rescaled_quantization(spread=0.5)
-    fit, identified = fit_rescaling(W, w_hat)
-    c = (fit.s[identified] / s[identified]).median()  # (s, t) up to one common factor, which the maps do not see
-    assert (fit.s[identified] / c / s[identified] - 1).abs().median() < 0.05  # columns of few nonzeros: biased
-    assert torch.allclose(fit.t / c, t.double(), rtol=0.1)
+    w_hat = rtn_quantize(W * s, CFG).dequantize()  # t = 1: the linear after a rescaled one (o, down)
+    blind = (w_hat != 0).sum(0) < 2
+    assert blind.any()  # channels scaled down to nothing: their weights cannot give their s
+    fallback = torch.full_like(s, 7.0)
+    fitted = column_scales(W, w_hat, fallback)
+    assert torch.equal(fitted[blind], fallback[blind].double())
+    error = (fitted / s - 1).abs()
+    assert error[s > 2].max() < 0.1 and error[s > 1].median() < 0.05  # the weights' large columns; few nonzeros: biased
     exact = rtn_quantize(W * s, CFG).dequantize() / s  # Q(W diag(s)) diag(s)⁻¹: what AWQ's search compares with W
-    assert relative_error(exact, fit.to_float_basis(w_hat)) < 0.1 < 0.5 < relative_error(W, w_hat)
+    fit = Rescaling(fitted, torch.ones(48, dtype=torch.float64))
+    assert relative_error(exact, fit.to_float_basis(w_hat)) < 0.25 < 1 < relative_error(W, w_hat)  # a 70× spread of s
 
 
 def test_factors_map_to_the_student_basis():
-    W, w_hat, s, _ = rescaled_quantization()
-    r = fit_rescaling(W, w_hat)[0]
+    W, w_hat, s, t = rescaled_quantization()
+    r = Rescaling(s.double(), t.double())
     A, B = torch.randn(4, 96, dtype=torch.float64), torch.randn(48, 4, dtype=torch.float64)
     x = torch.randn(96, 5, dtype=torch.float64)
     A2, B2 = r.to_student(A, B)
@@ -81,17 +84,19 @@ def awq_model():
 
 
 def test_awqs_scales_are_read_back(awq_model):
-    teacher, student, calib, _, _ = awq_model
-    names = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.up_proj")]
-    rescalings = read_rescalings(teacher, student, calib, names)
-    assert set(rescalings) == set(names)
-    for i in range(2):  # where the op before is a norm, AWQ's s is the ratio of the norms' weights
+    teacher, student, *_ = awq_model
+    rescalings = read_awq_rescalings(teacher, student)
+    assert len(rescalings) == 14  # 2 layers × 7 linears: under multi-head attention AWQ rescales v→o too
+    for i in range(2):
+        layer_f, layer_q = teacher.model.layers[i], student.model.layers[i]
         for norm, linear in (("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.up_proj")):
-            layer_f, layer_q = teacher.model.layers[i], student.model.layers[i]
             s = getattr(layer_f, norm).weight.double() / getattr(layer_q, norm).weight.double()
-            ratio = rescalings[f"model.layers.{i}.{linear}"].s / s
-            error = (ratio / ratio.median() - 1).abs()  # up to the common factor; 3-bit rounding and clipping: a few %
-            assert error.mean() < 0.05 and error.max() < 0.2
+            assert torch.equal(rescalings[f"model.layers.{i}.{linear}"].s, s)  # fold_scale divided the norm by s
+        for linear, gain in (("self_attn.q_proj", 0.8), ("mlp.up_proj", 0.8), ("mlp.down_proj", 0.9),
+                             ("self_attn.o_proj", 1.02)):  # AWQ's search left v→o nearly unscaled here
+            n = f"model.layers.{i}.{linear}"
+            W, w_hat = teacher.get_submodule(n).weight, student.get_submodule(n).weight_hat
+            assert relative_error(W, rescalings[n].to_float_basis(w_hat)) < gain * relative_error(W, w_hat)
 
 
 def test_linears_awq_left_alone_are_not_rescaled():
@@ -99,8 +104,9 @@ def test_linears_awq_left_alone_are_not_rescaled():
     calib, _ = calib_and_test()
     student = copy.deepcopy(teacher)
     quantize_model(student, QuantSettings(method="awq", quant=QuantConfig(bits=4, group_size=-1), awq_grid=10), calib)
-    names = ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
-    assert read_rescalings(teacher, student, calib, names) == {}
+    rescalings = read_awq_rescalings(teacher, student)
+    assert len(rescalings) == 12 and not any("o_proj" in n for n in rescalings)
+    assert all(torch.equal(r.t, torch.ones_like(r.t)) for n, r in rescalings.items() if "v_proj" in n)
 
 
 def test_static_ecs_on_awq_need_the_float_basis(awq_model):

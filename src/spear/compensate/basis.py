@@ -11,13 +11,17 @@ back to the student as
 
     A' = A diag(s)   (A' x' = A x: the gate sees the same u)      B' = diag(1/t) B.
 
-Checkpoints do not store AWQ's scales, so (s, t) are fitted to (W, Ŵ') by alternating least squares: t over each
-row, s over each column's nonzero entries (an entry rounded to zero says only that it is small). The pair is
-determined up to one common factor, which cancels in both maps above. A channel that AWQ scaled down far enough
-rounds to zero in every row and says nothing of its s in the weights: there s comes from the inputs, the float
-model's E|x| over the student's E|x'| (which also moves with the rounding upstream, so it is used only there).
-The fit is kept where it at least brings the error ‖Ŵ − W‖ below RESCALED_GAIN of ‖Ŵ' − W‖: linears AWQ left alone
-(o_proj under grouped-query attention) stay as they are.
+Checkpoints do not store AWQ's scales; they are read back along AWQ's own scale groups (quant.awq.scale_groups):
+- after a norm (q, k, v; gate, up): s = the float norm's weight / the student's (fold_scale divided it by s): exact;
+- the op before a rescaled linear (v under multi-head attention, up): t = its consumer's s, by least squares over
+  each of its rows given its own s (a row has ~in nonzero entries: its largest sets its scale);
+- after a linear (o, down): s by least squares over each column given t = 1; a column rounded to zero in every
+  row takes its s from the rows of the op before.
+Both fits regress Ŵ' on W over Ŵ''s nonzero entries (an entry rounded to zero says only that it is small; noise in
+Ŵ' leaves the slope unbiased, where regressing W on Ŵ' would shrink it by the rounding noise). Each column or row
+is fitted on its own: on a massive-activation channel a joint fit's error of even 1% would dominate the module.
+A generic fit of (s, t) to the weights alone (alternating least squares) was tried first: on SmolLM2 W4 AWQ it put
+one down_proj column 18× off and made that module's damage 100× every other's, and SPEAR then hurt (−25% of the gap).
 """
 
 from __future__ import annotations
@@ -26,15 +30,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from spear.errors import SpearError
+from spear.models.layerwise import decoder_layers
 
 MISMATCH_ERROR = 1.2  # ‖Ŵ − W‖ / ‖W‖ of no quantization (even Ŵ = 0 gives 1; unrelated weights ≈ √2)
-RESCALED_GAIN = 0.9  # a fit that leaves more than this share of the plain error is rounding noise, not a rescaling
-FIT_ITERATIONS = 20
-MIN_NONZERO = 2  # nonzero entries a column needs for its s to come from the weights
-INPUT_SEQUENCES = 32  # calibration sequences whose inputs give the s of all-zero columns
+MIN_NONZERO = 2  # nonzero entries a column needs for its s to come from its own weights
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,6 @@ class Rescaling:
 
     s: torch.Tensor  # [in]
     t: torch.Tensor  # [out]
-
-    @classmethod
-    def with_input_scale(cls, W: torch.Tensor, w_hat: torch.Tensor, s: torch.Tensor) -> "Rescaling":
-        """s given; t by least squares of each row of Ŵ' against the row of W diag(s), over Ŵ''s nonzero entries."""
-        Q = w_hat.detach().double().to(W.device)
-        Ws = torch.where(Q != 0, W.detach().double() * s.double().to(W.device), torch.zeros_like(Q))
-        u = (Q * Ws).sum(1) / Ws.square().sum(1).clamp(min=1e-300)
-        u = torch.where(u.abs() > 1e-12, u, torch.ones_like(u))  # an all-zero row says nothing of its scale
-        return cls(s.double().to(W.device), 1 / u)
 
     def to_float_basis(self, w_hat: torch.Tensor) -> torch.Tensor:
         """Ŵ = diag(t) Ŵ' diag(1/s), in w_hat's dtype."""
@@ -62,6 +54,24 @@ class Rescaling:
         """(A diag(s), diag(1/t) B): factors fitted in the float basis, for the rescaled linear."""
         t, s = self.t.to(A.device), self.s.to(A.device)
         return (A.double() * s[None, :]).to(A.dtype), (B.double() / t[:, None]).to(B.dtype)
+
+
+def row_scales(W: torch.Tensor, w_hat: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """t [out] of Ŵ' ≈ diag(1/t) W diag(s) given s: least squares of each row over Ŵ''s nonzero entries."""
+    Q = w_hat.detach().double().to(W.device)
+    Ws = torch.where(Q != 0, W.detach().double() * s.double().to(W.device), torch.zeros_like(Q))
+    u = (Q * Ws).sum(1) / Ws.square().sum(1).clamp(min=1e-300)
+    return 1 / torch.where(u > 1e-12, u, torch.ones_like(u))  # an all-zero row says nothing of its scale
+
+
+def column_scales(W: torch.Tensor, w_hat: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """s [in] of Ŵ' ≈ W diag(s) (t = 1): least squares of each column over Ŵ''s nonzero entries; `fallback` for
+    columns with fewer than MIN_NONZERO of them."""
+    Q = w_hat.detach().double().to(W.device)
+    Wn = torch.where(Q != 0, W.detach().double(), torch.zeros_like(Q))
+    s = (Q * Wn).sum(0) / Wn.square().sum(0).clamp(min=1e-300)
+    seen = ((Q != 0).sum(0) >= MIN_NONZERO) & (s > 1e-12)
+    return torch.where(seen, s, fallback.double().to(W.device))
 
 
 def relative_error(W: torch.Tensor, w_hat: torch.Tensor) -> float:
@@ -77,61 +87,30 @@ def check_quantization_of(name: str, W: torch.Tensor, w_hat: torch.Tensor) -> No
                          f"{error:.2f}): is the base model the one it was quantized from?")
 
 
-def fit_rescaling(W: torch.Tensor, w_hat: torch.Tensor, iterations: int = FIT_ITERATIONS) -> tuple[Rescaling, torch.Tensor]:
-    """The least-squares (s, t) of diag(1/t) W diag(s) ≈ Ŵ' (module docstring), and which columns the weights
-    identify (their s; the others keep s = 1)."""
-    W, Q = W.detach().double(), w_hat.detach().double().to(W.device)
-    nonzero = Q != 0
-    identified = nonzero.sum(0) >= MIN_NONZERO
-    s = torch.ones(W.shape[1], dtype=torch.float64, device=W.device)
-    for _ in range(iterations):
-        t = Rescaling.with_input_scale(W, Q, s).t
-        uW = torch.where(nonzero, W / t[:, None], torch.zeros_like(W))
-        fitted = (Q * uW).sum(0) / uW.square().sum(0).clamp(min=1e-300)
-        s = torch.where(identified & (fitted.abs() > 1e-12), fitted, s)
-    return Rescaling.with_input_scale(W, Q, s), identified
-
-
 @torch.no_grad()
-def input_mean_abs(model: nn.Module, calib_ids: torch.Tensor, names: list[str], batch_size: int = 8) -> dict:
-    """E|x| per input channel [in] float64 of each named linear of `model`, on the first INPUT_SEQUENCES."""
-    sums = {n: 0.0 for n in names}
-    tokens = 0
+def read_awq_rescalings(teacher: nn.Module, student: nn.Module) -> dict[str, Rescaling]:
+    """Full name → Rescaling of every decoder linear of an AWQ `student` of the float `teacher` (module docstring)."""
+    from spear.quant.awq import scale_groups
 
-    def hook(name: str):
-        def fn(_module, args):
-            x = args[0].detach()
-            sums[name] = sums[name] + x.reshape(-1, x.shape[-1]).abs().double().sum(0)
-
-        return fn
-
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
-    try:
-        for ids in calib_ids[:INPUT_SEQUENCES].split(batch_size):
-            model.base_model(input_ids=ids.to(model.device), use_cache=False)
-            tokens += ids.numel()
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: v / tokens for n, v in sums.items()}
-
-
-def read_rescalings(teacher: nn.Module, student: nn.Module, calib_ids: torch.Tensor, names: list[str]) -> dict:
-    """name → Rescaling of each named linear of `student` that its quantizer rescaled (AWQ); the others are left out."""
-    fits = {}
-    for n in tqdm(names, desc="rescaled linears", unit="module"):
-        W, w_hat = teacher.get_submodule(n).weight, student.get_submodule(n).weight_hat
-        fit, identified = fit_rescaling(W, w_hat)
-        if relative_error(W, fit.to_float_basis(w_hat.double())) < RESCALED_GAIN * relative_error(W, w_hat):
-            fits[n] = (fit, identified)
-    blind = [n for n, (_, identified) in fits.items() if not identified.all()]
-    if blind:  # all-zero columns: s from the inputs, brought to the fit's common factor on the identified columns
-        x_float, x_student = input_mean_abs(teacher, calib_ids, blind), input_mean_abs(student, calib_ids, blind)
-        for n in blind:
-            (fit, identified), live = fits[n], x_student[n] > 1e-12 * x_student[n].max()
-            from_inputs = x_float[n] / x_student[n].clamp(min=1e-300)
-            ok = identified & live
-            c = (from_inputs[ok] / fit.s[ok]).median() if ok.any() else 1.0
-            s = torch.where(identified | ~live, fit.s, from_inputs / c)
-            fits[n] = (Rescaling(s, fit.t), identified)  # t is unchanged: all-zero columns do not enter its fit
-    return {n: fit for n, (fit, _) in fits.items()}
+    layers_f, layers_q = decoder_layers(teacher), decoder_layers(student)
+    prefix = next(name for name, m in teacher.named_modules() if m is layers_f)
+    out = {}
+    for i, (layer_f, layer_q) in enumerate(zip(layers_f, layers_q)):
+        names = {id(m): n for n, m in layer_f.named_modules()}
+        s, t = {}, {}  # by name within the layer
+        for group in scale_groups(layer_f):  # norms' groups before the linears they feed: s of `prev` is known
+            prev = names[id(group.prev)]
+            float_prev, student_prev = layer_f.get_submodule(prev), layer_q.get_submodule(prev)
+            if isinstance(float_prev, nn.Linear):  # its rows were divided by the group's s
+                t[prev] = row_scales(float_prev.weight, student_prev.weight_hat, s[prev])
+                for linear in group.linears:
+                    n = names[id(linear)]
+                    s[n] = column_scales(linear.weight, layer_q.get_submodule(n).weight_hat, fallback=t[prev])
+            else:
+                folded = student_prev.weight.double()
+                ratio = torch.where(folded != 0, float_prev.weight.double() / folded, torch.ones_like(folded))
+                s.update({names[id(linear)]: ratio for linear in group.linears})
+        for n, scale in s.items():
+            out[f"{prefix}.{i}.{n}"] = Rescaling(scale, t.get(n, torch.ones(layer_f.get_submodule(n).out_features,
+                                                                            dtype=torch.float64, device=scale.device)))
+    return out

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.compensate.basis import check_quantization_of, read_rescalings
+from spear.compensate.basis import check_quantization_of, read_awq_rescalings
 from spear.compensate.calibrate import CalibrateConfig, CalibrationResult, calibrate_ecs
 from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sensitivity
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
@@ -111,7 +111,7 @@ def compensate(
 ) -> CompensateReport:
     """Attach ECs to `student` (quantized, in place) and, for trained kinds, calibrate them against
     the float `teacher`. A sensitivity table computed earlier (same model and quantization) can be reused.
-    `rescaled`: the quantizer folded per-channel scales into the student (AWQ: see compensate.basis)."""
+    `rescaled`: the student is AWQ's, with per-channel scales folded in (compensate.basis reads them back)."""
     layers = quantized_layers(student)
     if not layers:
         raise SpearError("the model has no quantized layers: quantize it first")
@@ -121,7 +121,7 @@ def compensate(
 
     t = time.perf_counter()
     # Ŵ in the float model's basis: AWQ's rescaled linears read back (compensate.basis), the others as they are
-    rescaled = read_rescalings(teacher, student, calib_ids, list(layers)) if rescaled else {}
+    rescaled = read_awq_rescalings(teacher, student) if rescaled else {}
     w_hat = {n: rescaled[n].to_float_basis(m.weight_hat) if n in rescaled else m.weight_hat for n, m in layers.items()}
     for n, w in w_hat.items():
         check_quantization_of(n, teacher_linears[n].weight, w)
