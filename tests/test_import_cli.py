@@ -14,6 +14,7 @@ from spear.cli import main
 from spear.models import load_float_model
 from spear.models.layerwise import quantizable_linears
 from spear.record import QuantConfig, rtn_quantize
+from spear.quant.formats import AWQ_SHIFT_OF_COLUMN
 from test_import_formats import act_order_g_idx, pack_gptq, pack_words
 
 EVAL_ARGS = ["--seqlen", "64", "--max-windows", "2", "--device", "cpu", "--json"]
@@ -165,6 +166,54 @@ def test_awq_and_compressed_tensors_import(fmt, sym, tmp_path, capsys):
     lm = load_artifact(tmp_path / "art", torch.device("cpu"), torch.float32)
     for name, layer in quantizable_linears(lm.model).items():
         assert torch.equal(layer.qweight.dequantize(expected[name].dtype), expected[name])
+
+
+def test_awq_import_compensates_against_its_base(tmp_path, capsys):
+    """An AWQ checkpoint (scales folded into the norms and the weights) compensates against its float --base, and
+    the closed-form ECs read in the float basis lower its KL (compensate.basis; compared with Ŵ' as it is, they
+    raise it)."""
+    import torch.nn.functional as F
+    from test_awq import llama_with_outliers
+
+    from spear.quant.pipeline import QuantSettings, quantize_model
+
+    base = tmp_path / "base"
+    llama_with_outliers(kv_heads=4).save_pretrained(base)  # outlier channels: AWQ rescales strongly
+    make_byte_tokenizer().save_pretrained(base)
+    model = load_float_model(str(base), torch.device("cpu"), torch.float32).model
+    names = list(quantizable_linears(model))
+    calib = torch.randint(0, 256, (16, 48), generator=torch.Generator().manual_seed(3))
+    records = quantize_model(model, QuantSettings("awq", QuantConfig(bits=4, group_size=32, sym=False), awq_grid=10),
+                             calib)
+    tensors = {k: v for k, v in model.state_dict().items()
+               if k != "lm_head.weight" and not any(k.startswith(n + ".") for n in names)}
+    for name, record in records.items():
+        codes, zeros = record.codes.long(), record.zeros.long()
+        tensors |= {f"{name}.qweight": pack_words(codes.t(), AWQ_SHIFT_OF_COLUMN),
+                    f"{name}.qzeros": pack_words(zeros.t(), AWQ_SHIFT_OF_COLUMN), f"{name}.scales": record.scales.t()}
+    src = tmp_path / "awq"
+    src.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(src / "model.safetensors"))
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    (src / "config.json").write_text(json.dumps(model.config.to_dict() | {"quantization_config": qc}))
+    make_byte_tokenizer().save_pretrained(src)
+
+    art = tmp_path / "art"
+    assert run_cli(capsys, "import", src, "--out", art, "--base", base)[0] == 0
+    teacher = load_float_model(str(base), torch.device("cpu"), torch.float32).model
+    ids = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(4))
+
+    def kl() -> float:
+        student = load_artifact(art, torch.device("cpu"), torch.float32).model
+        with torch.no_grad():
+            p, q = teacher(ids).logits.log_softmax(-1), student(ids).logits.log_softmax(-1)
+        return F.kl_div(q, p, log_target=True, reduction="batchmean").item()
+
+    plain = kl()
+    rc, _, err = run_cli(capsys, "compensate", art, "--kind", "qera", "--budget", "30%", "--calib-samples", "16",
+                         "--calib-len", "48", "--device", "cpu")
+    assert rc == 0, err
+    assert kl() < 0.8 * plain
 
 
 # --- GGUF ------------------------------------------------------------------------------------
