@@ -90,3 +90,12 @@ def test_cli_refuses_zero_epochs(tiny_model_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--omniquant-epochs" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "q").exists()
+
+
+def test_a_half_precision_model_trains_in_float32_and_keeps_its_dtype():
+    model = llama_with_outliers(kv_heads=2).to(torch.bfloat16)
+    calib, test = calib_and_test()
+    quantize_model(model, QuantSettings(method="omniquant", quant=QuantConfig(bits=4), omniquant_epochs=2), calib)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.isfinite(model(test).logits).all()

@@ -81,6 +81,18 @@ class ClippedFakeQuant(nn.Module):
         return torch.minimum(torch.maximum(w, low), high).reshape(weight.shape).to(weight.dtype)
 
 
+def _float32(value):
+    """Floating tensors (in tuples, lists and dicts too) in float32: the layer trains in float32 whatever its dtype
+    (a float16 attention mask beside float32 queries is refused by scaled_dot_product_attention)."""
+    if torch.is_tensor(value):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_float32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _float32(v) for k, v in value.items()}
+    return value
+
+
 def train_layer_clipping(layer: nn.Module, q_inputs: LayerInputs, target: list[torch.Tensor], cfg: QuantConfig,
                          epochs: int, lr: float) -> dict[str, torch.Tensor]:
     """Learn the clip ranges of every linear of `layer` so that F(Q(W), X_q) matches `target` = F(W, X_fp) (eq. 1);
@@ -101,7 +113,7 @@ def train_layer_clipping(layer: nn.Module, q_inputs: LayerInputs, target: list[t
         with torch.enable_grad():
             for _ in range(epochs):
                 for (h, kw), y in zip(q_inputs, target):
-                    out = layer(h.float(), **kw)
+                    out = layer(h.float(), **_float32(kw))
                     out = out[0] if isinstance(out, tuple) else out
                     loss = torch.nn.functional.mse_loss(out, y.float())
                     opt.zero_grad(set_to_none=True)
