@@ -30,7 +30,7 @@ from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import gate_spread  # noqa: E402
 from spear.compensate.cost import LatencyCost  # noqa: E402
 from spear.layer import ErrorCompensator  # noqa: E402
-from spear.compensate.basis import read_awq_rescalings  # noqa: E402
+from spear.compensate.basis import weights_in_float_basis  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids  # noqa: E402
@@ -140,9 +140,7 @@ def main() -> None:
     print(f"{'FP':<44} wiki {fp['wikitext2']:8.3f}  ptb {fp['ptb']:8.3f}", flush=True)
     print(f"{'W' + str(args.bits):<44} wiki {w4['wikitext2']:8.3f}  ptb {w4['ptb']:8.3f}", flush=True)
     rescaled = args.method == "awq"  # AWQ folds scales into the weights: Ŵ read back into the float basis
-    w_hat = {n: m.weight_hat for n, m in quantized_layers(quantized).items()}
-    if rescaled:
-        w_hat |= {n: r.to_float_basis(w_hat[n]) for n, r in read_awq_rescalings(lm.model, quantized).items()}
+    _, w_hat = weights_in_float_basis(lm.model, quantized, quantized_layers(quantized), rescaled)
     sensitivity = module_sensitivity(lm.model, w_hat, ids[: args.sensitivity_samples], SensitivityConfig())
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 # Triton kernels run through the interpreter where there is no GPU (as in CI).
 if not torch.cuda.is_available():
@@ -20,6 +21,11 @@ os.environ.setdefault("SPEAR_CACHE", tempfile.mkdtemp(prefix="spear-test-cache-"
 
 # bench/ importable as the benchmark scripts see it (fixtures.random_model: runtime models with random weights).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def logits_kl(ref: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(ref ‖ logits) of next-token distributions, mean over the batch's sequences."""
+    return F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean").item()
 
 
 def make_tiny_llama(seed: int = 0, hidden: int = 64, layers: int = 2, vocab: int = 256):

@@ -2,8 +2,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import make_tiny_llama
+from conftest import logits_kl, make_tiny_llama
 from torch import nn
 
 from spear.errors import SpearError
@@ -122,7 +121,4 @@ def test_awq_model_quantizes_every_linear_and_beats_rtn():
         awq_logits, rtn_logits = awq_model(test).logits, rtn_model(test).logits
     assert torch.isfinite(awq_logits).all()
 
-    def kl(logits):
-        return F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean").item()
-
-    assert kl(awq_logits) < kl(rtn_logits)
+    assert logits_kl(ref, awq_logits) < logits_kl(ref, rtn_logits)

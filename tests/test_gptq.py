@@ -2,8 +2,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import make_tiny_llama
+from conftest import logits_kl, make_tiny_llama
 
 from spear.errors import SpearError
 from spear.layer import SpearLinear
@@ -89,10 +88,6 @@ def test_hessian_with_nan_raises():
     H[3, 4] = H[4, 3] = float("nan")
     with pytest.raises(SpearError, match="not positive definite"):
         gptq_quantize(torch.randn(8, 16), H, QuantConfig())
-
-
-def logits_kl(ref: torch.Tensor, logits: torch.Tensor) -> float:
-    return F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean").item()
 
 
 @pytest.mark.parametrize("group_size", [-1, 32])

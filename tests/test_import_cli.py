@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_byte_tokenizer, make_tiny_llama
+from conftest import logits_kl, make_byte_tokenizer, make_tiny_llama
 from spear.artifact import load_artifact
 from spear.cli import main
 from spear.models import load_float_model
@@ -172,7 +172,6 @@ def test_awq_import_compensates_against_its_base(tmp_path, capsys):
     """An AWQ checkpoint (scales folded into the norms and the weights) compensates against its float --base, and
     the closed-form ECs read in the float basis lower its KL (compensate.basis; compared with Ŵ' as it is, they
     raise it)."""
-    import torch.nn.functional as F
     from test_awq import llama_with_outliers
 
     from spear.quant.pipeline import QuantSettings, quantize_model
@@ -206,8 +205,7 @@ def test_awq_import_compensates_against_its_base(tmp_path, capsys):
     def kl() -> float:
         student = load_artifact(art, torch.device("cpu"), torch.float32).model
         with torch.no_grad():
-            p, q = teacher(ids).logits.log_softmax(-1), student(ids).logits.log_softmax(-1)
-        return F.kl_div(q, p, log_target=True, reduction="batchmean").item()
+            return logits_kl(teacher(ids).logits, student(ids).logits)
 
     plain = kl()
     rc, _, err = run_cli(capsys, "compensate", art, "--kind", "qera", "--budget", "30%", "--calib-samples", "16",

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from spear.errors import SpearError
-from spear.models.layerwise import decoder_layers
+from spear.models.layerwise import decoder_layers, quantizable_linears
 
 MISMATCH_ERROR = 1.2  # ‖Ŵ − W‖ / ‖W‖ of no quantization (even Ŵ = 0 gives 1; unrelated weights ≈ √2)
 MIN_NONZERO = 2  # nonzero entries a column needs for its s to come from its own weights
@@ -92,10 +92,9 @@ def read_awq_rescalings(teacher: nn.Module, student: nn.Module) -> dict[str, Res
     """Full name → Rescaling of every decoder linear of an AWQ `student` of the float `teacher` (module docstring)."""
     from spear.quant.awq import scale_groups
 
-    layers_f, layers_q = decoder_layers(teacher), decoder_layers(student)
-    prefix = next(name for name, m in teacher.named_modules() if m is layers_f)
+    full_names = {id(m): n for n, m in quantizable_linears(teacher).items()}
     out = {}
-    for i, (layer_f, layer_q) in enumerate(zip(layers_f, layers_q)):
+    for layer_f, layer_q in zip(decoder_layers(teacher), decoder_layers(student)):
         names = {id(m): n for n, m in layer_f.named_modules()}
         s, t = {}, {}  # by name within the layer
         for group in scale_groups(layer_f):  # norms' groups before the linears they feed: s of `prev` is known
@@ -111,6 +110,19 @@ def read_awq_rescalings(teacher: nn.Module, student: nn.Module) -> dict[str, Res
                 ratio = torch.where(folded != 0, float_prev.weight.double() / folded, torch.ones_like(folded))
                 s.update({names[id(linear)]: ratio for linear in group.linears})
         for n, scale in s.items():
-            out[f"{prefix}.{i}.{n}"] = Rescaling(scale, t.get(n, torch.ones(layer_f.get_submodule(n).out_features,
-                                                                            dtype=torch.float64, device=scale.device)))
+            linear = layer_f.get_submodule(n)
+            out[full_names[id(linear)]] = Rescaling(scale, t.get(n, torch.ones(linear.out_features, dtype=torch.float64,
+                                                                                device=scale.device)))
     return out
+
+
+def weights_in_float_basis(teacher: nn.Module, student: nn.Module, layers: dict[str, nn.Module],
+                           rescaled: bool) -> tuple[dict[str, Rescaling], dict[str, torch.Tensor]]:
+    """(name → Rescaling of the rescaled ones, name → Ŵ in the float basis) of the student's quantized `layers`
+    (name → SpearLinear); `rescaled`: the student is AWQ's. SpearError where a Ŵ is no quantization of its W."""
+    rescalings = read_awq_rescalings(teacher, student) if rescaled else {}
+    w_hat = {n: rescalings[n].to_float_basis(m.weight_hat) if n in rescalings else m.weight_hat
+             for n, m in layers.items()}
+    for n, w in w_hat.items():
+        check_quantization_of(n, teacher.get_submodule(n).weight, w)
+    return rescalings, w_hat

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.compensate.basis import check_quantization_of, read_awq_rescalings
+from spear.compensate.basis import weights_in_float_basis
 from spear.compensate.calibrate import CalibrateConfig, CalibrationResult, calibrate_ecs
 from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sensitivity
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
@@ -120,11 +120,7 @@ def compensate(
     seconds = {}
 
     t = time.perf_counter()
-    # Ŵ in the float model's basis: AWQ's rescaled linears read back (compensate.basis), the others as they are
-    rescaled = read_awq_rescalings(teacher, student) if rescaled else {}
-    w_hat = {n: rescaled[n].to_float_basis(m.weight_hat) if n in rescaled else m.weight_hat for n, m in layers.items()}
-    for n, w in w_hat.items():
-        check_quantization_of(n, teacher_linears[n].weight, w)
+    rescalings, w_hat = weights_in_float_basis(teacher, student, layers, rescaled)  # Ŵ comparable with W
     if sensitivity is None:
         sensitivity = module_sensitivity(teacher, w_hat, calib_ids, cfg.sensitivity)
     seconds["sensitivity"] = time.perf_counter() - t
@@ -153,8 +149,8 @@ def compensate(
             A, B = errors[entry.name].factors(W, w_hat[entry.name], entry.rank)
         else:
             A, B = init_ec(init_kind, W, w_hat[entry.name], entry.rank, stats.get(entry.name))
-        if entry.name in rescaled:
-            A, B = rescaled[entry.name].to_student(A, B)
+        if entry.name in rescalings:
+            A, B = rescalings[entry.name].to_student(A, B)
         attach_ec(layer, A, B, entry.gate_hidden)
     seconds["init"] = time.perf_counter() - t
 
