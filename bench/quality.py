@@ -7,12 +7,13 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, gate form
     spear bench quality --model $GGUF --out OUTDIR --suite levers      # untested levers: BOS-free windows, latency cost,
                                                                        # SPEAR on AWQ and OmniQuant bases
+    spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
 
-The warm-up runs first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row
+Several suites (`--suite levers zeroshot`) run all their rows at once. The warm-up runs first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row
 writes OUTDIR/NAME.json (bench/compensate_table.py's or bench/quant_table.py's) and NAME.log; the suite then writes
-OUTDIR/quality_SUITE.json: the provenance and every row's table.
+OUTDIR/quality_SUITE.json (one a suite): the provenance and every row's table.
 """
 
 from __future__ import annotations
@@ -77,11 +78,14 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
         ],
         "levers": [  # the hard case at the defaults, one lever each; then SPEAR on the other 4-bit per-channel bases
             ("lev_calib_mid", table, PC + ["--calib-start", "mid", "--only", "+SPEAR"]),
+            ("lev_steps400", table, PC + ["--steps", "400", "--only", "+SPEAR"]),
+            ("lev_gptq_calib_mid", table, G4 + ["--calib-start", "mid", "--only", "+SPEAR"]),
             ("lev_cost_latency", table, PC + ["--cost", "latency", "--only", "+SPEAR"]),
             ("lev_awq_w4pc", table, AWQ + ["--budgets", "0.01", "--only", "QERA", "+SPEAR"]),
             ("lev_omniquant_w4pc", table, OMNI + ["--omniquant-epochs", "10", "--budgets", "0.01", "--only", "QERA",
                                                   "+SPEAR"]),
         ],
+        "zeroshot": [("zero_shot", "zero_shot.py", ["--spear", "--batch-size", "64"])],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
     }
@@ -101,29 +105,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
-    p.add_argument("--suite", default="tables", choices=["tables", "ablations", "data", "levers", "quant", "warm"])
+    p.add_argument("--suite", nargs="+", default=["tables"],
+                   choices=["tables", "ablations", "data", "levers", "zeroshot", "quant", "warm"])
     p.add_argument("--time-limit", type=int, default=540, help="seconds each row's process may run")
     args = p.parse_args()
     from spear.eval.perplexity import data_dir
 
-    rows = suites(str(data_dir()))[args.suite]
+    by_suite = suites(str(data_dir()))
+    rows = [(suite, *row) for suite in args.suite for row in by_suite[suite]]
     args.out.mkdir(parents=True, exist_ok=True)
     warm_up(args.model)
     procs = []
-    for name, script, options in rows:
+    for _, name, script, options in rows:
         cmd = ["timeout", str(args.time_limit), sys.executable, str(BENCH / script), "--model", args.model,
                *options, "--json", str(args.out / f"{name}.json")]
         with open(args.out / f"{name}.log", "w") as log:
             procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
     tables = {}
-    for name, proc in procs:
+    for (suite, *_), (name, proc) in zip(rows, procs):
         proc.wait()
         path = args.out / f"{name}.json"
-        tables[name] = {"returncode": proc.returncode,
-                        "rows": json.loads(path.read_text())["rows"] if path.exists() else []}
-        print(f"{name}: exit {proc.returncode}, {len(tables[name]['rows'])} rows", flush=True)
-    if rows:
-        write_json(args.out / f"quality_{args.suite}.json", {"suite": args.suite, "model": args.model, "tables": tables})
+        tables.setdefault(suite, {})[name] = {"returncode": proc.returncode,
+                                              "rows": json.loads(path.read_text())["rows"] if path.exists() else []}
+        print(f"{name}: exit {proc.returncode}, {len(tables[suite][name]['rows'])} rows", flush=True)
+    for suite, by_name in tables.items():
+        write_json(args.out / f"quality_{suite}.json", {"suite": suite, "model": args.model, "tables": by_name})
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@ lm-eval scores them (spear.eval.tasks; ../shared/data/tasks/README.md).
 
     python bench/zero_shot.py --artifact runs/smollm2-w4-rtn-pc --json bench/results/zero_shot.json
     python bench/zero_shot.py --model smollm2 --limit 50 --json /tmp/zero_shot.json     # FP and W4 only
+    python bench/zero_shot.py --model $GGUF --spear --json FILE      # FP, W4 RTN pc, + SPEAR 1% built here (one call)
 
 Rows: FP (the artifact's base model), W4 (the artifact with its ECs removed: its own 4-bit weights), +SPEAR (the
-artifact). Without --artifact: FP and W4 RTN per-channel (absmax grid) of --model, quantized in memory. Every row
+artifact). Without --artifact: FP and W4 RTN per-channel (absmax grid) of --model, quantized in memory; with
+--spear, that W4 model is written as an artifact to a temporary folder and compensated at the defaults (1% budget,
+self-sampled calibration) first, as `spear quantize ... && spear compensate ...` would. Every row
 runs on the same device in the same dtype (fp16 on CUDA, fp32 on CPU). The JSON (date, commit, device, versions)
 is written after every row; the table is printed last. `avg acc` is the mean of the tasks' `acc`.
 """
@@ -14,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -24,11 +29,14 @@ from common import write_json  # noqa: E402
 
 from spear import api  # noqa: E402
 from spear.artifact import read_artifact_config  # noqa: E402
+from spear.compensate.pipeline import CompensateConfig  # noqa: E402
+from spear.data.calibration import CalibConfig  # noqa: E402
 from spear.eval.tasks import evaluate_tasks, parse_tasks  # noqa: E402
 from spear.layer import SpearLinear  # noqa: E402
 from spear.models.loading import LoadedModel, default_device, default_dtype, load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
 from spear.record import QuantConfig  # noqa: E402
+from spear.run import QUICK_CALIB, QUICK_CALIBRATE, QUICK_SENSITIVITY  # noqa: E402
 
 W4_RTN_PC = QuantSettings("rtn", QuantConfig(bits=4, group_size=-1, sym=True, sym_grid="absmax"))
 
@@ -38,6 +46,20 @@ def without_ecs(lm: LoadedModel) -> LoadedModel:
         if isinstance(module, SpearLinear):
             module.ec = None
     return lm
+
+
+def build_spear_artifact(model: str, out_dir: Path, device: torch.device, quick: bool) -> str:
+    """W4 RTN per-channel of `model` plus SPEAR at the defaults (or `spear run --quick`'s short calibration),
+    written to out_dir: the artifact the rows load."""
+    lm, path = api.quantize(model, W4_RTN_PC, out_dir, device=device)
+    del lm
+    cfg, calib = CompensateConfig(), CalibConfig()
+    if quick:
+        cfg = replace(cfg, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE)
+        calib = replace(calib, num_sequences=QUICK_CALIB.num_sequences, seq_len=QUICK_CALIB.seq_len)
+    report = api.compensate_artifact(path, cfg, calib, device=device)
+    print(f"compensated: {report.summary()}", file=sys.stderr)
+    return str(path)
 
 
 def rows_to_run(args, device: torch.device) -> tuple[str, dict, list[tuple[str, object]]]:
@@ -78,6 +100,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", default=None, help="a compensated artifact: rows FP, W4 (its ECs removed), +SPEAR")
     p.add_argument("--model", default="smollm2", help="without --artifact: FP and W4 RTN per-channel of this model")
+    p.add_argument("--spear", action="store_true", help="without --artifact: build one (W4 RTN pc + SPEAR 1%%) first")
+    p.add_argument("--quick", action="store_true", help="with --spear: `spear run --quick`'s short calibration (CPU)")
     p.add_argument("--tasks", default="all", help="comma-separated task names, or all (default)")
     p.add_argument("--limit", type=int, default=None, help="only the first N items of each task")
     p.add_argument("--batch-size", type=int, default=16, help="log-likelihood requests per forward pass")
@@ -86,6 +110,13 @@ def main() -> None:
     args = p.parse_args()
     tasks = parse_tasks(args.tasks)
     device = torch.device(args.device) if args.device else default_device()
+    with tempfile.TemporaryDirectory(prefix="spear-zero-shot-") as tmp:
+        if args.spear and not args.artifact:
+            args.artifact = build_spear_artifact(args.model, Path(tmp) / "artifact", device, args.quick)
+        run_rows(args, tasks, device)
+
+
+def run_rows(args, tasks: list[str], device: torch.device) -> None:
     base, quant, rows = rows_to_run(args, device)
     results: dict[str, list[dict]] = {}
     for label, load in rows:
@@ -95,7 +126,8 @@ def main() -> None:
                                                               args.batch_size)]
         print(f"{label}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
         del lm
-        write_json(args.json, {"artifact": args.artifact, "base_model": base, "w4_quant": quant, "limit": args.limit,
+        write_json(args.json, {"artifact": None if args.spear else args.artifact, "spear_built": args.spear,
+                               "quick": args.quick, "base_model": base, "w4_quant": quant, "limit": args.limit,
                                "tasks": tasks, "dtype": str(default_dtype(device)),
                                "rows": results})
     print(format_table(results))

@@ -43,8 +43,9 @@ def test_shapes_derive_the_linears_from_the_model_table():
 
 
 def test_quality_suites_write_distinct_files():
-    """Every row of a suite runs as its own process into OUTDIR/NAME.json: two rows of one suite never share a name."""
-    for rows in quality.suites("/data").values():
-        names = [name for name, _, _ in rows]
-        assert len(names) == len(set(names))
-        assert all((ROOT / "bench" / script).is_file() for _, script, _ in rows)
+    """Every row runs as its own process into OUTDIR/NAME.json, and several suites run at once into one OUTDIR:
+    no two rows of any suites share a name."""
+    rows = [row for rows in quality.suites("/data").values() for row in rows]
+    names = [name for name, _, _ in rows]
+    assert len(names) == len(set(names))
+    assert all((ROOT / "bench" / script).is_file() for _, script, _ in rows)

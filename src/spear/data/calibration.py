@@ -19,6 +19,7 @@ moves it (top-p 0.9 / 0.95 / 1.0 and temperature 0.8 within ±0.7 points at 512)
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
     if path.exists():
         return load_file(str(path))["ids"]
     ids = sample_from_model(model, tokenizer, cfg)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes sampling the same ids at once each rename a whole file
     save_file({"ids": ids}, str(tmp), metadata={k: str(v) for k, v in asdict(cfg).items()})
     tmp.rename(path)
     return ids
