@@ -10,12 +10,16 @@
 #   kernels   issue 4's grid (§4): $KMODELS (default 7b 8b 13b 70b) at $MS rows (default 1); $KSHAPES picks shapes
 #   slo       the SLO-aware chunked-prefill experiment (§6)
 #   tp        on nvidia-h200-x2: the layer-level TP grid (collective, p2p), then the engine at TP 2 (§7)
+#   ab        decode A/B against another source tree $BEFORE (default .before; carry it: `git archive REV src
+#             bench/decode.py bench/common.py | tar -x -C .before`): $MODEL's $SETTINGS (default w4) at batch 1 and 32,
+#             in the order before, after, after, before, each tree with its own tuning cache (the second run of a
+#             tree reuses its picks); the picks come back as w4_tuning_{before,after}.json
 # The W4 tuner's picks come back as w4_tuning.json and the compiled Triton kernels as triton_cache.tgz (under 15
 # MB): copied into .gpu_cache/ and carried (carry=[".gpu_cache"]), the next call skips that tuning and most compiles.
 set -u
 parts=${*:-tests decode kernels}
 for part in $parts; do
-  case $part in tests|decode|profile|kernels|slo|tp) ;; *) echo "unknown part $part: tests, decode, profile, kernels, slo or tp" >&2; exit 2 ;; esac
+  case $part in tests|decode|profile|kernels|slo|tp|ab) ;; *) echo "unknown part $part: tests, decode, profile, kernels, slo, tp or ab" >&2; exit 2 ;; esac
 done
 out=${OUT:-bench/results/gpu_all}; mkdir -p "$out"
 tag=$(echo "${SPEAR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | cut -c1-7)
@@ -30,8 +34,9 @@ n=1
 for part in $parts; do
   n=$((n + 1)); l=$log/${n}_$part.log
   case $part in
-    tests)  # -v: one line a test, so that the failures are named even when the timeout cuts the run
-      timeout "$(left 180)" python -m pytest -p no:cacheprovider -o addopts= -v tests/test_kernels.py \
+    tests)  # -v: one line a test, so that the failures are named even when the timeout cuts the run; a test that
+            # hangs is cut after 120 s (pytest-timeout, on the GPU image) and the others still run
+      timeout "$(left 300)" python -m pytest -p no:cacheprovider -o addopts= -v --timeout 120 tests/test_kernels.py \
         tests/test_runtime_ops.py tests/test_runtime_kv_cache.py tests/test_runtime_engine.py tests/test_runtime_fuse.py \
         > $l 2>&1
       { grep -cE " PASSED" $l; grep -E " (FAILED|ERROR)|passed|failed" $l; } > $log/${n}_tests_summary.log ;;
@@ -54,6 +59,16 @@ for part in $parts; do
         --json "$out/tp_decode_h200x2_$tag.json" > $l 2>&1
       timeout "$(left 230)" python bench/decode.py --tp 2 --models llama2-7b --settings w4 w4+ec38 --batches 1 16 \
         --json "$out/decode_tp2_h200x2_$tag.json" >> $l 2>&1 ;;
+    ab)
+      before=${BEFORE:-.before}
+      [ -f "$before/bench/decode.py" ] || { echo "no source tree at $before (BEFORE)" > $l; continue; }
+      for tree in before after after before; do
+        src=$PWD; [ $tree = before ] && src=$(cd "$before" && pwd)
+        SPEAR_CACHE=/tmp/ab_$tree PYTHONPATH=$src/src:${PYTHONPATH:-} timeout "$(left 200)" python $src/bench/decode.py \
+          --models ${MODEL:-llama2-7b} --settings ${SETTINGS:-w4} --batches 1 32 --new-tokens 128 \
+          --json "$out/decode_ab_${tree}_$SECONDS.json" >> $l 2>&1
+        cp /tmp/ab_$tree/w4_tuning.json "$out/w4_tuning_$tree.json" 2>/dev/null
+      done ;;
   esac
 done
 cp .gpu_cache/w4_tuning.json "$out/" 2>/dev/null

@@ -11,6 +11,14 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
 
+On the GPU machine, which has no shared/ beside the checkout, the evaluation text travels with the model's second
+half (11 MB; the carry stays under 64 MiB) and SPEAR_DATA points at it:
+
+    bash ../shared/tools/stage-default-model.sh && cp -r ../shared/data .stage/b/data
+    run(carry=[".stage/a"], command="bash .stage/a/device-join.sh")
+    run(carry=[".stage/b"], command="eval $(bash .stage/b/device-join.sh); export SPEAR_DATA=$PWD/.stage/b/data; "
+                                    "python bench/quality.py --model $GGUF --out $OUT/q --suite levers zeroshot")
+
 Several suites (`--suite levers zeroshot`) run all their rows at once. The warm-up runs first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row
 writes OUTDIR/NAME.json (bench/compensate_table.py's or bench/quant_table.py's) and NAME.log; the suite then writes
 OUTDIR/quality_SUITE.json (one a suite): the provenance and every row's table.
