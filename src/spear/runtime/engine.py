@@ -59,6 +59,10 @@ class EngineConfig:
     # read, appended and returned while the new one runs. A sequence that stops on a token or a stop string
     # thereby computes one more step, thrown away. Not with tensor parallelism.
     overlap: bool = False
+    # Time the W4 and fp16 GEMV kernels' configs per weight shape and row bucket at start-up (model.use_kernels;
+    # minutes of compiles on a machine without the Triton cache). Off: each kernel's untuned default config, the same
+    # outputs (tests that check outputs, not speed).
+    tune_kernels: bool = True
 
 
 @dataclass
@@ -163,7 +167,8 @@ def mixed_buckets(max_step_tokens: int, above: int = 0) -> tuple[int, ...]:
 def build_engine(hf_model: nn.Module, tokenizer, config: EngineConfig | None = None) -> Engine:
     """An engine over a transformers Llama-family model (float or a loaded SPEAR artifact)."""
     config = config or EngineConfig()
-    return Engine(make_runner(build_runtime_model(hf_model), config), tokenizer, config, eos_token_ids(hf_model))
+    model = build_runtime_model(hf_model, tune=config.tune_kernels)
+    return Engine(make_runner(model, config), tokenizer, config, eos_token_ids(hf_model))
 
 
 def eos_token_ids(hf_model: nn.Module) -> tuple[int, ...]:

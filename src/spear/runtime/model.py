@@ -362,12 +362,12 @@ class Transformer(nn.Module):
         return self.args.final_softcap * torch.tanh(self.head(h) / self.args.final_softcap)
 
 
-def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transformer:
+def build_runtime_model(hf_model: nn.Module, kernels: bool = True, tune: bool = True) -> Transformer:
     """The runtime model over a transformers Llama-family model's own modules and tensors (Gemma's norms excepted:
     the runtime holds their 1 + w).
 
-    With `kernels` (on CUDA) the 4-bit linears are packed for the Triton kernels; pass False to
-    shard the model (tp.apply_tp) first."""
+    With `kernels` (on CUDA) the 4-bit linears are packed for the Triton kernels, their configs timed with `tune`
+    (use_kernels); pass False to shard the model (tp.apply_tp) first."""
     args = ModelArgs.from_hf_config(hf_model.config)
     base = hf_model.model
     D = args.head_dim
@@ -405,7 +405,7 @@ def build_runtime_model(hf_model: nn.Module, kernels: bool = True) -> Transforme
     # Gemma's embedding module scales by √dim itself (transformers' Gemma3TextScaledWordEmbedding)
     model = Transformer(args, base.embed_tokens, layers, norm(base.norm), _linear_method(hf_model.lm_head))
     if kernels:
-        use_kernels(model)
+        use_kernels(model, tune=tune)
     return model
 
 
