@@ -3,6 +3,7 @@ direct forward pass, metrics against hand-made results, the CLI end to end."""
 
 import json
 import math
+import tempfile
 
 import pytest
 import torch
@@ -166,3 +167,23 @@ def test_zero_shot_bench_script_writes_fp_and_w4_rows(tiny_model_dir, tmp_path, 
     assert list(record["rows"]) == ["FP", "W4"]
     assert [r["task"] for r in record["rows"]["W4"]] == ["piqa", "winogrande"]
     assert capsys.readouterr().out.splitlines()[-1].startswith("W4")
+
+
+def test_zero_shot_bench_script_builds_the_spear_row(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--spear: the script quantizes, compensates (--quick: the short calibration) and scores FP, W4 and +SPEAR; the
+    temporary artifact is gone afterwards, and the +SPEAR row ran with ECs (its scores are not W4's)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "zero_shot.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "zero_shot.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", str(tiny_model_dir), "--spear", "--quick", "--tasks",
+                                      "lambada_openai", "--limit", "3", "--device", "cpu", "--json", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    record = json.loads(out.read_text())
+    assert record["spear_built"] and record["artifact"] is None and list(record["rows"]) == ["FP", "W4", "+SPEAR"]
+    ppl = {row: results[0]["metrics"]["perplexity"] for row, results in record["rows"].items()}
+    assert ppl["+SPEAR"] != ppl["W4"]
+    assert not list(Path(tempfile.gettempdir()).glob("spear-zero-shot-*"))
+    assert capsys.readouterr().out.splitlines()[-1].startswith("+SPEAR")
