@@ -10,6 +10,9 @@
 #   kernels   issue 4's grid (§4): $KMODELS (default 7b 8b 13b 70b) at $MS rows (default 1); $KSHAPES picks shapes
 #   slo       the SLO-aware chunked-prefill experiment (§6)
 #   tp        on nvidia-h200-x2: the layer-level TP grid (collective, p2p), then the engine at TP 2 (§7)
+#   quality   the quality suites $SUITES (default: levers zeroshot) of bench/quality.py on the staged default model: run
+#             `eval $(bash .stage/b/device-join.sh)` first, with ../shared/data copied into .stage/b/data (quality.py
+#             says how); the suites' JSON (quality_SUITE.json, every row's table) come back
 #   ab        decode A/B against another source tree $BEFORE (default .before; carry it: `git archive REV src
 #             bench/decode.py bench/common.py | tar -x -C .before`): $MODEL's $SETTINGS (default w4) at batch 1 and 32,
 #             in the order before, after, after, before, each tree with its own tuning cache (the second run of a
@@ -19,7 +22,8 @@
 set -u
 parts=${*:-tests decode kernels}
 for part in $parts; do
-  case $part in tests|decode|profile|kernels|slo|tp|ab) ;; *) echo "unknown part $part: tests, decode, profile, kernels, slo, tp or ab" >&2; exit 2 ;; esac
+  case $part in tests|decode|profile|kernels|slo|tp|quality|ab) ;;
+    *) echo "unknown part $part: tests, decode, profile, kernels, slo, tp, quality or ab" >&2; exit 2 ;; esac
 done
 out=${OUT:-bench/results/gpu_all}; mkdir -p "$out"
 tag=$(echo "${SPEAR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | cut -c1-7)
@@ -59,6 +63,13 @@ for part in $parts; do
         --json "$out/tp_decode_h200x2_$tag.json" > $l 2>&1
       timeout "$(left 230)" python bench/decode.py --tp 2 --models llama2-7b --settings w4 w4+ec38 --batches 1 16 \
         --json "$out/decode_tp2_h200x2_$tag.json" >> $l 2>&1 ;;
+    quality)
+      [ -n "${GGUF:-}" ] || { echo "quality: GGUF is not set: stage the model (bench/quality.py)" > $l; continue; }
+      t=$(left 570)
+      SPEAR_DATA=${SPEAR_DATA:-$PWD/.stage/b/data} OMP_NUM_THREADS=2 timeout $t python bench/quality.py --model "$GGUF" \
+        --out /tmp/quality --suite ${SUITES:-levers zeroshot} --time-limit $((t - 30)) > $l 2>&1
+      cp /tmp/quality/quality_*.json "$out/" 2>/dev/null
+      for f in /tmp/quality/*.log; do echo "--- $f"; tail -n 3 "$f"; done >> $l 2>/dev/null ;;
     ab)
       before=${BEFORE:-.before}
       [ -f "$before/bench/decode.py" ] || { echo "no source tree at $before (BEFORE)" > $l; continue; }
