@@ -75,7 +75,7 @@ for part in $parts; do
       [ -f "$before/bench/decode.py" ] || { echo "no source tree at $before (BEFORE)" > $l; continue; }
       for tree in before after after before; do
         src=$PWD; [ $tree = before ] && src=$(cd "$before" && pwd)
-        SPEAR_CACHE=/tmp/ab_$tree PYTHONPATH=$src/src:${PYTHONPATH:-} timeout "$(left 200)" python $src/bench/decode.py \
+        SPEAR_CACHE=/tmp/ab_$tree PYTHONPATH=$src/src:${PYTHONPATH:-} timeout "$(left 260)" python $src/bench/decode.py \
           --models ${MODEL:-llama2-7b} --settings ${SETTINGS:-w4} --batches 1 32 --new-tokens 128 \
           --json "$out/decode_ab_${tree}_$SECONDS.json" >> $l 2>&1
         cp /tmp/ab_$tree/w4_tuning.json "$out/w4_tuning_$tree.json" 2>/dev/null
