@@ -16,13 +16,15 @@ half (11 MB; the carry stays under 64 MiB) and SPEAR_DATA points at it:
 
     bash ../shared/tools/stage-default-model.sh && cp -r ../shared/data .stage/b/data
     run(carry=[".stage/a"], command="bash .stage/a/device-join.sh")
-    run(carry=[".stage/b"], command="eval $(bash .stage/b/device-join.sh); SUITES='levers zeroshot' bash bench/gpu_all.sh quality")
+    run(carry=[".stage/b"],
+        command="eval $(bash .stage/b/device-join.sh); SUITES='levers zeroshot' bash bench/gpu_all.sh quality")
 
-(gpu_all.sh's `quality` part sets SPEAR_DATA=.stage/b/data and brings back OUTDIR/quality_SUITE.json.)
+(gpu_all.sh's `quality` part sets SPEAR_DATA=.stage/b/data and brings back quality_SUITE.json.)
 
-Several suites (`--suite levers zeroshot`) run all their rows at once. The warm-up runs first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row
-writes OUTDIR/NAME.json (bench/compensate_table.py's or bench/quant_table.py's) and NAME.log; the suite then writes
-OUTDIR/quality_SUITE.json (one a suite): the provenance and every row's table.
+Several suites (`--suite levers zeroshot`) run all their rows at once. The warm-up runs first, so that the GGUF
+conversion and the self-sampled calibration ids are cached once. Each row writes OUTDIR/NAME.json (bench/
+compensate_table.py's, quant_table.py's or zero_shot.py's) and NAME.log; then each suite OUTDIR/quality_SUITE.json:
+the provenance and every row's table.
 """
 
 from __future__ import annotations
