@@ -45,6 +45,39 @@ def test_mid_text_windows_have_no_bos_and_come_from_inside_one_sample():
 
 
 def test_bad_sampler_settings():
-    for kwargs in ({"start": "end"}, {"first_token": "middle"}, {"temperature": 0.0}, {"top_p": 1.5}, {"seq_len": 1}):
+    for kwargs in ({"start": "end"}, {"first_token": "middle"}, {"temperature": 0.0}, {"top_p": 1.5}, {"seq_len": 1},
+                   {"surprise": 1.0}, {"surprise": -0.1}):
         with pytest.raises(SpearError):
             CalibConfig(**kwargs)
+
+
+def test_surprise_warper_mixes_the_usual_sampler_with_a_hot_untruncated_one():
+    """Rows drawn as surprised get scores / SURPRISE_TEMPERATURE over the whole vocabulary; the others exactly what
+    generate's own temperature and top-p warpers give."""
+    from transformers import TopPLogitsWarper
+
+    from spear.data.calibration import SURPRISE_TEMPERATURE, SurpriseWarper
+
+    scores = torch.randn(400, 50, generator=torch.Generator().manual_seed(0))
+    ids = torch.zeros(400, 3, dtype=torch.long)
+    usual = TopPLogitsWarper(0.9)(ids, scores / 0.8)
+    torch.manual_seed(1)
+    out = SurpriseWarper(CalibConfig(temperature=0.8, top_p=0.9, surprise=0.25))(ids, scores)
+    hot = (out == scores / SURPRISE_TEMPERATURE).all(dim=1)
+    assert 60 < int(hot.sum()) < 140  # about a quarter of 400
+    assert torch.equal(out[~hot], usual[~hot]) and torch.isinf(usual).any()
+    assert not torch.isinf(out[hot]).any()
+    never = SurpriseWarper(CalibConfig(top_p=0.9, surprise=0.0))
+    assert torch.equal(never(ids, scores), TopPLogitsWarper(0.9)(ids, scores))
+
+
+def test_surprise_sampling_through_generate():
+    """The warper takes generate's place (its own warpers off): full-length sequences from BOS, other ids than
+    without surprise from the same seed, the same ids again from the same seed."""
+    model = make_tiny_llama()
+    cfg = CalibConfig(num_sequences=6, seq_len=12, batch_size=6, surprise=0.5)
+    ids = sample_from_model(model, _Tok(), cfg)
+    assert ids.shape == (6, 12) and (ids[:, 0] == 1).all() and not (ids[:, 1:] == 2).any()
+    assert torch.equal(sample_from_model(model, _Tok(), cfg), ids)
+    plain = sample_from_model(model, _Tok(), CalibConfig(num_sequences=6, seq_len=12, batch_size=6))
+    assert not torch.equal(plain, ids)
