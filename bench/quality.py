@@ -91,7 +91,7 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("lev_calib_mid", table, PC + ["--calib-start", "mid", "--only", "+SPEAR"]),
             ("lev_steps400", table, PC + ["--steps", "400", "--only", "+SPEAR"]),
             ("lev_surprise05", table, PC + ["--calib-surprise", "0.05", "--only", "+SPEAR"]),
-            ("lev_surprise15", table, PC + ["--calib-surprise", "0.15", "--only", "+SPEAR"]),
+            ("lev_surprise02", table, PC + ["--calib-surprise", "0.02", "--only", "+SPEAR"]),
             ("lev_gptq_calib_mid", table, G4 + ["--calib-start", "mid", "--only", "+SPEAR"]),
             ("lev_cost_latency", table, PC + ["--cost", "latency", "--only", "+SPEAR"]),
             ("lev_awq_w4pc", table, AWQ + ["--budgets", "0.01", "--only", "QERA", "+SPEAR"]),
