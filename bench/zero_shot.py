@@ -19,7 +19,6 @@ import argparse
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,7 +35,7 @@ from spear.layer import SpearLinear  # noqa: E402
 from spear.models.loading import LoadedModel, default_device, default_dtype, load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
 from spear.record import QuantConfig  # noqa: E402
-from spear.run import QUICK_CALIB, QUICK_CALIBRATE, QUICK_SENSITIVITY  # noqa: E402
+from spear.run import quick_calibration  # noqa: E402
 
 W4_RTN_PC = QuantSettings("rtn", QuantConfig(bits=4, group_size=-1, sym=True, sym_grid="absmax"))
 
@@ -53,10 +52,9 @@ def build_spear_artifact(model: str, out_dir: Path, device: torch.device, quick:
     written to out_dir: the artifact the rows load."""
     lm, path = api.quantize(model, W4_RTN_PC, out_dir, device=device)
     del lm
-    cfg, calib = CompensateConfig(), CalibConfig()
+    calib, cfg = CalibConfig(), CompensateConfig()
     if quick:
-        cfg = replace(cfg, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE)
-        calib = replace(calib, num_sequences=QUICK_CALIB.num_sequences, seq_len=QUICK_CALIB.seq_len)
+        calib, cfg = quick_calibration(calib, cfg)
     report = api.compensate_artifact(path, cfg, calib, device=device)
     print(f"compensated: {report.summary()}", file=sys.stderr)
     return str(path)

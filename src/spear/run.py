@@ -33,6 +33,15 @@ QUICK_CALIBRATE = CalibrateConfig(steps=16, batch_size=2, eval_every=4, patience
 QUICK_SENSITIVITY = SensitivityConfig(num_sequences=2, seq_len=128)
 
 
+def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None
+                      ) -> tuple[CalibConfig, CompensateConfig | None]:
+    """`--quick`'s short self-sampling, sensitivity and KL calibration in place of these configs' (CPU minutes)."""
+    calib = replace(calib, num_sequences=QUICK_CALIB.num_sequences, seq_len=QUICK_CALIB.seq_len)
+    if compensate is not None:
+        compensate = replace(compensate, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE)
+    return calib, compensate
+
+
 @dataclass
 class RunConfig:
     model: str
@@ -51,10 +60,8 @@ class RunConfig:
               out: str | None = None, seqlen: int = 2048, max_windows: int | None = None, batch_size: int = 1,
               compensate: CompensateConfig | None = CompensateConfig()) -> "RunConfig":
         if quick:
-            calib = replace(calib, num_sequences=QUICK_CALIB.num_sequences, seq_len=QUICK_CALIB.seq_len)
+            calib, compensate = quick_calibration(calib, compensate)
             max_windows = max_windows or QUICK_WINDOWS
-            if compensate is not None:
-                compensate = replace(compensate, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE)
         q = settings.quant
         name = f"{Path(model).stem}-{settings.method}-w{q.bits}{'g' + str(q.group_size) if q.group_size > 0 else 'pc'}"
         name += "-asym" if not q.sym else ""
