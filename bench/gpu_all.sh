@@ -3,15 +3,16 @@
 #   run(command="SPEAR_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_all.sh tests decode", kind="nvidia-h200")
 # Parts, run in the order given (default: tests decode kernels); each gets at most its own limit and what is left of
 # the call's 9.5 minutes:
-#   tests     the GPU test suites (kernels, runtime ops, KV cache, engine, fused launches)
+#   tests     the GPU test suites (kernels, runtime ops, KV cache, engine, fused launches; about 380 s without a
+#             Triton cache)
 #   decode    $MODEL (default llama2-7b; llama3-8b the other) through the engine: fp16, W4 and W4+EC on 15, 38 and
 #             60% of the linears at batch 1, 8 and 32 (BENCHMARKS.md §5)
 #   profile   where an eager batch-1 W4 step of Llama-2-7B spends its device time (§5)
 #   kernels   issue 4's grid (§4): $KMODELS (default 7b 8b 13b 70b) at $MS rows (default 1); $KSHAPES picks shapes
 #   slo       the SLO-aware chunked-prefill experiment (§6)
 #   tp        on nvidia-h200-x2: the layer-level TP grid (collective, p2p), then the engine at TP 2 (§7)
-#   quality   the quality suites $SUITES (default: levers zeroshot) of bench/quality.py on the staged default model: run
-#             `eval $(bash .stage/b/device-join.sh)` first, with ../shared/data copied into .stage/b/data (quality.py
+#   quality   the quality suites $SUITES (default: bases zeroshot) of bench/quality.py on the staged default model: run
+#             `eval $(bash .stage/b/device-join.sh)` first, with ../shared/data copied to /tmp/spear-data (quality.py
 #             says how); the suites' JSON (quality_SUITE.json, every row's table) come back
 #   ab        decode A/B against another source tree $BEFORE (default .before; carry it: `git archive REV src
 #             bench/decode.py bench/common.py | tar -x -C .before`): $MODEL's $SETTINGS (default w4) at batch 1 and 32,
@@ -40,7 +41,7 @@ for part in $parts; do
   case $part in
     tests)  # -v: one line a test, so that the failures are named even when the timeout cuts the run; a test that
             # hangs is cut after 120 s (pytest-timeout, on the GPU image) and the others still run
-      timeout "$(left 300)" python -m pytest -p no:cacheprovider -o addopts= -v --timeout 120 tests/test_kernels.py \
+      timeout "$(left 450)" python -m pytest -p no:cacheprovider -o addopts= -v --timeout 120 tests/test_kernels.py \
         tests/test_runtime_ops.py tests/test_runtime_kv_cache.py tests/test_runtime_engine.py tests/test_runtime_fuse.py \
         > $l 2>&1
       { grep -cE " PASSED" $l; grep -E " (FAILED|ERROR)|passed|failed" $l; } > $log/${n}_tests_summary.log ;;
@@ -66,8 +67,8 @@ for part in $parts; do
     quality)
       [ -n "${GGUF:-}" ] || { echo "quality: GGUF is not set: stage the model (bench/quality.py)" > $l; continue; }
       t=$(left 570)
-      SPEAR_DATA=${SPEAR_DATA:-$PWD/.stage/b/data} OMP_NUM_THREADS=2 timeout $t python bench/quality.py --model "$GGUF" \
-        --out /tmp/quality --suite ${SUITES:-levers zeroshot} --time-limit $((t - 30)) > $l 2>&1
+      SPEAR_DATA=${SPEAR_DATA:-/tmp/spear-data} OMP_NUM_THREADS=2 timeout $t python bench/quality.py --model "$GGUF" \
+        --out /tmp/quality --suite ${SUITES:-bases zeroshot} --time-limit $((t - 30)) > $l 2>&1
       cp /tmp/quality/quality_*.json "$out/" 2>/dev/null
       for f in /tmp/quality/*.log; do echo "--- $f"; tail -n 3 "$f"; done >> $l 2>/dev/null ;;
     ab)

@@ -5,21 +5,20 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite tables      # the four settings: static baselines, SPEAR, gate off
     spear bench quality --model $GGUF --out OUTDIR --suite ablations   # the hard case (W4 RTN per-channel): every ablation
     spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, gate form
-    spear bench quality --model $GGUF --out OUTDIR --suite levers      # untested levers: BOS-free windows, surprise,
-                                                                       # latency cost, SPEAR on AWQ and OmniQuant
+    spear bench quality --model $GGUF --out OUTDIR --suite levers      # BOS-free windows, surprise, latency cost
+    spear bench quality --model $GGUF --out OUTDIR --suite bases       # SPEAR and QERA on AWQ and OmniQuant (W4 pc)
     spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
 
-On the GPU machine, which has no shared/ beside the checkout, the evaluation text travels with the model's second
-half (11 MB; the carry stays under 64 MiB) and SPEAR_DATA points at it:
+On the GPU machine, which has no shared/ beside the checkout, the evaluation text (11 MB) travels with the model's
+first half and is copied aside there: the second half must follow within 30 s, and its carry uploads faster alone.
 
-    bash ../shared/tools/stage-default-model.sh && cp -r ../shared/data .stage/b/data
-    run(carry=[".stage/a"], command="bash .stage/a/device-join.sh")
-    run(carry=[".stage/b"],
-        command="eval $(bash .stage/b/device-join.sh); SUITES='levers zeroshot' bash bench/gpu_all.sh quality")
+    bash ../shared/tools/stage-default-model.sh && cp -r ../shared/data .stage/a/data
+    run(carry=[".stage/a"], command="bash .stage/a/device-join.sh; cp -r .stage/a/data /tmp/spear-data")
+    run(carry=[".stage/b"], command="eval $(bash .stage/b/device-join.sh); bash bench/gpu_all.sh quality")
 
-(gpu_all.sh's `quality` part sets SPEAR_DATA=.stage/b/data and brings back quality_SUITE.json.)
+(gpu_all.sh's `quality` part reads SPEAR_DATA, default /tmp/spear-data, and brings back quality_SUITE.json.)
 
 Several suites (`--suite levers zeroshot`) run all their rows at once. The warm-up runs first, so that the GGUF
 conversion and the self-sampled calibration ids are cached once. Each row writes OUTDIR/NAME.json (bench/
@@ -33,6 +32,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -87,13 +87,14 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("data_512_token_gate", table, PC + ["--only", "per-token scalar gate"]),
             ("data_1024", table, PC + ["--calib-samples", "1024", "--only", "+SPEAR"]),
         ],
-        "levers": [  # the hard case at the defaults, one lever each; then SPEAR on the other 4-bit per-channel bases
-            # (six rows and the zeroshot suite: sized to one 10-minute call, as the 8-row tables suite ran; 400 KL steps
-            # in a row would not fit)
+        "levers": [  # the hard case at the defaults, one lever each (four rows: about 7 minutes on the H200)
             ("lev_calib_mid", table, PC + ["--calib-start", "mid", "--only", "+SPEAR"]),
             ("lev_surprise05", table, PC + ["--calib-surprise", "0.05", "--only", "+SPEAR"]),
             ("lev_surprise02", table, PC + ["--calib-surprise", "0.02", "--only", "+SPEAR"]),
             ("lev_cost_latency", table, PC + ["--cost", "latency", "--only", "+SPEAR"]),
+        ],
+        "bases": [  # SPEAR and QERA on the other 4-bit per-channel bases (OmniQuant's 10 epochs: over 9 minutes with
+            # seven rows beside it, so run it with one other suite at most)
             ("lev_awq_w4pc", table, AWQ + ["--budgets", "0.01", "--only", "QERA", "+SPEAR"]),
             ("lev_omniquant_w4pc", table, OMNI + ["--omniquant-epochs", "10", "--budgets", "0.01", "--only", "QERA",
                                                   "+SPEAR"]),
@@ -119,9 +120,11 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
     p.add_argument("--suite", nargs="+", default=["tables"],
-                   choices=["tables", "ablations", "data", "levers", "zeroshot", "quant", "warm"])
-    p.add_argument("--time-limit", type=int, default=540, help="seconds each row's process may run")
+                   choices=["tables", "ablations", "data", "levers", "bases", "zeroshot", "quant", "warm"])
+    p.add_argument("--time-limit", type=int, default=540,
+                   help="seconds the whole run may take: the warm-up's share comes off every row's limit")
     args = p.parse_args()
+    deadline = time.monotonic() + args.time_limit
     from spear.eval.perplexity import data_dir
 
     by_suite = suites(str(data_dir()))
@@ -129,8 +132,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     warm_up(args.model)
     procs = []
+    row_limit = max(1, int(deadline - time.monotonic()) - 5)  # 5 s to merge the rows' JSON before the caller's limit
     for _, name, script, options in rows:
-        cmd = ["timeout", str(args.time_limit), sys.executable, str(BENCH / script), "--model", args.model,
+        cmd = ["timeout", str(row_limit), sys.executable, str(BENCH / script), "--model", args.model,
                *options, "--json", str(args.out / f"{name}.json")]
         with open(args.out / f"{name}.log", "w") as log:
             procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
