@@ -95,8 +95,8 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
         ],
         "bases": [  # SPEAR and QERA on the other 4-bit per-channel bases (OmniQuant's 10 epochs: over 9 minutes with
             # seven rows beside it, so run it with one other suite at most)
-            ("lev_awq_w4pc", table, AWQ + ["--budgets", "0.01", "--only", "QERA", "+SPEAR"]),
-            ("lev_omniquant_w4pc", table, OMNI + ["--omniquant-epochs", "10", "--budgets", "0.01", "--only", "QERA",
+            ("base_awq_w4pc", table, AWQ + ["--budgets", "0.01", "--only", "QERA", "+SPEAR"]),
+            ("base_omniquant_w4pc", table, OMNI + ["--omniquant-epochs", "10", "--budgets", "0.01", "--only", "QERA",
                                                   "+SPEAR"]),
         ],
         "zeroshot": [("zero_shot", "zero_shot.py", ["--spear", "--batch-size", "64"])],
