@@ -13,7 +13,8 @@
 #   tp        on nvidia-h200-x2: the layer-level TP grid (collective, p2p), then the engine at TP 2 (§7)
 #   quality   the quality suites $SUITES (default: bases zeroshot) of bench/quality.py on the staged default model: run
 #             `eval $(bash .stage/b/device-join.sh)` first, with ../shared/data copied to /tmp/spear-data (quality.py
-#             says how); the suites' JSON (quality_SUITE.json, every row's table) come back
+#             says how); the suites' JSON (quality_SUITE.json, every row's table) and quality_rows.tgz (each row's
+#             JSON and log, there even when the limit cut the merge) come back
 #   ab        decode A/B against another source tree $BEFORE (default .before; carry it: `git archive REV src
 #             bench/decode.py bench/common.py | tar -x -C .before`): $MODEL's $SETTINGS (default w4) at batch 1 and 32,
 #             in the order before, after, after, before, each tree with its own tuning cache (the second run of a
@@ -70,6 +71,7 @@ for part in $parts; do
       SPEAR_DATA=${SPEAR_DATA:-/tmp/spear-data} OMP_NUM_THREADS=2 timeout $t python bench/quality.py --model "$GGUF" \
         --out /tmp/quality --suite ${SUITES:-bases zeroshot} --time-limit $((t - 30)) > $l 2>&1
       cp /tmp/quality/quality_*.json "$out/" 2>/dev/null
+      tar czf "$out/quality_rows.tgz" -C /tmp/quality . 2>/dev/null  # every row's JSON and log, merged or not
       for f in /tmp/quality/*.log; do echo "--- $f"; tail -n 3 "$f"; done >> $l 2>/dev/null ;;
     ab)
       before=${BEFORE:-.before}
