@@ -16,6 +16,7 @@ is written after every row; the table is printed last. `avg acc` is the mean of 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -108,10 +109,18 @@ def main() -> None:
     args = p.parse_args()
     tasks = parse_tasks(args.tasks)
     device = torch.device(args.device) if args.device else default_device()
-    with tempfile.TemporaryDirectory(prefix="spear-zero-shot-") as tmp:
-        if args.spear and not args.artifact:
-            args.artifact = build_spear_artifact(args.model, Path(tmp) / "artifact", device, args.quick)
-        run_rows(args, tasks, device)
+    previous = signal.signal(signal.SIGTERM, _exit)  # a `timeout` kill leaves through the with: no artifact left
+    try:
+        with tempfile.TemporaryDirectory(prefix="spear-zero-shot-") as tmp:
+            if args.spear and not args.artifact:
+                args.artifact = build_spear_artifact(args.model, Path(tmp) / "artifact", device, args.quick)
+            run_rows(args, tasks, device)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit(signum, _frame) -> None:
+    sys.exit(128 + signum)
 
 
 def run_rows(args, tasks: list[str], device: torch.device) -> None:

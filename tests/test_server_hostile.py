@@ -19,7 +19,7 @@ from spear.runtime.requests import SamplingParams
 from spear.runtime.sampler import sample_tokens
 from spear.server.app import build_app
 from spear.server.async_engine import AsyncEngine
-from spear.server.guard import GuardConfig, allowed_hosts
+from spear.server.guard import GuardConfig, LingeringTransport, allowed_hosts
 from spear.server.launch import slo_warning
 from spear.server.prompts import PromptEncoder
 from spear.server.protocol import ChatCompletionRequest
@@ -221,6 +221,41 @@ def test_oversized_body_is_413_before_parsing(tokenizer):
 
         r = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413
+
+
+class FakeTransport:
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def is_closing(self) -> bool:
+        return "close" in self.calls
+
+    def write_eof(self) -> None:
+        self.calls.append("write_eof")
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume_reading")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+@pytest.mark.parametrize("still_sending", [True, False])
+def test_a_close_lingers_only_while_the_client_is_still_sending(still_sending):
+    loop = asyncio.new_event_loop()
+    try:
+        raw = FakeTransport()
+        transport = LingeringTransport(raw, loop, lambda: still_sending, seconds=0.05)
+        transport.close()
+        if still_sending:  # FIN first, reads go on, the socket closes later
+            assert raw.calls == ["write_eof", "resume_reading"] and transport.is_closing()
+            loop.run_until_complete(asyncio.sleep(0.1))
+        assert raw.calls[-1] == "close" and raw.calls.count("close") == 1
+    finally:
+        loop.close()
 
 
 def test_health_answers_while_a_large_prompt_is_tokenized(tokenizer):

@@ -2,7 +2,9 @@
 
 - connections: at most `max_connections` open (more are closed at once, so file descriptors never run out), and a
   request must arrive whole, headers and body, within `read_timeout_s` (slow or silent clients are dropped);
-- bodies over `max_body_bytes` → 413, before any parsing;
+- bodies over `max_body_bytes` → 413, before any parsing; the connection then closes as nginx's lingering close
+  does (FIN first, what the client still sends discarded for up to LINGER_S), so that a client in the middle of a
+  large upload reads the 413 instead of a reset;
 - POSTs that are not `application/json` → 415 (a web page cannot send JSON cross-origin without a preflight);
 - a `Host` header the server was not bound for → 421 (DNS rebinding against a loopback server);
 - with an API key, a /v1 request (and, if asked, /health and /metrics) without `Authorization: Bearer KEY` → 401.
@@ -15,6 +17,7 @@ import ipaddress
 import json
 import logging
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+LINGER_S = 2.0  # how long a closing connection keeps discarding a client's unread upload
 
 
 @dataclass(frozen=True)
@@ -137,8 +141,36 @@ async def _refuse(send, status: int, message: str, code: str | None = None, extr
     await send({"type": "http.response.body", "body": body})
 
 
+class LingeringTransport:
+    """An asyncio transport whose close() half-closes first while the client is still sending its request: closing a
+    socket with unread input sends a reset, which can reach the client before it reads the response. So send FIN, keep
+    reading (the protocol drops what arrives), and close for good when the client does or after `seconds`."""
+
+    def __init__(self, transport, loop, client_still_sending: Callable[[], bool], seconds: float = LINGER_S):
+        self._transport = transport
+        self._loop = loop
+        self._client_still_sending = client_still_sending
+        self._seconds = seconds
+        self.lingering = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.is_closing() or not self._client_still_sending() or not self._transport.can_write_eof():
+            return self._transport.close()
+        self.lingering = True
+        self._transport.write_eof()  # after the response already buffered
+        self._transport.resume_reading()  # flow control may have paused reads; the input must drain
+        self._loop.call_later(self._seconds, self._transport.close)
+
+
 def guarded_protocol(guard: GuardConfig) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a connection cap and a deadline for each request to arrive."""
+    """uvicorn's h11 protocol with a connection cap, a deadline for each request to arrive, and lingering closes."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
@@ -150,9 +182,13 @@ def guarded_protocol(guard: GuardConfig) -> type[H11Protocol]:
                 log.warning("over %d open connections: closing a new one", guard.max_connections)
                 transport.close()
                 return
+            # the request cycles close through it: a lingering close while the request body is still arriving
+            self.transport = LingeringTransport(transport, self.loop, lambda: self.conn.their_state is h11.SEND_BODY)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if getattr(self.transport, "lingering", False):
+                return  # the rest of an upload we already answered
             super().data_received(data)
             if self._awaiting_request():
                 self._arm()
