@@ -64,12 +64,11 @@ def fit(h: torch.Tensor, target: torch.Tensor, E: torch.Tensor, rank: int, gate_
         split: int) -> float:
     """Held-out ‖target − EC(h)‖² / ‖target‖² of an EC trained by Adam from the QERA form of E on h's statistics."""
     from spear.compensate.init import qera_init
+    from spear.compensate.stats import sqrtm_psd
     from spear.layer import ErrorCompensator
 
     train_h, test_h, train_t, test_t = h[:split], h[split:], target[:split], target[split:]
-    r_xx = (train_h.double().t() @ train_h.double()) / len(train_h)
-    vals, vecs = torch.linalg.eigh(r_xx)
-    A, B = qera_init(E, rank, (vecs * vals.clamp(min=0).sqrt()) @ vecs.t())
+    A, B = qera_init(E, rank, sqrtm_psd(train_h.double().t() @ train_h.double() / len(train_h)))
     ec = ErrorCompensator(h.shape[1], target.shape[1], rank, max(gate_hidden, 0))
     with torch.no_grad():
         ec.A.copy_(A.float())

@@ -25,28 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, write_json  # noqa: E402
 
 
-def input_moments(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """R = E[x xᵀ] (float64) of every nn.Linear's input but the LM head, from a forward pass over `ids`."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def hook(name):
-        def fn(_module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            sums[name] = sums.get(name, 0) + x.t() @ x
-            counts[name] = counts.get(name, 0) + len(x)
-        return fn
-
-    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")]
-    with torch.no_grad():
-        for row in ids.split(8):
-            model(row)
-    for h in hooks:
-        h.remove()
-    return {n: s / counts[n] for n, s in sums.items()}
-
-
 def error_energy(E: torch.Tensor, R: torch.Tensor) -> float:
     return float(torch.einsum("oi,ij,oj->", E, R, E))
 
@@ -78,21 +56,21 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     from spear.api import model_key
+    from spear.compensate.stats import collect_input_stats
     from spear.data.calibration import CalibConfig, calibration_ids
     from spear.models import load_float_model
     from spear.record import QuantConfig, rtn_quantize
 
     lm = load_float_model(args.model, device=torch.device("cpu"), dtype=torch.float32)
     cfg = CalibConfig(num_sequences=args.sequences, seq_len=args.seq_len, batch_size=args.sequences)
-    moments = input_moments(lm.model, calibration_ids(lm.model, lm.tokenizer, cfg, model_key(args.model)))
+    stats = collect_input_stats(lm.model, calibration_ids(lm.model, lm.tokenizer, cfg, model_key(args.model)))
     q = QuantConfig(bits=4, group_size=-1)
     rows, totals = [], {"rtn": 0.0, "refit": 0.0, "rtn_rank1": 0.0, "refit_rank1": 0.0, "joint_rank1": 0.0}
-    for name, R in moments.items():
+    for name, st in stats.items():
+        R, R_sqrt = st.r_xx, st.r_xx_sqrt()  # q, k, v (gate, up) share one
         W = lm.model.get_submodule(name).weight.detach().double()
         Q = rtn_quantize(W.float(), q).dequantize().double()
         c = torch.einsum("oi,ij,oj->o", Q, R, W) / torch.einsum("oi,ij,oj->o", Q, R, Q).clamp(min=1e-30)
-        vals, vecs = torch.linalg.eigh(R)
-        R_sqrt = (vecs * vals.clamp(min=0).sqrt()) @ vecs.t()
         row = {"module": name, "rtn": error_energy(W - Q, R), "refit": error_energy(W - c[:, None] * Q, R),
                "rtn_rank1": rank1_left(W - Q, R_sqrt), "refit_rank1": rank1_left(W - c[:, None] * Q, R_sqrt),
                "joint_rank1": joint_rank1_left(W, Q, R, R_sqrt),

@@ -2,9 +2,9 @@
 
 - connections: at most `max_connections` open (more are closed at once, so file descriptors never run out), and a
   request must arrive whole, headers and body, within `read_timeout_s` (slow or silent clients are dropped);
-- bodies over `max_body_bytes` → 413, before any parsing; the connection then closes as nginx's lingering close
-  does (FIN first, what the client still sends discarded for up to LINGER_S), so that a client in the middle of a
-  large upload reads the 413 instead of a reset;
+- bodies over `max_body_bytes` → 413, before any parsing. A connection closed while its request body is still
+  arriving (a 413, a timeout) closes as nginx's lingering close does: FIN first, what the client still sends
+  discarded for up to LINGER_S, so that a client in the middle of a large upload reads the answer, not a reset;
 - POSTs that are not `application/json` → 415 (a web page cannot send JSON cross-origin without a preflight);
 - a `Host` header the server was not bound for → 421 (DNS rebinding against a loopback server);
 - with an API key, a /v1 request (and, if asked, /health and /metrics) without `Authorization: Bearer KEY` → 401.
