@@ -27,7 +27,7 @@ from torch import nn  # noqa: E402
 import spear.compensate.init as ec_init  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
-from spear.compensate.calibrate import gate_spread  # noqa: E402
+from spear.compensate.calibrate import CalibrateConfig, gate_spread  # noqa: E402
 from spear.compensate.cost import LatencyCost  # noqa: E402
 from spear.layer import ErrorCompensator  # noqa: E402
 from spear.compensate.basis import weights_in_float_basis  # noqa: E402
@@ -95,6 +95,8 @@ def main() -> None:
     p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])
     p.add_argument("--spear-budget", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=200, help="KL calibration steps")
+    p.add_argument("--norm-lr", type=float, default=CalibrateConfig.norm_lr,
+                   help="> 0: train the norm gains beside the ECs at this LR (norm tweaking)")
     p.add_argument("--cost", default="bytes", choices=["bytes", "latency"], help="the planner's cost model")
     p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per KL step")
     p.add_argument("--calib-samples", type=int, default=CalibConfig.num_sequences)
@@ -131,6 +133,7 @@ def main() -> None:
                                "calibration": {**asdict(calib),
                                                "source": "text file" if calib.text_file else "self-sampled"},
                                "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch, "cost": args.cost,
+                               "norm_lr": args.norm_lr,
                                "rows": rows})
 
     fp = evaluate(lm.model)
@@ -147,7 +150,8 @@ def main() -> None:
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):
             continue
-        cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch, progress=False),
+        cfg = replace(cfg, calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch,
+                                             norm_lr=args.norm_lr, progress=False),
                       cost=LatencyCost() if args.cost == "latency" else cfg.cost)
         student = copy.deepcopy(quantized)
         t = time.perf_counter()

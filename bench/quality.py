@@ -7,6 +7,7 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, gate form
     spear bench quality --model $GGUF --out OUTDIR --suite levers      # BOS-free windows, surprise, latency cost
     spear bench quality --model $GGUF --out OUTDIR --suite bases       # SPEAR and QERA on AWQ and OmniQuant (W4 pc)
+    spear bench quality --model $GGUF --out OUTDIR --suite norms       # norm gains trained beside the ECs
     spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
@@ -99,7 +100,16 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("base_omniquant_w4pc", table, OMNI + ["--omniquant-epochs", "10", "--budgets", "0.01", "--only", "QERA",
                                                   "+SPEAR"]),
         ],
-        "zeroshot": [("zero_shot", "zero_shot.py", ["--spear", "--batch-size", "64"])],
+        "norms": [  # norm tweaking: the norm gains train beside the ECs (zero bytes), at two LRs; GPTQ at one
+            ("norm_rtn_w4pc_2e-4", table, PC + ["--norm-lr", "2e-4", "--only", "+SPEAR"]),
+            ("norm_rtn_w4pc_1e-3", table, PC + ["--norm-lr", "1e-3", "--only", "+SPEAR"]),
+            ("norm_gptq_w4pc_5e-4", table, G4 + ["--norm-lr", "5e-4", "--only", "+SPEAR"]),
+        ],
+        "zeroshot": [  # one process a row (one process for all three ran past a call's 9.5 minutes)
+            ("zero_shot_fp", "zero_shot.py", ["--rows", "fp", "--batch-size", "64"]),
+            ("zero_shot_w4", "zero_shot.py", ["--rows", "w4", "--batch-size", "64"]),
+            ("zero_shot_spear", "zero_shot.py", ["--spear", "--rows", "spear", "--batch-size", "64"]),
+        ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
     }
@@ -120,7 +130,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
     p.add_argument("--suite", nargs="+", default=["tables"],
-                   choices=["tables", "ablations", "data", "levers", "bases", "zeroshot", "quant", "warm"])
+                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "zeroshot", "quant", "warm"])
     p.add_argument("--time-limit", type=int, default=540,
                    help="seconds the whole run may take: the warm-up's share comes off every row's limit")
     args = p.parse_args()

@@ -80,6 +80,17 @@ def rows_to_run(args, device: torch.device) -> tuple[str, dict, list[tuple[str, 
     return args.model, quant, [("FP", lambda: load_float_model(args.model, device)), ("W4", w4_rtn)]
 
 
+ROWS = {"fp": "FP", "w4": "W4", "spear": "+SPEAR"}
+
+
+def parse_rows(text: str) -> list[str]:
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown or not names:
+        raise ValueError(f"unknown rows {unknown or text!r}; choose from {', '.join(ROWS)}")
+    return [ROWS[n] for n in names]
+
+
 SHORT = {"lambada_openai": "lambada", "arc_easy": "arc_e", "arc_challenge": "arc_c", "winogrande": "wino"}
 
 
@@ -101,6 +112,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", help="without --artifact: FP and W4 RTN per-channel of this model")
     p.add_argument("--spear", action="store_true", help="without --artifact: build one (W4 RTN pc + SPEAR 1%%) first")
     p.add_argument("--quick", action="store_true", help="with --spear: `spear run --quick`'s short calibration (CPU)")
+    p.add_argument("--rows", default=None, help="which rows, comma-separated: fp, w4, spear (default: every row "
+                   "there is; one process a row runs them side by side)")
     p.add_argument("--tasks", default="all", help="comma-separated task names, or all (default)")
     p.add_argument("--limit", type=int, default=None, help="only the first N items of each task")
     p.add_argument("--batch-size", type=int, default=16, help="log-likelihood requests per forward pass")
@@ -108,11 +121,17 @@ def main() -> None:
     p.add_argument("--json", default="bench/results/zero_shot.json")
     args = p.parse_args()
     tasks = parse_tasks(args.tasks)
+    try:
+        args.rows = parse_rows(args.rows or ("fp,w4,spear" if args.spear or args.artifact else "fp,w4"))
+    except ValueError as e:
+        p.error(str(e))
+    if "+SPEAR" in args.rows and not (args.spear or args.artifact):
+        p.error("the spear row needs --spear or --artifact")
     device = torch.device(args.device) if args.device else default_device()
     previous = signal.signal(signal.SIGTERM, _exit)  # a `timeout` kill leaves through the with: no artifact left
     try:
         with tempfile.TemporaryDirectory(prefix="spear-zero-shot-") as tmp:
-            if args.spear and not args.artifact:
+            if args.spear and not args.artifact and "+SPEAR" in args.rows:
                 args.artifact = build_spear_artifact(args.model, Path(tmp) / "artifact", device, args.quick)
             run_rows(args, tasks, device)
     finally:
@@ -127,6 +146,8 @@ def run_rows(args, tasks: list[str], device: torch.device) -> None:
     base, quant, rows = rows_to_run(args, device)
     results: dict[str, list[dict]] = {}
     for label, load in rows:
+        if label not in args.rows:
+            continue
         start = time.perf_counter()
         lm = load()
         results[label] = [r.to_dict() for r in evaluate_tasks(lm.model, lm.tokenizer, tasks, args.limit,

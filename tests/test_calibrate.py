@@ -18,6 +18,7 @@ from spear.compensate.calibrate import (
     ec_state_dict,
     load_ec_state_dict,
     mean_kl,
+    norm_gains,
     teacher_topk,
 )
 from spear.errors import SpearError
@@ -137,6 +138,30 @@ def test_early_stopping_restores_the_best_state():
     assert result.steps < cfg.steps and result.best_step == 0
     assert result.final_heldout_kl == result.initial_heldout_kl
     assert all(torch.equal(initial[k], v) for k, v in ec_state_dict(student).items())
+
+
+def test_norm_gains_train_beside_the_ecs_and_roll_back_with_them():
+    """norm_lr > 0: every RMSNorm gain (2 per layer and the final one) moves and trains, nothing else outside the ECs
+    does; the KL ends lower than with the ECs alone; a diverging run restores the gains with the ECs."""
+    teacher, student = quantized_pair()
+    gains = {k: v.detach().clone() for k, v in norm_gains(student).items()}
+    assert len(gains) == 2 * teacher.config.num_hidden_layers + 1
+    before = {k: v for k, v in frozen_tensors(student).items() if k not in gains}
+    tweaked = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, norm_lr=1e-2))
+    assert all(not torch.equal(gains[k], v) for k, v in norm_gains(student).items())
+    assert all(torch.equal(before[k], v) for k, v in frozen_tensors(student).items() if k in before)
+    trainable = {id(p) for p in student.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in ec_parameters(student)} | {id(p) for p in norm_gains(student).values()}
+    _, plain_student = quantized_pair()
+    plain = calibrate_ecs(plain_student, teacher, calib_ids(), FAST)
+    assert tweaked.final_heldout_kl < plain.final_heldout_kl
+    assert all(torch.equal(gains[k], v) for k, v in norm_gains(plain_student).items())  # norm_lr 0: untouched
+
+    _, student = quantized_pair()
+    result = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, norm_lr=5.0, eval_every=2, patience=2))
+    assert result.best_step == 0 and all(torch.equal(gains[k], v) for k, v in norm_gains(student).items())
+    with pytest.raises(SpearError, match="norm_lr"):
+        CalibrateConfig(norm_lr=-1.0)
 
 
 def test_cached_topk_teacher_and_no_teacher_model():

@@ -188,3 +188,24 @@ def test_zero_shot_bench_script_builds_the_spear_row(tiny_model_dir, tmp_path, m
     assert ppl["+SPEAR"] != ppl["W4"]
     assert set(Path(tempfile.gettempdir()).glob("spear-zero-shot-*")) == before
     assert capsys.readouterr().out.splitlines()[-1].startswith("+SPEAR")
+
+
+def test_zero_shot_bench_script_runs_only_the_rows_asked(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--rows w4 scores the W4 row alone (one process a row, side by side on one GPU); an unknown row, or the spear
+    row without --spear, is a usage error (exit 2)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "zero_shot.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "zero_shot.py"
+    base = [str(script), "--model", str(tiny_model_dir), "--tasks", "piqa", "--limit", "2", "--device", "cpu",
+            "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", base + ["--rows", "w4"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert list(json.loads(out.read_text())["rows"]) == ["W4"]
+    for rows, message in (("w4,int8", "unknown rows ['int8']"), ("spear", "needs --spear or --artifact")):
+        monkeypatch.setattr(sys, "argv", base + ["--rows", rows])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(script), run_name="__main__")
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -11,9 +11,11 @@ over all T tokens of a batch and the full vocabulary (p: teacher, q: student). W
 
     L += λ · 1/(n−1) Σ_{l<n} ‖h_s^l − h_t^l‖² / ‖h_t^l‖²
 
-Adam,
-cosine or constant LR, gradient clipping; a held-out share of the sequences is scored
-every `eval_every` steps, the best EC state is kept, and training stops after `patience`
+With `norm_lr` > 0 the gains of the normalisation layers train too (norm tweaking: they replace
+the float model's own, so the bytes do not change).
+
+Adam, cosine or constant LR, gradient clipping; a held-out share of the sequences is scored
+every `eval_every` steps, the best state is kept, and training stops after `patience`
 evaluations without improvement.
 
 Memory: logits are never materialised for a whole batch. The student's last hidden
@@ -71,6 +73,7 @@ class CalibrateConfig:
     topk: int = 128
     chunk_tokens: int = 1024  # tokens per logits chunk
     hidden_weight: float = 0.0  # λ of the intermediate hidden-state term (0: KL only); needs the online teacher
+    norm_lr: float = 0.0  # > 0: the normalisation gains train too, at this LR (norm tweaking; zero extra bytes)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -82,6 +85,8 @@ class CalibrateConfig:
             raise SpearError(f"holdout must be in [0, 1), got {self.holdout}")
         if min(self.steps, self.batch_size, self.eval_every, self.patience, self.topk, self.chunk_tokens) < 1:
             raise SpearError("steps, batch_size, eval_every, patience, topk and chunk_tokens must be positive")
+        if self.norm_lr < 0:
+            raise SpearError(f"norm_lr must be ≥ 0, got {self.norm_lr}")
         if self.hidden_weight < 0 or (self.hidden_weight > 0 and self.teacher_mode != "online"):
             raise SpearError("hidden_weight must be ≥ 0, and the hidden-state term needs teacher_mode 'online'")
 
@@ -127,6 +132,30 @@ def load_ec_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None
         raise SpearError(f"EC state does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
     for k, v in own.items():
         v.copy_(state[k])
+
+
+def norm_gains(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The gain vector of every normalisation layer (RMSNorm / LayerNorm: input, post-attention, final, q/k norms),
+    by parameter name. Training them beside the ECs changes no byte count: they replace the float model's own."""
+    return {f"{name}.weight": m.weight for name, m in model.named_modules()
+            if type(m).__name__.endswith(("RMSNorm", "LayerNorm")) and isinstance(getattr(m, "weight", None), nn.Parameter)}
+
+
+def _trained_state(model: nn.Module, norms: bool) -> dict[str, torch.Tensor]:
+    """A detached copy of what calibration trains: every EC tensor, and the norm gains when they train."""
+    state = ec_state_dict(model)
+    if norms:
+        state |= {name: w.detach().clone() for name, w in norm_gains(model).items()}
+    return state
+
+
+@torch.no_grad()
+def _load_trained_state(model: nn.Module, state: dict[str, torch.Tensor], norms: bool) -> None:
+    state = dict(state)
+    if norms:
+        for name, w in norm_gains(model).items():
+            w.copy_(state.pop(name))
+    load_ec_state_dict(model, state)
 
 
 # --- teacher targets ----------------------------------------------------------------
@@ -350,9 +379,11 @@ def _param_groups(student: nn.Module, cfg: CalibrateConfig) -> list[dict]:
         rest.append(ec.alpha)
         if cfg.train_gate and ec.gate is not None:
             rest += list(ec.gate.parameters())
-    for p in ab + rest:
+    norms = list(norm_gains(student).values()) if cfg.norm_lr > 0 else []
+    for p in ab + rest + norms:
         p.requires_grad_(True)
-    return [g for g in ({"params": ab, "lr": cfg.lr_ab}, {"params": rest, "lr": cfg.lr}) if g["params"]]
+    groups = ({"params": ab, "lr": cfg.lr_ab}, {"params": rest, "lr": cfg.lr}, {"params": norms, "lr": cfg.norm_lr})
+    return [g for g in groups if g["params"]]
 
 
 def _batches(rows: torch.Tensor, batch_size: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
@@ -372,11 +403,12 @@ def calibrate_ecs(
     cfg: CalibrateConfig = CalibrateConfig(),
     teacher_logits: TeacherTopK | None = None,
 ) -> CalibrationResult:
-    """Train the student's ECs, in place, to minimise KL(teacher ‖ student) on `calib_ids` [N, L].
+    """Train the student's ECs (and, with cfg.norm_lr, its norm gains), in place, to minimise KL(teacher ‖ student)
+    on `calib_ids` [N, L].
 
     `teacher` is the float model; it may be None when `teacher_logits` (a top-k cache from
     `teacher_topk` on the same ids) is given. Every non-EC parameter of the student is left
-    frozen (requires_grad False). On return the ECs hold the best state seen on the held-out
+    frozen (requires_grad False). On return the trained tensors hold the best state seen on the held-out
     sequences (or the last state when there are none).
     """
     if not ec_modules(student):
@@ -417,7 +449,8 @@ def calibrate_ecs(
 
         initial_train = score(train)
         best_kl = initial_held = score(held) if n_held else None
-        best_step, best_state, bad = 0, ec_state_dict(student), 0
+        norms = cfg.norm_lr > 0
+        best_step, best_state, bad = 0, _trained_state(student, norms), 0
         history: list[dict] = []
         running: list[float] = []
         batches = _batches(train, batch_size, gen)
@@ -440,7 +473,7 @@ def calibrate_ecs(
             if n_held:
                 entry["heldout_kl"] = kl = score(held)
                 if kl < best_kl:
-                    best_kl, best_step, best_state, bad = kl, step, ec_state_dict(student), 0
+                    best_kl, best_step, best_state, bad = kl, step, _trained_state(student, norms), 0
                 else:
                     bad += 1
             history.append(entry)
@@ -448,7 +481,7 @@ def calibrate_ecs(
                 break
         bar.close()
         if n_held:
-            load_ec_state_dict(student, best_state)
+            _load_trained_state(student, best_state, norms)
         else:
             best_step = step
         final_train = score(train)
