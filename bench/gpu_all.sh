@@ -2,7 +2,7 @@
 # Benchmark suites in one device call, one after another; the result JSONs and one log come back in $OUT:
 #   run(command="SPEAR_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_all.sh tests decode", kind="nvidia-h200")
 # Parts, run in the order given (default: tests decode kernels); each gets at most its own limit and what is left of
-# the call's 9.5 minutes:
+# the call's 9.5 minutes ($LIMIT seconds, default 570):
 #   tests     the GPU test suites (kernels, runtime ops, KV cache, engine, fused launches; about 380 s without a
 #             Triton cache)
 #   decode    $MODEL (default llama2-7b; llama3-8b the other) through the engine: fp16, W4 and W4+EC on 15, 38 and
@@ -35,7 +35,7 @@ export SPEAR_CACHE=$PWD/.gpu_cache TRITON_CACHE_DIR=$PWD/.gpu_cache/triton
 [ -f .gpu_cache/triton_cache.tgz ] && tar xzf .gpu_cache/triton_cache.tgz -C .gpu_cache
 log=/tmp/gpu_all; mkdir -p $log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $log/0_nvidia_smi.log
-left() { local t=$((570 - SECONDS)); echo $((t < $1 ? t : $1)); }  # seconds for the next part: its limit or less
+left() { local t=$((${LIMIT:-570} - SECONDS)); echo $((t < $1 ? t : $1)); }  # seconds for the next part: its limit or less
 n=1
 for part in $parts; do
   n=$((n + 1)); l=$log/${n}_$part.log

@@ -8,6 +8,7 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite levers      # BOS-free windows, surprise, latency cost
     spear bench quality --model $GGUF --out OUTDIR --suite bases       # SPEAR and QERA on AWQ and OmniQuant (W4 pc)
     spear bench quality --model $GGUF --out OUTDIR --suite norms       # norm gains trained beside the ECs
+    spear bench quality --model $GGUF --out OUTDIR --suite short       # more, shorter self-samples, equal tokens
     spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
@@ -105,6 +106,14 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("norm_rtn_w4pc_1e-3", table, PC + ["--norm-lr", "1e-3", "--only", "+SPEAR"]),
             ("norm_gptq_w4pc_5e-4", table, G4 + ["--norm-lr", "5e-4", "--only", "+SPEAR"]),
         ],
+        "short": [  # more, shorter self-samples at equal tokens per step (the trend of 512 x 512 > 256 x 1024 > 128 x 2048)
+            ("short_1024x256", table, PC + ["--calib-samples", "1024", "--calib-len", "256", "--calib-batch", "16",
+                                            "--sensitivity-samples", "256", "--only", "+SPEAR"]),
+            ("short_2048x128", table, PC + ["--calib-samples", "2048", "--calib-len", "128", "--calib-batch", "32",
+                                            "--sensitivity-samples", "512", "--only", "+SPEAR"]),
+            ("short_4096x128", table, PC + ["--calib-samples", "4096", "--calib-len", "128", "--calib-batch", "32",
+                                            "--sensitivity-samples", "512", "--only", "+SPEAR"]),
+        ],
         "zeroshot": [  # one process a row (one process for all three ran past a call's 9.5 minutes)
             ("zero_shot_fp", "zero_shot.py", ["--rows", "fp", "--batch-size", "64"]),
             ("zero_shot_w4", "zero_shot.py", ["--rows", "w4", "--batch-size", "64"]),
@@ -130,7 +139,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
     p.add_argument("--suite", nargs="+", default=["tables"],
-                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "zeroshot", "quant", "warm"])
+                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "zeroshot", "quant",
+                            "warm"])
     p.add_argument("--time-limit", type=int, default=540,
                    help="seconds the whole run may take: the warm-up's share comes off every row's limit")
     args = p.parse_args()
