@@ -111,8 +111,6 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
                                             "--sensitivity-samples", "256", "--only", "+SPEAR"]),
             ("short_2048x128", table, PC + ["--calib-samples", "2048", "--calib-len", "128", "--calib-batch", "32",
                                             "--sensitivity-samples", "512", "--only", "+SPEAR"]),
-            ("short_4096x128", table, PC + ["--calib-samples", "4096", "--calib-len", "128", "--calib-batch", "32",
-                                            "--sensitivity-samples", "512", "--only", "+SPEAR"]),
         ],
         "zeroshot": [  # one process a row (one process for all three ran past a call's 9.5 minutes)
             ("zero_shot_fp", "zero_shot.py", ["--rows", "fp", "--batch-size", "64"]),
