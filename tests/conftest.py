@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -16,8 +18,10 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# One spear cache for the whole test session, never the user's ~/.cache/spear.
-os.environ.setdefault("SPEAR_CACHE", tempfile.mkdtemp(prefix="spear-test-cache-"))
+# One spear cache for the whole test run, never the user's ~/.cache/spear; removed when the run ends.
+if "SPEAR_CACHE" not in os.environ:
+    os.environ["SPEAR_CACHE"] = tempfile.mkdtemp(prefix="spear-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SPEAR_CACHE"], ignore_errors=True)
 
 # bench/ importable as the benchmark scripts see it (fixtures.random_model: runtime models with random weights).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
