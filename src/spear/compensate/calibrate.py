@@ -73,7 +73,7 @@ class CalibrateConfig:
     topk: int = 128
     chunk_tokens: int = 1024  # tokens per logits chunk
     hidden_weight: float = 0.0  # λ of the intermediate hidden-state term (0: KL only); needs the online teacher
-    norm_lr: float = 0.0  # > 0: the normalisation gains train too, at this LR (norm tweaking; zero extra bytes)
+    norm_lr: float = 0.0  # > 0: the norm gains train too, at this LR (norm tweaking, zero bytes; no gain measured)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -138,7 +138,8 @@ def norm_gains(model: nn.Module) -> dict[str, nn.Parameter]:
     """The gain vector of every normalisation layer (RMSNorm / LayerNorm: input, post-attention, final, q/k norms),
     by parameter name. Training them beside the ECs changes no byte count: they replace the float model's own."""
     return {f"{name}.weight": m.weight for name, m in model.named_modules()
-            if type(m).__name__.endswith(("RMSNorm", "LayerNorm")) and isinstance(getattr(m, "weight", None), nn.Parameter)}
+            if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
+            and isinstance(getattr(m, "weight", None), nn.Parameter)}
 
 
 def _trained_state(model: nn.Module, norms: bool) -> dict[str, torch.Tensor]:
