@@ -1,5 +1,6 @@
 """vLLM itself on an exported artifact (marked `vllm`, not in CI): the spear-vllm plugin's greedy tokens are
-SPEAR's, with and without the ECs, and stock vLLM serves the static LoRA adapter. vLLM runs in its own
+SPEAR's, with and without the ECs, over `spear-vllm serve`'s HTTP API and across three tensor-parallel ranks, and
+stock vLLM serves the static LoRA adapter. vLLM runs in its own
 environment, named by SPEAR_VLLM_PYTHON (its python, with vllm and plugins/spear_vllm installed):
 
     SPEAR_VLLM_PYTHON=/work/vllm-venv/bin/python python -m pytest -m vllm tests/test_vllm_plugin.py
@@ -99,3 +100,15 @@ def test_spear_vllm_serve_over_http_gives_spears_greedy_tokens(export):
         server.wait(timeout=60)
     want = spear_generate(str(art), "ec", prompts, TOKENS)["token_ids"][0]
     assert matched([got], [want]) == [TOKENS]
+
+
+def test_ecs_under_vllm_tensor_parallel_ranks_give_the_single_rank_tokens(export, monkeypatch):
+    """--tensor-parallel-size 3 (SmolLM2's 9 heads and 3 KV heads split three ways; three rank processes, threads
+    unbound so that they fit a small CPU): the ECs shard with their base weights, the row-parallel ones reduce A·x
+    across the ranks before the gate, and the greedy tokens are one rank's, which are SPEAR's."""
+    art, out, prompts = export
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    got = vllm_generate(os.environ["SPEAR_VLLM_PYTHON"], out, ["--eager", "--tensor-parallel-size", "3"], prompts, 8)
+    assert "error" not in got, got
+    want = spear_generate(str(art), "ec", prompts, 8)
+    assert matched(got["token_ids"], want["token_ids"]) == [8]
