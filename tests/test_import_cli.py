@@ -306,3 +306,20 @@ def test_gguf_import_refuses_a_layer_that_differs_from_transformers_reading(tmp_
     with pytest.raises(SpearError, match=r"blk.0.attn_q.weight \(Q4_0\) does not dequantize to transformers' reading"):
         importer.import_checkpoint(str(src), tmp_path / "art")
     assert not (tmp_path / "art").exists()
+
+
+def test_gguf_q4_0_import_exports_to_vllm_and_q4_1_is_refused(tmp_path, capsys):
+    """Q4_0 (W = d (q − 8), fp16 d) is compressed-tensors' symmetric W4A16 at group 32: it exports, every layer
+    checked by the library's decompressor; Q4_1's float offsets have no integer zero point: one line, exit 2."""
+    for kind in ("Q4_0", "Q4_1"):
+        src = write_gguf(tmp_path / f"{kind}.gguf", kind)
+        assert run_cli(capsys, "import", src, "--out", tmp_path / kind)[0] == 0
+        rc, _, err = run_cli(capsys, "export-vllm", tmp_path / kind, "--out", tmp_path / f"{kind}-vllm")
+        if kind == "Q4_0":
+            assert rc == 0, err
+            config = json.loads((tmp_path / "Q4_0-vllm" / "config.json").read_text())
+            weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+            assert weights["symmetric"] and weights["group_size"] == 32 and weights["num_bits"] == 4
+        else:
+            assert_clean_error(rc, err, "offsets")
+            assert not (tmp_path / "Q4_1-vllm").exists()
