@@ -81,3 +81,13 @@ def test_surprise_sampling_through_generate():
     assert torch.equal(sample_from_model(model, _Tok(), cfg), ids)
     plain = sample_from_model(model, _Tok(), CalibConfig(num_sequences=6, seq_len=12, batch_size=6))
     assert not torch.equal(plain, ids)
+
+
+def test_ids_digest_names_exactly_the_tokens():
+    from spear.data.calibration import ids_digest
+
+    ids = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0))
+    assert ids_digest(ids) == ids_digest(ids.clone().to(torch.int32)) and len(ids_digest(ids)) == 16
+    changed = ids.clone()
+    changed[3, 15] += 1
+    assert ids_digest(changed) != ids_digest(ids)

@@ -58,6 +58,7 @@ def test_calibrated_methods_end_to_end(method, tiny_model_dir, tmp_path, capsys)
     assert rc == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["quant"]["method"] == method and config["calibration"]["num_sequences"] == 4
+    assert len(config["calibration"]["ids_sha256"]) == 16  # which tokens calibrated it (data.calibration.ids_digest)
 
 
 def test_run_quick_on_tiny_model(tiny_model_dir, tmp_path, capsys):
@@ -67,6 +68,8 @@ def test_run_quick_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     report = json.loads(stdout)
     assert report["fp_ppl"] > 0 and report["w4_ppl"] > 0
     assert (tmp_path / "run" / "report.json").exists() and (tmp_path / "run" / "artifact" / "config.json").exists()
+    config = json.loads((tmp_path / "run" / "artifact" / "config.json").read_text())
+    assert len(config["calibration"]["ids_sha256"]) == 16
 
 
 def test_missing_model(capsys, tmp_path):

@@ -87,6 +87,12 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
     return ids
 
 
+def ids_digest(ids: torch.Tensor) -> str:
+    """A short SHA-256 of the calibration ids, recorded beside results: two runs calibrated on the same tokens
+    exactly when their digests agree (self-samples drawn on another device or library may differ)."""
+    return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 def text_file_ids(tokenizer, path: Path, cfg: CalibConfig) -> torch.Tensor:
     """Random windows of `seq_len` tokens from a text file (seeded)."""
     if not path.is_file():
