@@ -15,7 +15,7 @@ import argparse
 import copy
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,7 +33,7 @@ from spear.layer import ErrorCompensator  # noqa: E402
 from spear.compensate.basis import weights_in_float_basis  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
-from spear.data.calibration import CalibConfig, calibration_ids, ids_digest  # noqa: E402
+from spear.data.calibration import CalibConfig, calibration_ids, calibration_record  # noqa: E402
 from spear.eval import perplexity  # noqa: E402
 from spear.models import load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
@@ -130,7 +130,7 @@ def main() -> None:
 
     def save() -> None:
         write_json(args.json, {"model": args.model, "setting": {"method": args.method, **settings.quant.to_dict()},
-                               "calibration": {**asdict(calib), "ids_sha256": ids_digest(ids),
+                               "calibration": {**calibration_record(calib, ids),
                                                "source": "text file" if calib.text_file else "self-sampled"},
                                "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch, "cost": args.cost,
                                "norm_lr": args.norm_lr,

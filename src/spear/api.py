@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,7 +10,7 @@ import torch
 
 from spear.artifact import ArtifactInfo, is_artifact, load_artifact, save_artifact
 from spear.errors import SpearError
-from spear.data.calibration import CalibConfig, calibration_ids, ids_digest
+from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
 from spear.models.loading import LoadedModel, load_float_model, resolve_model_path
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 
@@ -51,7 +50,7 @@ def quantize(
     info = ArtifactInfo(
         base_model=spec,
         quant={"method": settings.method, **settings.quant.to_dict(), **_method_options(settings)},
-        calibration=None if ids is None else asdict(calib) | {"ids_sha256": ids_digest(ids)},
+        calibration=None if ids is None else calibration_record(calib, ids),
     )
     return lm, save_artifact(lm.model, lm.tokenizer, out_dir, info)
 
@@ -83,9 +82,8 @@ def compensate_artifact(
     teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
     report = compensate(student.model, teacher.model, ids, cfg, rescaled=config["quant"].get("method") == "awq")
-    info = ArtifactInfo(config["base_model"], config["quant"], asdict(calib) | {"ids_sha256": ids_digest(ids)},
-                        plan=json.loads(report.plan.to_json()),
-                        extra={"compensation": report.summary()})
+    info = ArtifactInfo(config["base_model"], config["quant"], calibration_record(calib, ids),
+                        plan=json.loads(report.plan.to_json()), extra={"compensation": report.summary()})
     save_artifact(student.model, student.tokenizer, artifact_dir, info)
     report.save_diagnostics(artifact_dir)
     return report

@@ -21,7 +21,7 @@ from spear.artifact import ArtifactInfo, save_artifact
 from spear.compensate.calibrate import CalibrateConfig
 from spear.compensate.cka import SensitivityConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
-from spear.data.calibration import CalibConfig, calibration_ids, ids_digest
+from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
 from spear.eval import perplexity
 from spear.models.loading import load_float_model
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
@@ -123,8 +123,7 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
         result.save_diagnostics(config.out)
         _evaluate(lm, config, report.compensated, report)
 
-    calibration = asdict(config.calib) | {"ids_sha256": ids_digest(ids)}
-    info = ArtifactInfo(config.model, report.setting, calibration, plan=plan)
+    info = ArtifactInfo(config.model, report.setting, calibration_record(config.calib, ids), plan=plan)
     save_artifact(lm.model, lm.tokenizer, config.out / "artifact", info)
     result = report.to_dict()
     (config.out / "report.json").write_text(json.dumps(result, indent=2))

@@ -93,6 +93,11 @@ def ids_digest(ids: torch.Tensor) -> str:
     return hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
+def calibration_record(cfg: CalibConfig, ids: torch.Tensor) -> dict:
+    """What an artifact or a result records of its calibration: the settings, and the digest of the ids they gave."""
+    return asdict(cfg) | {"ids_sha256": ids_digest(ids)}
+
+
 def text_file_ids(tokenizer, path: Path, cfg: CalibConfig) -> torch.Tensor:
     """Random windows of `seq_len` tokens from a text file (seeded)."""
     if not path.is_file():
