@@ -35,6 +35,11 @@ def rank1_left(E: torch.Tensor, R_sqrt: torch.Tensor) -> float:
     return float((s[1:] ** 2).sum())
 
 
+def refit_scales(Q: torch.Tensor, R: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Each row's scale c_i minimising E_x ‖(target − c Q) x‖²: c_i = (q_i R t_iᵀ) / (q_i R q_iᵀ)."""
+    return torch.einsum("oi,ij,oj->o", Q, R, target) / torch.einsum("oi,ij,oj->o", Q, R, Q).clamp(min=1e-30)
+
+
 def joint_rank1_left(W: torch.Tensor, Q: torch.Tensor, R: torch.Tensor, R_sqrt: torch.Tensor, rounds: int = 8) -> float:
     """Row scales and a rank-1 EC fitted together (alternating: the EC's QERA form, then each row's scale against
     what the EC leaves): the error energy left."""
@@ -44,7 +49,7 @@ def joint_rank1_left(W: torch.Tensor, Q: torch.Tensor, R: torch.Tensor, R_sqrt: 
     for _ in range(rounds):
         A, B = qera_init(W - c[:, None] * Q, 1, R_sqrt)
         target = W - B.double() @ A.double()
-        c = torch.einsum("oi,ij,oj->o", Q, R, target) / torch.einsum("oi,ij,oj->o", Q, R, Q).clamp(min=1e-30)
+        c = refit_scales(Q, R, target)
     return rank1_left(W - c[:, None] * Q, R_sqrt)
 
 
@@ -70,7 +75,7 @@ def main() -> None:
         R, R_sqrt = st.r_xx, st.r_xx_sqrt()  # q, k, v (gate, up) share one
         W = lm.model.get_submodule(name).weight.detach().double()
         Q = rtn_quantize(W.float(), q).dequantize().double()
-        c = torch.einsum("oi,ij,oj->o", Q, R, W) / torch.einsum("oi,ij,oj->o", Q, R, Q).clamp(min=1e-30)
+        c = refit_scales(Q, R, W)
         row = {"module": name, "rtn": error_energy(W - Q, R), "refit": error_energy(W - c[:, None] * Q, R),
                "rtn_rank1": rank1_left(W - Q, R_sqrt), "refit_rank1": rank1_left(W - c[:, None] * Q, R_sqrt),
                "joint_rank1": joint_rank1_left(W, Q, R, R_sqrt),
