@@ -161,6 +161,7 @@ def main() -> None:
         gates = gate_spread(student, ids[:8])
         row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,
                "heldout_kl": None if report.calibration is None else report.calibration.final_heldout_kl,
+               "calibration": None if report.calibration is None else report.calibration.to_dict(),
                "gate": gates,
                "modules": len(report.plan.entries), "ranks": sorted({e.rank for e in report.plan.entries}),
                "gap_closed": {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in datasets},

@@ -9,6 +9,7 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite bases       # SPEAR and QERA on AWQ and OmniQuant (W4 pc)
     spear bench quality --model $GGUF --out OUTDIR --suite norms       # norm gains trained beside the ECs
     spear bench quality --model $GGUF --out OUTDIR --suite short       # more, shorter self-samples, equal tokens
+    spear bench quality --model $GGUF --out OUTDIR --suite steps       # longer KL training, more self-samples
     spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
@@ -112,6 +113,11 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("short_2048x128", table, PC + ["--calib-samples", "2048", "--calib-len", "128", "--calib-batch", "32",
                                             "--sensitivity-samples", "512", "--only", "+SPEAR"]),
         ],
+        "steps": [  # longer KL training (the default's best held-out step is its last, 200), on more self-samples
+            ("steps_400", table, PC + ["--steps", "400", "--only", "+SPEAR"]),
+            ("steps_800", table, PC + ["--steps", "800", "--only", "+SPEAR"]),
+            ("steps_600_n1024", table, PC + ["--calib-samples", "1024", "--steps", "600", "--only", "+SPEAR"]),
+        ],
         "zeroshot": [  # one process a row (one process for all three ran past a call's 9.5 minutes)
             ("zero_shot_fp", "zero_shot.py", ["--rows", "fp", "--batch-size", "64"]),
             ("zero_shot_w4", "zero_shot.py", ["--rows", "w4", "--batch-size", "64"]),
@@ -137,7 +143,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
     p.add_argument("--suite", nargs="+", default=["tables"],
-                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "zeroshot", "quant",
+                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "steps", "zeroshot", "quant",
                             "warm"])
     p.add_argument("--time-limit", type=int, default=540,
                    help="seconds the whole run may take: the warm-up's share comes off every row's limit")

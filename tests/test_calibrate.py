@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import make_tiny_llama
 from spear.compensate.calibrate import (
     CalibrateConfig,
+    OnlineTeacher,
     calibrate_ecs,
     ec_modules,
     ec_parameters,
@@ -233,3 +234,24 @@ def test_gate_spread_is_zero_for_a_fresh_gate_and_positive_after_training():
     calibrate_ecs(student, teacher, ids, FAST)
     trained = gate_spread(student, ids[:4])
     assert trained["token_std"] > 0 and trained["mean_abs_deviation"] > 0
+
+
+def test_teacher_hidden_state_cache_trains_as_the_uncached_teacher_and_keeps_its_byte_cap():
+    teacher, student = quantized_pair()
+    ids = calib_ids()
+    runs = {}
+    for gb in (0.0, 1.0):
+        s = copy.deepcopy(student)
+        runs[gb] = (calibrate_ecs(s, teacher, ids, replace(FAST, teacher_cache_gb=gb)), ec_state_dict(s))
+    (plain, plain_state), (cached, cached_state) = runs[0.0], runs[1.0]
+    assert cached.final_heldout_kl == pytest.approx(plain.final_heldout_kl, rel=1e-4)
+    for name, v in plain_state.items():
+        torch.testing.assert_close(cached_state[name], v, rtol=1e-4, atol=1e-5)
+
+    target = OnlineTeacher(teacher, cache_bytes=3 * 32 * teacher.config.hidden_size * 4)  # three rows of 32 tokens
+    rows = torch.arange(4)
+    h, _ = target.prepare(rows, ids[rows])
+    assert sorted(target.hidden) == [0, 1, 2] and target.cached_bytes <= target.cache_bytes
+    again, _ = target.prepare(torch.tensor([2, 0]), ids[[2, 0]])  # from the cache alone
+    torch.testing.assert_close(again, torch.cat([h[64:96], h[:32]]))
+    assert OnlineTeacher(teacher, layers=True, cache_bytes=1 << 30).cache_bytes == 0  # layer outputs are never cached

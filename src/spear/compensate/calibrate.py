@@ -24,8 +24,9 @@ chunks of `chunk_tokens` tokens, each chunk's backward into the hidden states do
 once; one backward through the body follows.
 
 Teacher targets (`teacher_mode`):
-  "online" (default): the float teacher runs beside the student on every batch. Exact,
-                      costs one no-grad forward per step and the teacher's memory.
+  "online" (default): the float teacher's body runs once per sequence (its last hidden
+                      states are kept, H floats per token, up to `teacher_cache_gb`), its head
+                      on every batch. Exact; costs the teacher's memory.
   "topk":             the teacher's top-k log-probs and the log of its remaining mass,
                       computed once (k·8 + 4 bytes per token). The loss is then the KL
                       between the two distributions coarsened to {top-k tokens, rest}:
@@ -72,6 +73,7 @@ class CalibrateConfig:
     teacher_mode: str = "online"
     topk: int = 128
     chunk_tokens: int = 1024  # tokens per logits chunk
+    teacher_cache_gb: float = 4.0  # the online teacher's last hidden states kept for reuse, at most this much
     hidden_weight: float = 0.0  # λ of the intermediate hidden-state term (0: KL only); needs the online teacher
     norm_lr: float = 0.0  # > 0: the norm gains train too, at this LR (norm tweaking, zero bytes; no gain measured)
     progress: bool = True
@@ -85,8 +87,8 @@ class CalibrateConfig:
             raise SpearError(f"holdout must be in [0, 1), got {self.holdout}")
         if min(self.steps, self.batch_size, self.eval_every, self.patience, self.topk, self.chunk_tokens) < 1:
             raise SpearError("steps, batch_size, eval_every, patience, topk and chunk_tokens must be positive")
-        if self.norm_lr < 0:
-            raise SpearError(f"norm_lr must be ≥ 0, got {self.norm_lr}")
+        if self.norm_lr < 0 or self.teacher_cache_gb < 0:
+            raise SpearError(f"norm_lr and teacher_cache_gb must be ≥ 0, got {self.norm_lr}, {self.teacher_cache_gb}")
         if self.hidden_weight < 0 or (self.hidden_weight > 0 and self.teacher_mode != "online"):
             raise SpearError("hidden_weight must be ≥ 0, and the hidden-state term needs teacher_mode 'online'")
 
@@ -189,16 +191,29 @@ def _chunks(n: int, size: int) -> Iterator[slice]:
 
 
 class OnlineTeacher:
-    """The float teacher, run on each batch: exact full-vocabulary targets."""
+    """The float teacher: exact full-vocabulary targets. Its last hidden states are kept per sequence
+    (up to `cache_bytes`), so that each sequence's teacher body runs once, not once per epoch and per held-out
+    evaluation; the logits are recomputed from them by the head, a chunk at a time."""
 
-    def __init__(self, teacher: nn.Module, layers: bool = False):
+    def __init__(self, teacher: nn.Module, layers: bool = False, cache_bytes: int = 0):
         self.model = teacher
-        self.layers = layers  # also return the decoder layers' outputs (the hidden-state term)
+        self.layers = layers  # also return the decoder layers' outputs (the hidden-state term): never cached
+        self.cache_bytes = 0 if layers else cache_bytes
+        self.hidden: dict[int, torch.Tensor] = {}  # calibration row -> its last hidden states [L, H]
+        self.cached_bytes = 0
 
     @torch.no_grad()
     def prepare(self, rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        keys = rows.tolist()
+        if all(k in self.hidden for k in keys):
+            return torch.cat([self.hidden[k] for k in keys]), ()
         device = next(self.model.parameters()).device
-        return _hidden_and_layers(self.model, ids.to(device), self.layers)  # [T, H], layer outputs
+        h, layers = _hidden_and_layers(self.model, ids.to(device), self.layers)  # [T, H], layer outputs
+        for k, h_row in zip(keys, h.view(len(keys), -1, h.shape[-1])):
+            if k not in self.hidden and self.cached_bytes + h_row.nbytes <= self.cache_bytes:
+                self.hidden[k] = h_row.clone()
+                self.cached_bytes += h_row.nbytes
+        return h, layers
 
     def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, tuple], sl: slice) -> torch.Tensor:
         """Σ over the chunk's tokens of KL(p ‖ q), float32."""
@@ -427,7 +442,8 @@ def calibrate_ecs(
     start_time = time.perf_counter()
     if teacher_logits is None and cfg.teacher_mode == "topk":
         teacher_logits = teacher_topk(teacher, calib_ids, cfg.topk, cfg.batch_size, cfg.chunk_tokens)
-    target = teacher_logits if teacher_logits is not None else OnlineTeacher(teacher, layers=cfg.hidden_weight > 0)
+    target = teacher_logits if teacher_logits is not None else OnlineTeacher(
+        teacher, layers=cfg.hidden_weight > 0, cache_bytes=int(cfg.teacher_cache_gb * 2**30))
     gen = torch.Generator().manual_seed(cfg.seed)
     perm = torch.randperm(n, generator=gen)
     held, train = perm[:n_held], perm[n_held:]
