@@ -106,6 +106,8 @@ def main() -> None:
     p.add_argument("--calib-temperature", type=float, default=CalibConfig.temperature)
     p.add_argument("--calib-surprise", type=float, default=CalibConfig.surprise,
                    help="share of positions sampled at full width and temperature 2 (data.calibration)")
+    p.add_argument("--calib-pack", type=int, default=CalibConfig.pack, help="self-samples end to end per sequence")
+    p.add_argument("--calib-sample-batch", type=int, default=CalibConfig.batch_size, help="sequences sampled at once")
     p.add_argument("--calib-top-p", type=float, default=CalibConfig.top_p)
     p.add_argument("--calib-file", default=None, help="real text instead of self-samples (an upper-bound row, not SPEAR)")
     p.add_argument("--sensitivity-samples", type=int, default=128, help="calibration sequences the CKA damage uses")
@@ -118,7 +120,8 @@ def main() -> None:
     lm = load_float_model(args.model)
     calib = CalibConfig(args.calib_samples, args.calib_len, text_file=args.calib_file,
                         temperature=args.calib_temperature, top_p=args.calib_top_p, first_token=args.calib_first_token,
-                        start=args.calib_start, surprise=args.calib_surprise)
+                        start=args.calib_start, surprise=args.calib_surprise, pack=args.calib_pack,
+                        batch_size=args.calib_sample_batch)
     ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(args.model))
     settings = QuantSettings(args.method, QuantConfig(args.bits, args.group_size), omniquant_epochs=args.omniquant_epochs)
     datasets = ("wikitext2", "ptb")

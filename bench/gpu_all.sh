@@ -11,7 +11,7 @@
 #   kernels   issue 4's grid (§4): $KMODELS (default 7b 8b 13b 70b) at $MS rows (default 1); $KSHAPES picks shapes
 #   slo       the SLO-aware chunked-prefill experiment (§6)
 #   tp        on nvidia-h200-x2: the layer-level TP grid (collective, p2p), then the engine at TP 2 (§7)
-#   quality   the quality suites $SUITES (default: bases) of bench/quality.py on the staged default model: run
+#   quality   the quality suites $SUITES (default: bases; $ROWS: only these rows) of bench/quality.py on the staged default model: run
 #             `eval $(bash .stage/b/device-join.sh)` first, with ../shared/data copied to /tmp/spear-data (quality.py
 #             says how); the suites' JSON (quality_SUITE.json, every row's table) and quality_rows.tgz (each row's
 #             JSON and log, there even when the limit cut the merge) come back
@@ -69,7 +69,7 @@ for part in $parts; do
       [ -n "${GGUF:-}" ] || { echo "quality: GGUF is not set: stage the model (bench/quality.py)" > $l; continue; }
       t=$(left 570)
       SPEAR_DATA=${SPEAR_DATA:-/tmp/spear-data} OMP_NUM_THREADS=2 timeout $t python bench/quality.py --model "$GGUF" \
-        --out /tmp/quality --suite ${SUITES:-bases} --time-limit $((t - 30)) > $l 2>&1
+        --out /tmp/quality --suite ${SUITES:-bases} ${ROWS:+--rows $ROWS} --time-limit $((t - 30)) > $l 2>&1
       cp /tmp/quality/quality_*.json "$out/" 2>/dev/null
       tar czf "$out/quality_rows.tgz" -C /tmp/quality . 2>/dev/null  # every row's JSON and log, merged or not
       for f in /tmp/quality/*.log; do echo "--- $f"; tail -n 3 "$f"; done >> $l 2>/dev/null ;;

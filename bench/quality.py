@@ -10,6 +10,7 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite norms       # norm gains trained beside the ECs
     spear bench quality --model $GGUF --out OUTDIR --suite short       # more, shorter self-samples, equal tokens
     spear bench quality --model $GGUF --out OUTDIR --suite steps       # longer KL training, more self-samples
+    spear bench quality --model $GGUF --out OUTDIR --suite pack        # self-samples end to end, 2,048 tokens
     spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
@@ -116,7 +117,14 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
         "steps": [  # longer KL training (the default's best held-out step is its last, 200), on more self-samples
             ("steps_400", table, PC + ["--steps", "400", "--only", "+SPEAR"]),
             ("steps_800", table, PC + ["--steps", "800", "--only", "+SPEAR"]),
-            ("steps_600_n1024", table, PC + ["--calib-samples", "1024", "--steps", "600", "--only", "+SPEAR"]),
+            ("steps_400_n1024", table, PC + ["--calib-samples", "1024", "--calib-sample-batch", "256", "--steps", "400",
+                                             "--only", "+SPEAR"]),
+        ],
+        "pack": [  # four 512-token self-samples end to end: the evaluation's 2,048-token context, equal tokens per step
+            ("pack4", table, PC + ["--calib-pack", "4", "--calib-batch", "2", "--sensitivity-samples", "32",
+                                   "--only", "+SPEAR"]),
+            ("pack4_mid", table, PC + ["--calib-pack", "4", "--calib-start", "mid", "--calib-batch", "2",
+                                       "--sensitivity-samples", "32", "--only", "+SPEAR"]),
         ],
         "zeroshot": [  # one process a row (one process for all three ran past a call's 9.5 minutes)
             ("zero_shot_fp", "zero_shot.py", ["--rows", "fp", "--batch-size", "64"]),
@@ -143,8 +151,9 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
     p.add_argument("--suite", nargs="+", default=["tables"],
-                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "steps", "zeroshot", "quant",
+                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "steps", "pack", "zeroshot", "quant",
                             "warm"])
+    p.add_argument("--rows", nargs="*", default=None, help="run only these rows of the suites (by name)")
     p.add_argument("--time-limit", type=int, default=540,
                    help="seconds the whole run may take: the warm-up's share comes off every row's limit")
     args = p.parse_args()
@@ -152,7 +161,9 @@ def main() -> None:
     from spear.eval.perplexity import data_dir
 
     by_suite = suites(str(data_dir()))
-    rows = [(suite, *row) for suite in args.suite for row in by_suite[suite]]
+    rows = [(suite, *row) for suite in args.suite for row in by_suite[suite] if args.rows is None or row[0] in args.rows]
+    if not rows:
+        raise SystemExit(f"no row of {', '.join(args.suite)} is named {', '.join(args.rows)}")
     args.out.mkdir(parents=True, exist_ok=True)
     warm_up(args.model)
     procs = []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from spear.data.calibration import CalibConfig, sample_from_model
+from spear.data.calibration import CalibConfig, pack_sequences, sample_from_model
 from spear.errors import SpearError
 
 
@@ -91,3 +91,14 @@ def test_ids_digest_names_exactly_the_tokens():
     changed = ids.clone()
     changed[3, 15] += 1
     assert ids_digest(changed) != ids_digest(ids)
+
+
+def test_packed_samples_run_end_to_end_without_the_later_bos():
+    ids = torch.arange(1, 25).view(6, 4)
+    ids[:, 0] = 0  # every sample starts with BOS 0
+    packed = pack_sequences(ids, 2, drop_bos=True)
+    assert packed.tolist() == [[0, 2, 3, 4, 6, 7, 8], [0, 10, 11, 12, 14, 15, 16], [0, 18, 19, 20, 22, 23, 24]]
+    assert pack_sequences(ids, 4, drop_bos=False).tolist() == [ids[:4].flatten().tolist()]  # leftover rows dropped
+    assert pack_sequences(ids, 1, drop_bos=True) is ids
+    with pytest.raises(SpearError, match="pack"):
+        CalibConfig(num_sequences=4, pack=5)
