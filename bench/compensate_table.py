@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=-1)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.01, 0.03])
     p.add_argument("--spear-budget", type=float, default=0.01)
-    p.add_argument("--steps", type=int, default=200, help="KL calibration steps")
+    p.add_argument("--steps", type=int, default=CalibrateConfig.steps, help="KL calibration steps")
     p.add_argument("--norm-lr", type=float, default=CalibrateConfig.norm_lr,
                    help="> 0: train the norm gains beside the ECs at this LR (norm tweaking)")
     p.add_argument("--cost", default="bytes", choices=["bytes", "latency"], help="the planner's cost model")

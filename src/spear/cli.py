@@ -73,6 +73,8 @@ def _budget(text: str) -> float:
 
 
 def _add_compensate_args(p: argparse.ArgumentParser) -> None:
+    from spear.compensate.calibrate import CalibrateConfig
+
     p.add_argument("--budget", type=_budget, default=0.01, help="EC memory as a share of the W4 model (default 1%%)")
     p.add_argument("--kind", default="adaptive", choices=["adaptive", "lorc", "lqer", "qera"],
                    help="adaptive: SPEAR's gated, KL-calibrated EC (default); lorc/lqer/qera: static closed form")
@@ -80,7 +82,8 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="auto", choices=["auto", "concentrate", "spread", "uniform"],
                    help="auto: rank by marginal gain per byte over every linear, the damage entropy as its prior "
                         "(default); concentrate/spread/uniform: the fixed ablation modes")
-    p.add_argument("--steps", type=int, default=200, help="KL calibration steps (adaptive)")
+    p.add_argument("--steps", type=int, default=CalibrateConfig.steps,
+                   help=f"KL calibration steps (adaptive; default {CalibrateConfig.steps})")
     p.add_argument("--cost", default="bytes", choices=["bytes", "latency"],
                    help="what a rank step costs the planner: bytes (default), or bytes + the decode µs the fused EC "
                         "adds (fit of the H200 kernel benchmark; compensate/cost.py)")

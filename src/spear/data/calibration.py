@@ -47,11 +47,11 @@ MID_MARGIN = 64  # "mid": extra tokens sampled per sequence; the window starts a
 
 @dataclass(frozen=True)
 class CalibConfig:
-    num_sequences: int = 512
+    num_sequences: int = 1024  # with 400 KL steps (CalibrateConfig.steps); module docstring
     seq_len: int = 512
     seed: int = 0
     text_file: str | None = None  # None: sample from the float model (data-free)
-    batch_size: int = 128  # sequences sampled at once
+    batch_size: int = 256  # sequences sampled at once (part of the cache key: the draws depend on it)
     temperature: float = 1.0
     top_p: float = 0.95
     first_token: str = "bos"  # "bos" | "random" (module docstring)
@@ -82,6 +82,7 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
         f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # top-p 1 keeps the keys of existing caches
     sampler += "" if cfg.start == "bos" else f":{cfg.start}"
     sampler += "" if cfg.surprise == 0 else f":surprise{cfg.surprise}"
+    sampler += "" if cfg.batch_size == 128 else f":b{cfg.batch_size}"  # 128 keeps the keys of existing caches
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
