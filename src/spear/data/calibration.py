@@ -91,11 +91,12 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
-        return pack_sequences(load_file(str(path))["ids"], cfg.pack, cfg.start == "bos")
-    ids = sample_from_model(model, tokenizer, cfg)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes sampling the same ids at once each rename a whole file
-    save_file({"ids": ids}, str(tmp), metadata={k: str(v) for k, v in asdict(cfg).items()})
-    tmp.rename(path)
+        ids = load_file(str(path))["ids"]
+    else:
+        ids = sample_from_model(model, tokenizer, cfg)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes sampling the same ids at once each rename a whole file
+        save_file({"ids": ids}, str(tmp), metadata={k: str(v) for k, v in asdict(cfg).items()})
+        tmp.rename(path)
     return pack_sequences(ids, cfg.pack, cfg.start == "bos")
 
 
