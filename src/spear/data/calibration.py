@@ -31,6 +31,7 @@ samples for twice as long and trains for about three times as long, which takes 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from spear.errors import SpearError
 from spear.util import cache_dir
@@ -186,3 +187,40 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Te
         offsets = torch.randint(1, MID_MARGIN + 1, (len(ids), 1), generator=torch.Generator().manual_seed(cfg.seed))
         ids = ids.gather(1, offsets + torch.arange(cfg.seq_len))
     return ids
+
+
+def _warp(logits: torch.Tensor, cfg: CalibConfig) -> torch.Tensor:
+    """Next-token logits [B, V] (float32) after cfg's temperature and top-p, and its surprise positions (module
+    docstring): what generate's own warpers and SurpriseWarper do."""
+    from spear.runtime.sampler import top_k_top_p
+
+    rows = len(logits)
+    usual = logits / cfg.temperature
+    if cfg.top_p < 1:
+        usual = top_k_top_p(usual, torch.zeros(rows, dtype=torch.int64, device=logits.device),
+                            torch.full((rows,), cfg.top_p, device=logits.device))
+    if cfg.surprise == 0:
+        return usual
+    surprised = torch.rand(rows, device=logits.device) < cfg.surprise
+    return torch.where(surprised[:, None], logits / SURPRISE_TEMPERATURE, usual)
+
+
+@torch.no_grad()
+def sample_with_cache(model: nn.Module, first: torch.Tensor, length: int, cfg: CalibConfig) -> torch.Tensor:
+    """Sequences [B, length] continuing `first` [B, k] one token a step through the model's KV cache, the draws on
+    the device (no host sync per step, unlike generate's stopping checks). End-of-sequence tokens are never drawn
+    (generate's min_new_tokens does the same). Draws from torch's global generator."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = torch.tensor([] if eos is None else eos if isinstance(eos, list) else [eos], device=first.device)
+    # transformers renamed the forward's `past_key_values` to `cache` (5.2x); the cache object grows in place
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {name: DynamicCache(config=model.config)}
+    out = model(input_ids=first, use_cache=True, logits_to_keep=1, **cache)
+    tokens = [first]
+    for _ in range(length - first.shape[1]):
+        logits = out.logits[:, -1].float().index_fill_(-1, eos, float("-inf"))
+        probs = _warp(logits, cfg).softmax(-1)
+        nxt = torch.multinomial(probs, 1)
+        tokens.append(nxt)
+        out = model(input_ids=nxt, use_cache=True, logits_to_keep=1, **cache)
+    return torch.cat(tokens, dim=1)

@@ -1,0 +1,133 @@
+"""Where the data-free stages' time goes: self-sampling and KL calibration (issue 32: the 1024-sample,
+400-step calibration must fit the 6-minute `spear run`).
+
+    python bench/profile_calibration.py --model $GGUF --json bench/results/quality/profile_calibration_h200.json
+    python bench/profile_calibration.py --samples 8 --len 16 --steps 2 --json /tmp/p.json   # CPU: end-to-end check
+
+Sampling: `--samples` sequences of `--len` tokens through transformers' generate (today's sampler) and through
+data.calibration.sample_with_cache (one forward a token, the draws on the device), at several batch sizes; ms per
+token step. Calibration: the default model quantized (RTN per-channel), SPEAR's ECs at 1%, then `--steps` KL steps
+timed without held-out passes, one held-out pass timed, and the operators that take the most time in a few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import write_json  # noqa: E402
+
+from spear.api import model_key  # noqa: E402
+from spear.compensate.calibrate import CalibrateConfig, OnlineTeacher, _mean_kl, calibrate_ecs  # noqa: E402
+from spear.compensate.pipeline import CompensateConfig, compensate  # noqa: E402
+from spear.data.calibration import CalibConfig, calibration_ids, sample_from_model, sample_with_cache  # noqa: E402
+from spear.models import load_float_model  # noqa: E402
+from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
+from spear.record import QuantConfig  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> tuple[object, float]:
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t
+
+
+def top_ops(fn, rows: int = 12) -> list[dict]:
+    """The operators with the most self time (device time on CUDA, else CPU) while fn runs."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        sync()
+    events = prof.key_averages()
+    cuda = torch.cuda.is_available()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    key = device_us if cuda else (lambda e: e.self_cpu_time_total)
+    out = [{"op": e.key, "calls": e.count, "self_device_ms": device_us(e) / 1e3 if cuda else None,
+            "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in sorted(events, key=key, reverse=True)[:rows]]
+    total_cpu = sum(e.self_cpu_time_total for e in events) / 1e3
+    total_dev = sum(device_us(e) for e in events) / 1e3 if cuda else None
+    print(f"  profile: self CPU {total_cpu:.0f} ms, self device {total_dev} ms")
+    for r in out:
+        print(f"    {r['op'][:60]:<60} x{r['calls']:<6} dev {r['self_device_ms'] or 0:8.1f} ms  cpu {r['self_cpu_ms']:8.1f} ms")
+    return [{"total_self_cpu_ms": total_cpu, "total_self_device_ms": total_dev}] + out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--len", type=int, default=128)
+    p.add_argument("--batches", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--loop-batches", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--calib-samples", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    result: dict = {"args": vars(args), "sampling": [], "calibration": {}}
+
+    lm = load_float_model(args.model)
+    model, tok = lm.model, lm.tokenizer
+    device = next(model.parameters()).device
+    steps = args.len - 1
+    for b in args.batches:
+        cfg = CalibConfig(args.samples, args.len, batch_size=b)
+        _, s = timed(lambda: sample_from_model(model, tok, cfg))
+        row = {"sampler": "generate", "batch": b, "seconds": s, "ms_per_step": 1e3 * s / (steps * -(-args.samples // b))}
+        result["sampling"].append(row)
+        print(row, flush=True)
+    cfg = CalibConfig(args.samples, args.len)
+    for b in args.loop_batches:
+        first = torch.full((min(b, args.samples), 1), tok.bos_token_id, device=device)
+        n_batches = -(-args.samples // len(first))
+        _, s = timed(lambda: [sample_with_cache(model, first, args.len, cfg) for _ in range(n_batches)])
+        row = {"sampler": "cache loop", "batch": len(first), "seconds": s, "ms_per_step": 1e3 * s / (steps * n_batches)}
+        result["sampling"].append(row)
+        print(row, flush=True)
+    short = CalibConfig(args.batches[-1], 17, batch_size=args.batches[-1])
+    print("generate, 16 steps:")
+    result["sampling_profile_generate"] = top_ops(lambda: sample_from_model(model, tok, short))
+    first = torch.full((args.loop_batches[-1], 1), tok.bos_token_id, device=device)
+    print("cache loop, 16 steps:")
+    result["sampling_profile_loop"] = top_ops(lambda: sample_with_cache(model, first, 17, cfg))
+    write_json(args.json, result)
+
+    ids = calibration_ids(model, tok, CalibConfig(args.calib_samples, 512), model_key(args.model))
+    teacher = copy.deepcopy(model)
+    quantize_model(model, QuantSettings("rtn", QuantConfig(4, -1)), ids)
+    compensate(model, teacher, ids, CompensateConfig(calibrate=CalibrateConfig(steps=1, progress=False)))
+    cal = CalibrateConfig(steps=args.steps, holdout=0.0, progress=False)
+    r, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal))
+    result["calibration"] = {"steps": args.steps, "seconds": s, "s_per_step": s / args.steps, "batch": cal.batch_size}
+    cal16 = replace(cal, batch_size=16)
+    r, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal16))
+    result["calibration"] |= {"batch16_s_per_step": s / args.steps}
+    target = OnlineTeacher(teacher, cache_bytes=2**32)
+    held = torch.arange(min(128, len(ids)))
+    _mean_kl(model, target, ids.to(device), held, 8, 1024)  # fills the teacher cache
+    _, s = timed(lambda: _mean_kl(model, target, ids.to(device), held, 8, 1024))
+    result["calibration"] |= {"heldout_pass_s": s, "heldout_rows": len(held)}
+    print(result["calibration"], flush=True)
+    print("calibration, 3 steps:")
+    result["calibration_profile"] = top_ops(lambda: calibrate_ecs(model, teacher, ids, replace(cal, steps=3)))
+    write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
