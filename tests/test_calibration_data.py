@@ -51,28 +51,45 @@ def test_bad_sampler_settings():
             CalibConfig(**kwargs)
 
 
-def test_surprise_warper_mixes_the_usual_sampler_with_a_hot_untruncated_one():
+def test_warp_mixes_the_usual_sampler_with_a_hot_untruncated_one():
     """Rows drawn as surprised get scores / SURPRISE_TEMPERATURE over the whole vocabulary; the others exactly what
-    generate's own temperature and top-p warpers give."""
+    transformers' own temperature and top-p warpers give."""
     from transformers import TopPLogitsWarper
 
-    from spear.data.calibration import SURPRISE_TEMPERATURE, SurpriseWarper
+    from spear.data.calibration import SURPRISE_TEMPERATURE, _warp
 
     scores = torch.randn(400, 50, generator=torch.Generator().manual_seed(0))
     ids = torch.zeros(400, 3, dtype=torch.long)
     usual = TopPLogitsWarper(0.9)(ids, scores / 0.8)
     torch.manual_seed(1)
-    out = SurpriseWarper(CalibConfig(temperature=0.8, top_p=0.9, surprise=0.25))(ids, scores)
+    out = _warp(scores, CalibConfig(temperature=0.8, top_p=0.9, surprise=0.25))
     hot = (out == scores / SURPRISE_TEMPERATURE).all(dim=1)
     assert 60 < int(hot.sum()) < 140  # about a quarter of 400
-    assert torch.equal(out[~hot], usual[~hot]) and torch.isinf(usual).any()
+    assert torch.equal(torch.isinf(out[~hot]), torch.isinf(usual[~hot])) and torch.isinf(usual).any()
+    assert torch.allclose(out[~hot][~torch.isinf(usual[~hot])], usual[~hot][~torch.isinf(usual[~hot])])
     assert not torch.isinf(out[hot]).any()
-    never = SurpriseWarper(CalibConfig(top_p=0.9, surprise=0.0))
-    assert torch.equal(never(ids, scores), TopPLogitsWarper(0.9)(ids, scores))
+    never = _warp(scores, CalibConfig(top_p=0.9, surprise=0.0))
+    assert torch.equal(torch.isinf(never), torch.isinf(TopPLogitsWarper(0.9)(ids, scores)))
 
 
-def test_surprise_sampling_through_generate():
-    """The warper takes generate's place (its own warpers off): full-length sequences from BOS, other ids than
+def test_cached_sampling_matches_generate_when_greedy():
+    """sample_with_cache runs the model's KV cache as generate does: with top-p tiny (greedy) both give the same
+    tokens, and neither ever draws the end-of-sequence token."""
+    from spear.data.calibration import sample_with_cache
+
+    model = make_tiny_llama()
+    first = torch.tensor([[1], [5], [7]])
+    ours = sample_with_cache(model, first, 12, CalibConfig(top_p=1e-6))
+    ref = model.generate(first, attention_mask=torch.ones_like(first), do_sample=False, max_new_tokens=11,
+                         min_new_tokens=11, pad_token_id=0)
+    assert torch.equal(ours, ref)
+    teacher_forced = model(ours).logits[:, :-1].argmax(-1)  # each token the argmax given all before it
+    eos = model.generation_config.eos_token_id
+    assert torch.equal(teacher_forced[teacher_forced != eos], ours[:, 1:][teacher_forced != eos])
+
+
+def test_surprise_sampling():
+    """Full-length sequences from BOS, other ids than
     without surprise from the same seed, the same ids again from the same seed."""
     model = make_tiny_llama()
     cfg = CalibConfig(num_sequences=6, seq_len=12, batch_size=6, surprise=0.5)

@@ -9,8 +9,7 @@ data-free generation), which sends each sequence to a different topic and regist
 `start`: "bos" keeps each sequence as sampled, from BOS; "mid" samples MID_MARGIN tokens more and keeps a window
 that starts at a random one of them, so the sequence starts mid-text with no BOS, as the evaluation windows do
 (perplexity windows are cut from one token stream) and as text-file windows do.
-`surprise`: the share of positions whose token is drawn from the full distribution at SURPRISE_TEMPERATURE instead
-(SurpriseWarper): real text surprises the model far more often than its own samples do (WikiText-2's perplexity under
+`surprise`: the share of positions whose token is drawn from the full distribution at SURPRISE_TEMPERATURE instead: real text surprises the model far more often than its own samples do (WikiText-2's perplexity under
 the float model is 21.8), and the states after a surprise are where the quantized model's errors then count; a
 hotter sampler throughout derails the text instead (temperature 1.2: −4.5 points). Untested on the full protocol.
 `pack`: k samples end to end per sequence (each later one without its BOS), so that calibration covers the
@@ -40,7 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
+from transformers import DynamicCache
 
 from spear.errors import SpearError
 from spear.util import cache_dir
@@ -57,7 +56,7 @@ class CalibConfig:
     seq_len: int = 512
     seed: int = 0
     text_file: str | None = None  # None: sample from the float model (data-free)
-    batch_size: int = 128  # sequences sampled at once (part of the cache key: the draws depend on it)
+    batch_size: int = 1024  # sequences sampled at once (part of the cache key: the draws depend on it)
     temperature: float = 1.0
     top_p: float = 0.95
     first_token: str = "bos"  # "bos" | "random" (module docstring)
@@ -88,7 +87,7 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
         f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # top-p 1 keeps the keys of existing caches
     sampler += "" if cfg.start == "bos" else f":{cfg.start}"
     sampler += "" if cfg.surprise == 0 else f":surprise{cfg.surprise}"
-    sampler += "" if cfg.batch_size == 128 else f":b{cfg.batch_size}"  # 128 keeps the keys of existing caches
+    sampler += f":kv:b{cfg.batch_size}"  # sample_with_cache's draws (generate's differ), which the batch size sets
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
@@ -135,63 +134,9 @@ def text_file_ids(tokenizer, path: Path, cfg: CalibConfig) -> torch.Tensor:
     return torch.stack([ids[s : s + cfg.seq_len] for s in starts.tolist()])
 
 
-class SurpriseWarper(LogitsProcessor):
-    """Per sequence and step: with probability cfg.surprise the whole distribution at SURPRISE_TEMPERATURE, else
-    cfg.temperature and cfg.top_p (transformers' own TopPLogitsWarper). Draws from torch's global generator, which
-    sample_from_model seeds."""
-
-    def __init__(self, cfg: CalibConfig):
-        self.share, self.temperature = cfg.surprise, cfg.temperature
-        self.top_p = TopPLogitsWarper(cfg.top_p) if cfg.top_p < 1 else None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        usual = scores / self.temperature
-        if self.top_p is not None:
-            usual = self.top_p(input_ids, usual)
-        surprised = torch.rand(scores.shape[0], device=scores.device) < self.share
-        return torch.where(surprised[:, None], scores / SURPRISE_TEMPERATURE, usual)
-
-
-@torch.no_grad()
-def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Tensor:
-    """Ancestral sampling (cfg.temperature, cfg.top_p, no top-k), full length, batch by batch."""
-    device = next(model.parameters()).device
-    torch.manual_seed(cfg.seed)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    bos = tokenizer.bos_token_id
-    special = set(tokenizer.all_special_ids)
-    ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
-    length = cfg.seq_len + (MID_MARGIN if cfg.start == "mid" else 0)
-    out = []
-    for start in tqdm(range(0, cfg.num_sequences, cfg.batch_size), desc="self-sampling calibration data", unit="batch"):
-        n = min(cfg.batch_size, cfg.num_sequences - start)
-        if bos is None:
-            first = ordinary[torch.randint(0, len(ordinary), (n, 1))]
-        elif cfg.first_token == "random":
-            first = torch.cat([torch.full((n, 1), bos), ordinary[torch.randint(0, len(ordinary), (n, 1))]], 1)
-        else:
-            first = torch.full((n, 1), bos)
-        # with surprise, SurpriseWarper does all the warping (generate's own temperature and top-p off)
-        warp = dict(temperature=cfg.temperature, top_p=cfg.top_p) if cfg.surprise == 0 else \
-            dict(temperature=1.0, top_p=1.0, logits_processor=LogitsProcessorList([SurpriseWarper(cfg)]))
-        ids = model.generate(
-            first.to(device),
-            attention_mask=torch.ones_like(first, device=device),
-            do_sample=True, top_k=0, **warp,
-            max_new_tokens=length - first.shape[1], min_new_tokens=length - first.shape[1],
-            pad_token_id=tokenizer.eos_token_id,
-        )
-        out.append(ids.cpu())
-    ids = torch.cat(out)
-    if cfg.start == "mid":  # window [o, o + seq_len), o in 1..MID_MARGIN: no BOS, mid-text, as evaluation windows
-        offsets = torch.randint(1, MID_MARGIN + 1, (len(ids), 1), generator=torch.Generator().manual_seed(cfg.seed))
-        ids = ids.gather(1, offsets + torch.arange(cfg.seq_len))
-    return ids
-
-
 def _warp(logits: torch.Tensor, cfg: CalibConfig) -> torch.Tensor:
     """Next-token logits [B, V] (float32) after cfg's temperature and top-p, and its surprise positions (module
-    docstring): what generate's own warpers and SurpriseWarper do."""
+    docstring), as transformers' warpers apply them."""
     from spear.runtime.sampler import top_k_top_p
 
     rows = len(logits)
@@ -224,3 +169,30 @@ def sample_with_cache(model: nn.Module, first: torch.Tensor, length: int, cfg: C
         tokens.append(nxt)
         out = model(input_ids=nxt, use_cache=True, logits_to_keep=1, **cache)
     return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Tensor:
+    """Ancestral sampling (cfg.temperature, cfg.top_p, no top-k, no end-of-sequence), full length, batch by batch."""
+    device = next(model.parameters()).device
+    torch.manual_seed(cfg.seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    bos = tokenizer.bos_token_id
+    special = set(tokenizer.all_special_ids)
+    ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
+    length = cfg.seq_len + (MID_MARGIN if cfg.start == "mid" else 0)
+    out = []
+    for start in tqdm(range(0, cfg.num_sequences, cfg.batch_size), desc="self-sampling calibration data", unit="batch"):
+        n = min(cfg.batch_size, cfg.num_sequences - start)
+        if bos is None:
+            first = ordinary[torch.randint(0, len(ordinary), (n, 1))]
+        elif cfg.first_token == "random":
+            first = torch.cat([torch.full((n, 1), bos), ordinary[torch.randint(0, len(ordinary), (n, 1))]], 1)
+        else:
+            first = torch.full((n, 1), bos)
+        out.append(sample_with_cache(model, first.to(device), length, cfg).cpu())
+    ids = torch.cat(out)
+    if cfg.start == "mid":  # window [o, o + seq_len), o in 1..MID_MARGIN: no BOS, mid-text, as evaluation windows
+        offsets = torch.randint(1, MID_MARGIN + 1, (len(ids), 1), generator=torch.Generator().manual_seed(cfg.seed))
+        ids = ids.gather(1, offsets + torch.arange(cfg.seq_len))
+    return ids
