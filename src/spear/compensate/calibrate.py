@@ -58,7 +58,7 @@ SCHEDULES = ("cosine", "constant")
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    steps: int = 200  # optimizer steps (an epoch is ceil(train sequences / batch_size) steps); BENCHMARKS §2
+    steps: int = 400  # optimizer steps (an epoch is ceil(train sequences / batch_size) steps); BENCHMARKS §2
     batch_size: int = 8  # sequences per step
     lr: float = 1e-2  # gate MLP and alpha
     lr_ab: float = 1e-3  # A and B (SmolLM2 W4, 50 steps: 10x lower LRs leave 3x more KL)
