@@ -119,3 +119,18 @@ def test_packed_samples_run_end_to_end_without_the_later_bos():
     assert pack_sequences(ids, 1, drop_bos=True) is ids
     with pytest.raises(SpearError, match="pack"):
         CalibConfig(num_sequences=4, pack=5)
+
+
+def test_sampling_batch_keeps_the_kv_cache_under_its_budget():
+    """Fewer sequences at once where their KV cache would pass kv_cache_gb; the ids keep their shape."""
+    from spear.data.calibration import sampling_batch
+
+    model = make_tiny_llama()
+    c = model.config
+    row = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4 * 8
+    assert sampling_batch(model, CalibConfig(num_sequences=12, seq_len=8)) == 12
+    small = CalibConfig(num_sequences=12, seq_len=8, kv_cache_gb=3.5 * row / 2**30)
+    assert sampling_batch(model, small) == 3
+    assert sample_from_model(model, _Tok(), small).shape == (12, 8)
+    with pytest.raises(SpearError):
+        CalibConfig(kv_cache_gb=0)

@@ -9,8 +9,8 @@ data-free generation), which sends each sequence to a different topic and regist
 `start`: "bos" keeps each sequence as sampled, from BOS; "mid" samples MID_MARGIN tokens more and keeps a window
 that starts at a random one of them, so the sequence starts mid-text with no BOS, as the evaluation windows do
 (perplexity windows are cut from one token stream) and as text-file windows do.
-`surprise`: the share of positions whose token is drawn from the full distribution at SURPRISE_TEMPERATURE instead: real text surprises the model far more often than its own samples do (WikiText-2's perplexity under
-the float model is 21.8), and the states after a surprise are where the quantized model's errors then count; a
+`surprise`: the share of positions whose token is drawn from the full distribution at SURPRISE_TEMPERATURE instead: real
+text surprises the model far more often than its own samples do (WikiText-2's perplexity under the float model is 21.8), and the states after a surprise are where the quantized model's errors then count; a
 hotter sampler throughout derails the text instead (temperature 1.2: −4.5 points). Untested on the full protocol.
 `pack`: k samples end to end per sequence (each later one without its BOS), so that calibration covers the
 evaluation's context lengths (2,048-token windows across documents) with text that has not drifted as one long sample
@@ -57,7 +57,8 @@ class CalibConfig:
     seq_len: int = 512
     seed: int = 0
     text_file: str | None = None  # None: sample from the float model (data-free)
-    batch_size: int = 1024  # sequences sampled at once (part of the cache key: the draws depend on it)
+    batch_size: int = 1024  # sequences sampled at once, at most (sampling_batch; its value is in the cache key)
+    kv_cache_gb: float = 16.0  # the sampler's KV cache stays under this: fewer sequences at once if needed
     temperature: float = 1.0
     top_p: float = 0.95
     first_token: str = "bos"  # "bos" | "random" (module docstring)
@@ -76,6 +77,8 @@ class CalibConfig:
             raise SpearError(f"surprise is a share of positions in [0, 1), got {self.surprise}")
         if not 1 <= self.pack <= self.num_sequences:
             raise SpearError(f"pack must be between 1 and the {self.num_sequences} sequences, got {self.pack}")
+        if self.kv_cache_gb <= 0:
+            raise SpearError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.num_sequences < 1 or self.seq_len < 2:
             raise SpearError(f"calibration needs ≥ 1 sequence of ≥ 2 tokens, got {self.num_sequences} × {self.seq_len}")
 
@@ -88,7 +91,7 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
         f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # top-p 1 keeps the keys of existing caches
     sampler += "" if cfg.start == "bos" else f":{cfg.start}"
     sampler += "" if cfg.surprise == 0 else f":surprise{cfg.surprise}"
-    sampler += f":kv:b{cfg.batch_size}"  # sample_with_cache's draws (generate's differ), which the batch size sets
+    sampler += f":kv:b{sampling_batch(model, cfg)}"  # sample_with_cache's draws (generate's differ): the batch sets them
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
@@ -156,8 +159,9 @@ def sample_with_cache(model: nn.Module, first: torch.Tensor, length: int, cfg: C
     """Sequences [B, length] continuing `first` [B, k] one token a step through the model's KV cache, the draws on
     the device (no host sync per step, unlike generate's stopping checks). End-of-sequence tokens are never drawn
     (generate's min_new_tokens does the same). Draws from torch's global generator."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    eos = torch.tensor([] if eos is None else eos if isinstance(eos, list) else [eos], device=first.device)
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = torch.tensor([] if eos is None else eos if isinstance(eos, list) else [eos], dtype=torch.long,
+                       device=first.device)
     # transformers renamed the forward's `past_key_values` to `cache` (5.2x); the cache object grows in place
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = {name: DynamicCache(config=model.config)}
@@ -172,6 +176,21 @@ def sample_with_cache(model: nn.Module, first: torch.Tensor, length: int, cfg: C
     return torch.cat(tokens, dim=1)
 
 
+def sampling_batch(model: nn.Module, cfg: CalibConfig) -> int:
+    """Sequences sampled at once: cfg.batch_size, fewer where their KV cache (2 · layers · kv heads · head dim values
+    a token, in the model's dtype) would pass cfg.kv_cache_gb."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(c, "num_attention_heads", None)
+    head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    layers = getattr(c, "num_hidden_layers", None)
+    if not (head_dim and kv_heads and layers):
+        return min(cfg.batch_size, cfg.num_sequences)
+    length = cfg.seq_len + (MID_MARGIN if cfg.start == "mid" else 0)
+    row_bytes = 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size() * length
+    return max(1, min(cfg.batch_size, cfg.num_sequences, int(cfg.kv_cache_gb * 2**30 // row_bytes)))
+
+
 @torch.no_grad()
 def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Tensor:
     """Ancestral sampling (cfg.temperature, cfg.top_p, no top-k, no end-of-sequence), full length, batch by batch."""
@@ -183,8 +202,9 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Te
     ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
     length = cfg.seq_len + (MID_MARGIN if cfg.start == "mid" else 0)
     out = []
-    for start in tqdm(range(0, cfg.num_sequences, cfg.batch_size), desc="self-sampling calibration data", unit="batch"):
-        n = min(cfg.batch_size, cfg.num_sequences - start)
+    batch = sampling_batch(model, cfg)
+    for start in tqdm(range(0, cfg.num_sequences, batch), desc="self-sampling calibration data", unit="batch"):
+        n = min(batch, cfg.num_sequences - start)
         if bos is None:
             first = ordinary[torch.randint(0, len(ordinary), (n, 1))]
         elif cfg.first_token == "random":
