@@ -141,16 +141,15 @@ def text_file_ids(tokenizer, path: Path, cfg: CalibConfig) -> torch.Tensor:
 def _warp(logits: torch.Tensor, cfg: CalibConfig) -> torch.Tensor:
     """Next-token logits [B, V] (float32) after cfg's temperature and top-p, and its surprise positions (module
     docstring), as transformers' warpers apply them."""
-    from spear.runtime.sampler import top_k_top_p
-
-    rows = len(logits)
     usual = logits / cfg.temperature
-    if cfg.top_p < 1:
-        usual = top_k_top_p(usual, torch.zeros(rows, dtype=torch.int64, device=logits.device),
-                            torch.full((rows,), cfg.top_p, device=logits.device))
+    if cfg.top_p < 1:  # the nucleus: the most likely tokens until their mass reaches top_p, the rest -inf
+        ranked, order = usual.sort(dim=-1, descending=True)
+        probs = ranked.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs >= cfg.top_p  # the mass before this token already reaches top_p
+        usual = usual.scatter(-1, order, ranked.masked_fill(outside, float("-inf")))
     if cfg.surprise == 0:
         return usual
-    surprised = torch.rand(rows, device=logits.device) < cfg.surprise
+    surprised = torch.rand(len(logits), device=logits.device) < cfg.surprise
     return torch.where(surprised[:, None], logits / SURPRISE_TEMPERATURE, usual)
 
 
