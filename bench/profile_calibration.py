@@ -4,9 +4,9 @@
     python bench/profile_calibration.py --model $GGUF --json bench/results/quality/profile_calibration_h200.json
     python bench/profile_calibration.py --samples 8 --len 16 --steps 2 --json /tmp/p.json   # CPU: end-to-end check
 
-Sampling: `--samples` sequences of `--len` tokens through transformers' generate (today's sampler) and through
-data.calibration.sample_with_cache (one forward a token, the draws on the device), at several batch sizes; ms per
-token step. Calibration: the default model quantized (RTN per-channel), SPEAR's ECs at 1%, then `--steps` KL steps
+Sampling: `--samples` sequences of `--len` tokens through transformers' generate (the sampler before) and through
+data.calibration.sample_with_cache (today's: one forward a token, the draws on the device), at several batch sizes;
+ms per token step. Calibration: the default model quantized (RTN per-channel), SPEAR's ECs at 1%, then `--steps` KL steps
 timed without held-out passes, one held-out pass timed, and the operators that take the most time in a few steps.
 """
 
@@ -27,7 +27,7 @@ from common import write_json  # noqa: E402
 from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import CalibrateConfig, OnlineTeacher, _mean_kl, calibrate_ecs  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate  # noqa: E402
-from spear.data.calibration import CalibConfig, calibration_ids, sample_from_model, sample_with_cache  # noqa: E402
+from spear.data.calibration import CalibConfig, calibration_ids, sample_with_cache  # noqa: E402
 from spear.models import load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
 from spear.record import QuantConfig  # noqa: E402
@@ -44,6 +44,13 @@ def timed(fn) -> tuple[object, float]:
     out = fn()
     sync()
     return out, time.perf_counter() - t
+
+
+def generate(model, first: torch.Tensor, length: int, top_p: float) -> torch.Tensor:
+    """The sampler before sample_with_cache: transformers' generate, full length, no EOS (min_new_tokens)."""
+    new = length - first.shape[1]
+    return model.generate(first, attention_mask=torch.ones_like(first), do_sample=True, top_k=0, top_p=top_p,
+                          max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
 
 
 def top_ops(fn, rows: int = 12) -> list[dict]:
@@ -86,26 +93,23 @@ def main() -> None:
     model, tok = lm.model, lm.tokenizer
     device = next(model.parameters()).device
     steps = args.len - 1
-    for b in args.batches:
-        cfg = CalibConfig(args.samples, args.len, batch_size=b)
-        _, s = timed(lambda: sample_from_model(model, tok, cfg))
-        row = {"sampler": "generate", "batch": b, "seconds": s, "ms_per_step": 1e3 * s / (steps * -(-args.samples // b))}
-        result["sampling"].append(row)
-        print(row, flush=True)
     cfg = CalibConfig(args.samples, args.len)
-    for b in args.loop_batches:
-        first = torch.full((min(b, args.samples), 1), tok.bos_token_id, device=device)
-        n_batches = -(-args.samples // len(first))
-        _, s = timed(lambda: [sample_with_cache(model, first, args.len, cfg) for _ in range(n_batches)])
-        row = {"sampler": "cache loop", "batch": len(first), "seconds": s, "ms_per_step": 1e3 * s / (steps * n_batches)}
-        result["sampling"].append(row)
-        print(row, flush=True)
-    short = CalibConfig(args.batches[-1], 17, batch_size=args.batches[-1])
+    samplers = {"generate": lambda first, length: generate(model, first, length, cfg.top_p),
+                "cache loop": lambda first, length: sample_with_cache(model, first, length, cfg)}
+    for name, batches in (("generate", args.batches), ("cache loop", args.loop_batches)):
+        for b in batches:
+            first = torch.full((min(b, args.samples), 1), tok.bos_token_id, device=device)
+            n_batches = -(-args.samples // len(first))
+            _, s = timed(lambda: [samplers[name](first, args.len) for _ in range(n_batches)])
+            row = {"sampler": name, "batch": len(first), "seconds": s, "ms_per_step": 1e3 * s / (steps * n_batches)}
+            result["sampling"].append(row)
+            print(row, flush=True)
+    first = torch.full((args.batches[-1], 1), tok.bos_token_id, device=device)
     print("generate, 16 steps:")
-    result["sampling_profile_generate"] = top_ops(lambda: sample_from_model(model, tok, short))
+    result["sampling_profile_generate"] = top_ops(lambda: samplers["generate"](first, 17))
     first = torch.full((args.loop_batches[-1], 1), tok.bos_token_id, device=device)
     print("cache loop, 16 steps:")
-    result["sampling_profile_loop"] = top_ops(lambda: sample_with_cache(model, first, 17, cfg))
+    result["sampling_profile_loop"] = top_ops(lambda: samplers["cache loop"](first, 17))
     write_json(args.json, result)
 
     ids = calibration_ids(model, tok, CalibConfig(args.calib_samples, 512), model_key(args.model))
@@ -113,10 +117,10 @@ def main() -> None:
     quantize_model(model, QuantSettings("rtn", QuantConfig(4, -1)), ids)
     compensate(model, teacher, ids, CompensateConfig(calibrate=CalibrateConfig(steps=1, progress=False)))
     cal = CalibrateConfig(steps=args.steps, holdout=0.0, progress=False)
-    r, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal))
+    _, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal))
     result["calibration"] = {"steps": args.steps, "seconds": s, "s_per_step": s / args.steps, "batch": cal.batch_size}
     cal16 = replace(cal, batch_size=16)
-    r, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal16))
+    _, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal16))
     result["calibration"] |= {"batch16_s_per_step": s / args.steps}
     target = OnlineTeacher(teacher, cache_bytes=2**32)
     held = torch.arange(min(128, len(ids)))

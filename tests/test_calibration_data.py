@@ -65,11 +65,10 @@ def test_warp_mixes_the_usual_sampler_with_a_hot_untruncated_one():
     out = _warp(scores, CalibConfig(temperature=0.8, top_p=0.9, surprise=0.25))
     hot = (out == scores / SURPRISE_TEMPERATURE).all(dim=1)
     assert 60 < int(hot.sum()) < 140  # about a quarter of 400
-    assert torch.equal(torch.isinf(out[~hot]), torch.isinf(usual[~hot])) and torch.isinf(usual).any()
-    assert torch.allclose(out[~hot][~torch.isinf(usual[~hot])], usual[~hot][~torch.isinf(usual[~hot])])
+    assert torch.equal(out[~hot], usual[~hot]) and torch.isinf(usual).any()
     assert not torch.isinf(out[hot]).any()
     never = _warp(scores, CalibConfig(top_p=0.9, surprise=0.0))
-    assert torch.equal(torch.isinf(never), torch.isinf(TopPLogitsWarper(0.9)(ids, scores)))
+    assert torch.equal(never, TopPLogitsWarper(0.9)(ids, scores))
 
 
 def test_cached_sampling_matches_generate_when_greedy():
@@ -89,8 +88,8 @@ def test_cached_sampling_matches_generate_when_greedy():
 
 
 def test_surprise_sampling():
-    """Full-length sequences from BOS, other ids than
-    without surprise from the same seed, the same ids again from the same seed."""
+    """Full-length sequences from BOS, other ids than without surprise from the same seed, the same ids again from
+    the same seed."""
     model = make_tiny_llama()
     cfg = CalibConfig(num_sequences=6, seq_len=12, batch_size=6, surprise=0.5)
     ids = sample_from_model(model, _Tok(), cfg)

@@ -10,8 +10,9 @@ data-free generation), which sends each sequence to a different topic and regist
 that starts at a random one of them, so the sequence starts mid-text with no BOS, as the evaluation windows do
 (perplexity windows are cut from one token stream) and as text-file windows do.
 `surprise`: the share of positions whose token is drawn from the full distribution at SURPRISE_TEMPERATURE instead: real
-text surprises the model far more often than its own samples do (WikiText-2's perplexity under the float model is 21.8), and the states after a surprise are where the quantized model's errors then count; a
-hotter sampler throughout derails the text instead (temperature 1.2: −4.5 points). Untested on the full protocol.
+text surprises the model far more often than its own samples do (WikiText-2's perplexity under the float model is
+21.8), and the states after a surprise are where the quantized model's errors then count; a hotter sampler
+throughout derails the text instead (temperature 1.2: −4.5 points). Untested on the full protocol.
 `pack`: k samples end to end per sequence (each later one without its BOS), so that calibration covers the
 evaluation's context lengths (2,048-token windows across documents) with text that has not drifted as one long sample
 does (256 × 1024 and 128 × 2048 samples: −1.6 and −2.4 points against 512 × 512). Measured: 4 × 512 end to end,
@@ -82,6 +83,11 @@ class CalibConfig:
         if self.num_sequences < 1 or self.seq_len < 2:
             raise SpearError(f"calibration needs ≥ 1 sequence of ≥ 2 tokens, got {self.num_sequences} × {self.seq_len}")
 
+    @property
+    def sampled_len(self) -> int:
+        """Tokens sampled per sequence: seq_len, and MID_MARGIN more for start "mid"."""
+        return self.seq_len + (MID_MARGIN if self.start == "mid" else 0)
+
 
 def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: str) -> torch.Tensor:
     """[num_sequences, seq_len] token ids on CPU; self-sampled ones are cached under `model_key`."""
@@ -91,7 +97,7 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
         f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # top-p 1 keeps the keys of existing caches
     sampler += "" if cfg.start == "bos" else f":{cfg.start}"
     sampler += "" if cfg.surprise == 0 else f":surprise{cfg.surprise}"
-    sampler += f":kv:b{sampling_batch(model, cfg)}"  # sample_with_cache's draws (generate's differ): the batch sets them
+    sampler += f":kv:b{sampling_batch(model, cfg)}"  # sample_with_cache's draws (not generate's), set by the batch
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
@@ -185,8 +191,7 @@ def sampling_batch(model: nn.Module, cfg: CalibConfig) -> int:
     layers = getattr(c, "num_hidden_layers", None)
     if not (head_dim and kv_heads and layers):
         return min(cfg.batch_size, cfg.num_sequences)
-    length = cfg.seq_len + (MID_MARGIN if cfg.start == "mid" else 0)
-    row_bytes = 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size() * length
+    row_bytes = 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size() * cfg.sampled_len
     return max(1, min(cfg.batch_size, cfg.num_sequences, int(cfg.kv_cache_gb * 2**30 // row_bytes)))
 
 
@@ -199,7 +204,6 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Te
     bos = tokenizer.bos_token_id
     special = set(tokenizer.all_special_ids)
     ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
-    length = cfg.seq_len + (MID_MARGIN if cfg.start == "mid" else 0)
     out = []
     batch = sampling_batch(model, cfg)
     for start in tqdm(range(0, cfg.num_sequences, batch), desc="self-sampling calibration data", unit="batch"):
@@ -210,7 +214,7 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Te
             first = torch.cat([torch.full((n, 1), bos), ordinary[torch.randint(0, len(ordinary), (n, 1))]], 1)
         else:
             first = torch.full((n, 1), bos)
-        out.append(sample_with_cache(model, first.to(device), length, cfg).cpu())
+        out.append(sample_with_cache(model, first.to(device), cfg.sampled_len, cfg).cpu())
     ids = torch.cat(out)
     if cfg.start == "mid":  # window [o, o + seq_len), o in 1..MID_MARGIN: no BOS, mid-text, as evaluation windows
         offsets = torch.randint(1, MID_MARGIN + 1, (len(ids), 1), generator=torch.Generator().manual_seed(cfg.seed))
