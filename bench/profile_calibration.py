@@ -7,7 +7,9 @@
 Sampling: `--samples` sequences of `--len` tokens through transformers' generate (the sampler before) and through
 data.calibration.sample_with_cache (today's: one forward a token, the draws on the device), at several batch sizes;
 ms per token step. Calibration: the default model quantized (RTN per-channel), SPEAR's ECs at 1%, then `--steps` KL steps
-timed without held-out passes, one held-out pass timed, and the operators that take the most time in a few steps.
+timed without held-out passes, eager and replayed as a CUDA graph (each from the same EC state: their final
+train KLs should agree), one held-out pass timed at several batch sizes, and (--profile-ops) the operators that
+take the most time in a few steps.
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ def main() -> None:
     p.add_argument("--loop-batches", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--calib-batches", type=int, nargs="+", default=[8, 16], help="sequences per KL step, timed")
+    p.add_argument("--heldout-batches", type=int, nargs="+", default=[8], help="sequences per held-out forward, timed")
+    p.add_argument("--no-sampling", action="store_true", help="time the calibration only")
+    p.add_argument("--profile-ops", action="store_true", help="also list the calibration step's top operators (slow)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     result: dict = {"args": vars(args), "sampling": [], "calibration": {}}
@@ -96,7 +102,7 @@ def main() -> None:
     cfg = CalibConfig(args.samples, args.len)
     samplers = {"generate": lambda first, length: generate(model, first, length, cfg.top_p),
                 "cache loop": lambda first, length: sample_with_cache(model, first, length, cfg)}
-    for name, batches in (("generate", args.batches), ("cache loop", args.loop_batches)):
+    for name, batches in () if args.no_sampling else (("generate", args.batches), ("cache loop", args.loop_batches)):
         for b in batches:
             first = torch.full((min(b, args.samples), 1), tok.bos_token_id, device=device)
             n_batches = -(-args.samples // len(first))
@@ -104,32 +110,42 @@ def main() -> None:
             row = {"sampler": name, "batch": len(first), "seconds": s, "ms_per_step": 1e3 * s / (steps * n_batches)}
             result["sampling"].append(row)
             print(row, flush=True)
-    first = torch.full((args.batches[-1], 1), tok.bos_token_id, device=device)
-    print("generate, 16 steps:")
-    result["sampling_profile_generate"] = top_ops(lambda: samplers["generate"](first, 17))
-    first = torch.full((args.loop_batches[-1], 1), tok.bos_token_id, device=device)
-    print("cache loop, 16 steps:")
-    result["sampling_profile_loop"] = top_ops(lambda: samplers["cache loop"](first, 17))
-    write_json(args.json, result)
+    if not args.no_sampling:
+        first = torch.full((args.batches[-1], 1), tok.bos_token_id, device=device)
+        print("generate, 16 steps:")
+        result["sampling_profile_generate"] = top_ops(lambda: samplers["generate"](first, 17))
+        first = torch.full((args.loop_batches[-1], 1), tok.bos_token_id, device=device)
+        print("cache loop, 16 steps:")
+        result["sampling_profile_loop"] = top_ops(lambda: samplers["cache loop"](first, 17))
+        write_json(args.json, result)
 
     ids = calibration_ids(model, tok, CalibConfig(args.calib_samples, 512), model_key(args.model))
     teacher = copy.deepcopy(model)
     quantize_model(model, QuantSettings("rtn", QuantConfig(4, -1)), ids)
     compensate(model, teacher, ids, CompensateConfig(calibrate=CalibrateConfig(steps=1, progress=False)))
     cal = CalibrateConfig(steps=args.steps, holdout=0.0, progress=False)
-    _, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal))
-    result["calibration"] = {"steps": args.steps, "seconds": s, "s_per_step": s / args.steps, "batch": cal.batch_size}
-    cal16 = replace(cal, batch_size=16)
-    _, s = timed(lambda: calibrate_ecs(model, teacher, ids, cal16))
-    result["calibration"] |= {"batch16_s_per_step": s / args.steps}
+    result["calibration"] = {"steps": args.steps, "s_per_step": {}, "final_train_kl": {}, "heldout_pass_s": {}}
+    for b in args.calib_batches:  # each run includes its initial and final train-KL passes
+        for graph in (False, True) if torch.cuda.is_available() else (False,):
+            state = {k: v.clone() for k, v in model.state_dict().items() if ".ec." in k}
+            res, s = timed(lambda: calibrate_ecs(model, teacher, ids, replace(cal, batch_size=b, cuda_graph=graph)))
+            model.load_state_dict(state, strict=False)  # the next run starts where this one did
+            key = f"b{b}_{'graph' if graph else 'eager'}"
+            result["calibration"]["s_per_step"][key] = s / args.steps
+            result["calibration"]["final_train_kl"][key] = res.final_train_kl
+            print(key, f"{s / args.steps:.3f} s/step, train KL {res.initial_train_kl:.4f} -> {res.final_train_kl:.4f}",
+                  flush=True)
     target = OnlineTeacher(teacher, cache_bytes=2**32)
     held = torch.arange(min(128, len(ids)))
     _mean_kl(model, target, ids.to(device), held, 8, 1024)  # fills the teacher cache
-    _, s = timed(lambda: _mean_kl(model, target, ids.to(device), held, 8, 1024))
-    result["calibration"] |= {"heldout_pass_s": s, "heldout_rows": len(held)}
+    for b in args.heldout_batches:
+        _, s = timed(lambda: _mean_kl(model, target, ids.to(device), held, b, 1024))
+        result["calibration"]["heldout_pass_s"][b] = s
+    result["calibration"]["heldout_rows"] = len(held)
     print(result["calibration"], flush=True)
-    print("calibration, 3 steps:")
-    result["calibration_profile"] = top_ops(lambda: calibrate_ecs(model, teacher, ids, replace(cal, steps=3)))
+    if args.profile_ops:
+        print("calibration, 3 steps:")
+        result["calibration_profile"] = top_ops(lambda: calibrate_ecs(model, teacher, ids, replace(cal, steps=3)))
     write_json(args.json, result)
 
 
