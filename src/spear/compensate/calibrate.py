@@ -72,6 +72,7 @@ class CalibrateConfig:
     schedule: str = "cosine"
     max_grad_norm: float = 1.0
     holdout: float = 0.125  # share of the sequences held out for early stopping (0: none)
+    max_holdout: int = 256  # at most this many held out (each evaluation scores them all)
     eval_every: int = 10
     patience: int = 5  # evaluations without improvement before stopping
     seed: int = 0
@@ -92,7 +93,7 @@ class CalibrateConfig:
             raise SpearError(f"unknown LR schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not 0 <= self.holdout < 1:
             raise SpearError(f"holdout must be in [0, 1), got {self.holdout}")
-        if min(self.steps, self.batch_size, self.eval_batch_size, self.eval_every, self.patience, self.topk,
+        if min(self.steps, self.batch_size, self.eval_batch_size, self.max_holdout, self.eval_every, self.patience, self.topk,
                self.chunk_tokens) < 1:
             raise SpearError("steps, batch sizes, eval_every, patience, topk and chunk_tokens must be positive")
         if self.norm_lr < 0 or self.teacher_cache_gb < 0:
@@ -522,7 +523,7 @@ def calibrate_ecs(
         cached = tuple(teacher_logits.logp.shape[:2])
         raise SpearError(f"the cached teacher logits cover {cached} tokens but the ids are {tuple(calib_ids.shape)}")
     n = len(calib_ids)
-    n_held = int(n * cfg.holdout)
+    n_held = min(int(n * cfg.holdout), cfg.max_holdout)
     if n - n_held < 1:
         raise SpearError(f"{n} calibration sequences leave none for training with holdout {cfg.holdout}")
 
