@@ -22,6 +22,7 @@ from spear.compensate.calibrate import (
     norm_gains,
     teacher_topk,
 )
+from spear.compensate.graphed_step import GraphedStep, _copy_into
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.pipeline import QuantSettings, quantize_model
@@ -255,3 +256,34 @@ def test_teacher_hidden_state_cache_trains_as_the_uncached_teacher_and_keeps_its
     again, _ = target.prepare(torch.tensor([2, 0]), ids[[2, 0]])  # from the cache alone
     torch.testing.assert_close(again, torch.cat([h[64:96], h[:32]]))
     assert OnlineTeacher(teacher, layers=True, cache_bytes=1 << 30).cache_bytes == 0  # layer outputs are never cached
+
+
+def test_heldout_share_is_capped_and_the_graphed_step_is_eager_off_cuda():
+    teacher, student = quantized_pair()
+    ids = calib_ids(16, 16)
+    capped = calibrate_ecs(copy.deepcopy(student), teacher, ids, replace(FAST, steps=2, holdout=0.5, max_holdout=3))
+    assert capped.heldout_sequences == 3
+    assert calibrate_ecs(copy.deepcopy(student), teacher, ids, replace(FAST, steps=2)).heldout_sequences == 4
+    # cuda_graph only applies to CUDA tensors: on CPU both settings run the same eager step
+    runs = [calibrate_ecs(copy.deepcopy(student), teacher, ids, replace(FAST, steps=4, cuda_graph=g, eval_batch_size=b))
+            for g, b in ((True, 3), (False, 16))]
+    assert runs[0].final_heldout_kl == pytest.approx(runs[1].final_heldout_kl, rel=1e-5)
+    with pytest.raises(SpearError, match="positive"):
+        CalibrateConfig(eval_batch_size=0)
+
+
+def test_graphed_step_disabled_sets_fresh_gradients_each_call():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+
+    def loss_fn(x, pair):  # runs its own backward, as calibration's _batch_loss does
+        loss = (w * x).sum() + (w * pair[0] * pair[1][0]).sum()
+        loss.backward()
+        return loss.detach()
+
+    step = GraphedStep(loss_fn, [w], enabled=False)
+    for scale in (1.0, 3.0):  # a second call replaces the gradient, it does not accumulate
+        x = torch.full((2,), scale)
+        assert step(x, (x, (x,))).item() == pytest.approx(3 * (scale + scale**2))
+        assert torch.allclose(w.grad, x + x * x)
+    _copy_into(static := (torch.zeros(2), (torch.zeros(1),)), (torch.ones(2), (torch.full((1,), 5.0),)))
+    assert static[0].tolist() == [1.0, 1.0] and static[1][0].item() == 5.0

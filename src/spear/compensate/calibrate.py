@@ -21,7 +21,7 @@ stops after `patience` evaluations without improvement.
 Speed: a step launches ~30k operators (~190 ECs, forward and backward), so on a GPU it is bound by the
 host's launches: 0.4–0.6 s a step at 8 or at 64 sequences of 512 tokens on an H200 (BENCHMARKS §2). On CUDA
 the step (forward, chunked KL, backward) is therefore captured once as a CUDA graph and replayed on
-fixed buffers (`cuda_graph`, _StepRunner); clipping and Adam run eagerly.
+fixed buffers (`cuda_graph`, compensate.graphed_step); clipping and Adam run eagerly.
 
 Memory: logits are never materialised for a whole batch. The student's last hidden
 states [T, H] are computed once, then the head, the log-softmax and the KL run over
@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from spear.compensate.graphed_step import GraphedStep
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
 
@@ -112,6 +113,7 @@ class CalibrationResult:
     best_step: int  # step whose EC state was kept (0: the initial state)
     seconds: float
     history: list[dict] = field(default_factory=list)  # one entry per evaluation
+    heldout_sequences: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -364,80 +366,6 @@ def gate_spread(model: nn.Module, ids: torch.Tensor, batch_size: int = 8) -> dic
 # --- training -----------------------------------------------------------------------
 
 
-def _copy_into(static, new) -> None:
-    """Copy the tensors of `new` into the same-shaped tensors of `static` (tuples nest)."""
-    if isinstance(static, torch.Tensor):
-        static.copy_(new)
-    else:
-        for a, b in zip(static, new, strict=True):
-            _copy_into(a, b)
-
-
-def _clone(x):
-    return x.clone() if isinstance(x, torch.Tensor) else tuple(_clone(y) for y in x)
-
-
-class _StepRunner:
-    """One training step (forward, chunked KL, backward into the trained tensors' .grad) on fixed buffers.
-
-    On CUDA it is captured once as a CUDA graph (torch.cuda.graph, after two warm-up steps on a side stream) and
-    replayed: a step's ~30k operator launches become one. The trained tensors' .grad then live in the graph's
-    memory and are overwritten by each replay, so they must not be set to None between steps. Off CUDA, with
-    `graph` False, or where capture fails (a model whose forward syncs with the host), the step runs eagerly.
-    """
-
-    def __init__(self, student: nn.Module, target, ids: torch.Tensor, trainable: list[nn.Parameter],
-                 cfg: CalibrateConfig):
-        self.student, self.target, self.ids, self.trainable, self.cfg = student, target, ids, trainable, cfg
-        self.use_graph = cfg.cuda_graph and ids.is_cuda
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static_ids = self.static_prepared = self.static_loss = None
-
-    def _loss(self, ids: torch.Tensor, prepared: tuple) -> torch.Tensor:
-        return _batch_loss(self.student, self.target, prepared, ids, self.cfg.chunk_tokens, True,
-                           self.cfg.hidden_weight)
-
-    def _zero_grad(self) -> None:
-        for p in self.trainable:
-            p.grad = None
-
-    def step(self, rows: torch.Tensor) -> torch.Tensor:
-        """Set the trained tensors' .grad to the gradient of one batch's loss; return its mean KL (a tensor)."""
-        ids = self.ids[rows]
-        prepared = self.target.prepare(rows, ids)
-        if not self.use_graph:
-            self._zero_grad()
-            return self._loss(ids, prepared)
-        if self.graph is None:
-            self._capture(ids, prepared)
-            if self.graph is None:
-                return self.step(rows)
-        _copy_into(self.static_ids, ids)
-        _copy_into(self.static_prepared, prepared)
-        self.graph.replay()
-        return self.static_loss
-
-    def _capture(self, ids: torch.Tensor, prepared: tuple) -> None:
-        self.static_ids, self.static_prepared = ids.clone(), _clone(prepared)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: cuBLAS workspaces, the autograd engine's streams
-                    self._zero_grad()
-                    self._loss(self.static_ids, self.static_prepared)
-            torch.cuda.current_stream().wait_stream(side)
-            self._zero_grad()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.static_loss = self._loss(self.static_ids, self.static_prepared)
-            self.graph = graph
-        except RuntimeError as e:  # capture is an optimisation: fall back to the eager step
-            torch.cuda.synchronize()
-            self.use_graph, self.graph = False, None
-            tqdm.write(f"calibration: CUDA graph capture failed ({str(e).splitlines()[0][:120]}); running eagerly")
-
-
 @contextlib.contextmanager
 def _float32(model: nn.Module) -> Iterator[None]:
     """Run `model` with every fp16/bf16 parameter and buffer in float32; cast each back on exit (exact)."""
@@ -559,11 +487,15 @@ def calibrate_ecs(
         history: list[dict] = []
         running: list[float] = []
         batches = _batches(train, batch_size, gen)
-        runner = _StepRunner(student, target, ids, trainable, cfg)
+        step_fn = GraphedStep(
+            lambda batch_ids, prepared: _batch_loss(student, target, prepared, batch_ids, cfg.chunk_tokens, True,
+                                                    cfg.hidden_weight),
+            trainable, enabled=cfg.cuda_graph and ids.is_cuda)
         bar = tqdm(range(1, cfg.steps + 1), desc="calibrating ECs (KL)", unit="step", disable=not cfg.progress)
         step = 0
         for step in bar:
-            loss = runner.step(next(batches))
+            rows = next(batches)
+            loss = step_fn(ids[rows], target.prepare(rows, ids[rows]))
             torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             opt.step()
             sched.step()
@@ -587,7 +519,7 @@ def calibrate_ecs(
             _load_trained_state(student, best_state, norms)
         else:
             best_step = step
-        del runner  # frees the graph's memory
+        del step_fn  # frees the graph's memory
         final_train = score(train)
         opt.zero_grad(set_to_none=True)
 
@@ -600,4 +532,5 @@ def calibrate_ecs(
         best_step=best_step,
         seconds=time.perf_counter() - start_time,
         history=history,
+        heldout_sequences=n_held,
     )
