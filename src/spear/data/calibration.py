@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from spear.errors import SpearError
+from spear.nucleus import top_k_top_p
 from spear.util import cache_dir
 
 FIRST_TOKENS = ("bos", "random")
@@ -149,10 +150,9 @@ def _warp(logits: torch.Tensor, cfg: CalibConfig) -> torch.Tensor:
     docstring), as transformers' warpers apply them."""
     usual = logits / cfg.temperature
     if cfg.top_p < 1:  # the nucleus: the most likely tokens until their mass reaches top_p, the rest -inf
-        ranked, order = usual.sort(dim=-1, descending=True)
-        probs = ranked.softmax(dim=-1)
-        outside = probs.cumsum(dim=-1) - probs >= cfg.top_p  # the mass before this token already reaches top_p
-        usual = usual.scatter(-1, order, ranked.masked_fill(outside, float("-inf")))
+        rows = len(logits)
+        usual = top_k_top_p(usual, torch.zeros(rows, dtype=torch.long, device=logits.device),
+                            torch.full((rows,), cfg.top_p, device=logits.device))
     if cfg.surprise == 0:
         return usual
     surprised = torch.rand(len(logits), device=logits.device) < cfg.surprise
