@@ -52,7 +52,7 @@ def test_quality_suites_write_distinct_files():
 
 
 def test_quality_levers_plot_reads_every_lever_from_its_json(tmp_path):
-    """bench/plot_quality_levers.py: each lever's row is found in its JSON, the default is BENCHMARKS §2's
+    """bench/plot_quality_levers.py: each lever's row is found in its JSON, the earlier default is BENCHMARKS §2's
     76.4 / 79.4%, and the chart is written."""
     import plot_quality_levers
 
@@ -61,5 +61,7 @@ def test_quality_levers_plot_reads_every_lever_from_its_json(tmp_path):
     default = levers[0]
     assert default[1] == "default" and round(100 * default[2], 1) == 76.4 and round(100 * default[3], 1) == 79.4
     assert all(0.5 < wiki < 0.9 and 0.5 < ptb < 0.9 for _, _, wiki, ptb in levers)
+    wiki = {label: w for label, _, w, _ in levers}  # a `spear run` record read too: the 80% row of §2
+    assert round(100 * wiki["4096 samples, 1000 KL steps (spear run)"], 1) == 80.4
     plot_quality_levers.plot(levers, tmp_path / "levers.png")
     assert (tmp_path / "levers.png").read_bytes()[:4] == b"\x89PNG"
