@@ -12,6 +12,7 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite steps       # longer KL training, more self-samples
     spear bench quality --model $GGUF --out OUTDIR --suite pack        # self-samples end to end, 2,048 tokens
     spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
+    spear bench quality --model $GGUF --out OUTDIR --suite full --rows full_gptq_w4pc full_rtn_w4g64   # 4096 x 1000
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
 
@@ -51,6 +52,7 @@ G3 = ["--method", "gptq", "--bits", "3", "--group-size", "64"]
 AWQ = ["--method", "awq", "--bits", "4", "--group-size", "-1"]
 OMNI = ["--method", "omniquant", "--bits", "4", "--group-size", "-1"]
 STATIC = ["--budgets", "0.01", "--only", "LQER", "QERA", "+SPEAR"]
+FULL = ["--calib-samples", "4096", "--steps", "1000"]
 
 
 def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
@@ -131,19 +133,34 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("zero_shot_w4", "zero_shot.py", ["--rows", "w4", "--batch-size", "64"]),
             ("zero_shot_spear", "zero_shot.py", ["--spear", "--rows", "spear", "--batch-size", "64"]),
         ],
+        "full": [  # the four settings at 4096 self-samples x 1000 KL steps (the hard case's 80.4%); two rows a call
+            (f"full_{name}", table, setting + FULL + ["--only", "+SPEAR 1%"])
+            for name, setting in (("rtn_w4pc", PC), ("gptq_w4pc", G4), ("rtn_w4g64", R64), ("gptq_w3g64", G3))
+        ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
     }
 
 
-def warm_up(model: str) -> None:
-    """Convert the model and cache its self-sampled calibration ids (CalibConfig's defaults, which most rows share)."""
+def warm_up(model: str, num_sequences: int | None = None) -> None:
+    """Convert the model and cache its self-sampled calibration ids (CalibConfig's defaults, which most rows share;
+    `num_sequences` of them where every row asks for that many)."""
     from spear.api import model_key
     from spear.data.calibration import CalibConfig, calibration_ids
     from spear.models import load_float_model
 
     lm = load_float_model(model)
-    calibration_ids(lm.model, lm.tokenizer, CalibConfig(), model_key(model))
+    cfg = CalibConfig() if num_sequences is None else CalibConfig(num_sequences)
+    calibration_ids(lm.model, lm.tokenizer, cfg, model_key(model))
+
+
+def shared_calib_samples(options: list[list[str]]) -> int | None:
+    """The --calib-samples every row's options name alike, with no other option that changes the calibration ids
+    (any other --calib-*, the KL batch aside), else None."""
+    counts = {opts[opts.index("--calib-samples") + 1] if "--calib-samples" in opts else None for opts in options}
+    kept = ("--calib-samples", "--calib-batch")
+    other = any(o.startswith("--calib-") and o not in kept for opts in options for o in opts)
+    return int(counts.pop()) if len(counts) == 1 and None not in counts and not other else None
 
 
 def main() -> None:
@@ -151,8 +168,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
     p.add_argument("--suite", nargs="+", default=["tables"],
-                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "steps", "pack", "zeroshot", "quant",
-                            "warm"])
+                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "steps", "pack",
+                            "zeroshot", "full", "quant", "warm"])
     p.add_argument("--rows", nargs="*", default=None, help="run only these rows of the suites (by name)")
     p.add_argument("--time-limit", type=int, default=540,
                    help="seconds the whole run may take: the warm-up's share comes off every row's limit")
@@ -165,7 +182,7 @@ def main() -> None:
     if not rows:
         raise SystemExit(f"no row of {', '.join(args.suite)} is named {', '.join(args.rows)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    warm_up(args.model)
+    warm_up(args.model, shared_calib_samples([options for *_, options in rows]))
     procs = []
     row_limit = max(1, int(deadline - time.monotonic()) - 5)  # 5 s to merge the rows' JSON before the caller's limit
     for _, name, script, options in rows:

@@ -51,6 +51,16 @@ def test_quality_suites_write_distinct_files():
     assert all((ROOT / "bench" / script).is_file() for _, script, _ in rows)
 
 
+def test_quality_warm_up_caches_the_self_samples_the_rows_share():
+    """A suite whose rows all ask for N self-samples (and nothing else that changes them) warms up N, once."""
+    suites = quality.suites("/data")
+    assert quality.shared_calib_samples([opts for *_, opts in suites["full"]]) == 4096
+    assert quality.shared_calib_samples([opts for *_, opts in suites["tables"]]) is None  # the defaults
+    assert quality.shared_calib_samples([["--calib-samples", "4096"], ["--calib-samples", "2048"]]) is None
+    assert quality.shared_calib_samples([["--calib-samples", "8", "--calib-top-p", "0.9"]]) is None
+    assert quality.shared_calib_samples([["--calib-samples", "8", "--calib-batch", "32"]]) == 8
+
+
 def test_quality_levers_plot_reads_every_lever_from_its_json(tmp_path):
     """bench/plot_quality_levers.py: each lever's row is found in its JSON, the earlier default is BENCHMARKS §2's
     76.4 / 79.4%, and the chart is written."""
