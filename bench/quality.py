@@ -12,7 +12,7 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite steps       # longer KL training, more self-samples
     spear bench quality --model $GGUF --out OUTDIR --suite pack        # self-samples end to end, 2,048 tokens
     spear bench quality --model $GGUF --out OUTDIR --suite zeroshot    # FP / W4 / +SPEAR on the zero-shot tasks
-    spear bench quality --model $GGUF --out OUTDIR --suite full --rows full_gptq_w4pc full_rtn_w4g64   # 4096 x 1000
+    spear bench quality --model $GGUF --out OUTDIR --suite full --rows full_gptq_w4pc    # 4096 x 1000, a row a call
     spear bench quality --model $GGUF --out OUTDIR --suite quant       # the quantizers (bench/quant_table.py)
     spear bench quality --model $GGUF --out OUTDIR --suite warm        # only the warm-up
 
@@ -133,7 +133,7 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("zero_shot_w4", "zero_shot.py", ["--rows", "w4", "--batch-size", "64"]),
             ("zero_shot_spear", "zero_shot.py", ["--spear", "--rows", "spear", "--batch-size", "64"]),
         ],
-        "full": [  # the four settings at 4096 self-samples x 1000 KL steps (the hard case's 80.4%); two rows a call
+        "full": [  # the four settings at 4096 self-samples x 1000 KL steps (the hard case's 80.4%); one row a call
             (f"full_{name}", table, setting + FULL + ["--only", "+SPEAR 1%"])
             for name, setting in (("rtn_w4pc", PC), ("gptq_w4pc", G4), ("rtn_w4g64", R64), ("gptq_w3g64", G3))
         ],
