@@ -25,8 +25,8 @@ first half and is copied aside there: the second half must follow within 30 s, a
 
 (gpu_all.sh's `quality` part reads SPEAR_DATA, default /tmp/spear-data, and brings back quality_SUITE.json.)
 
-Several suites (`--suite levers zeroshot`) run all their rows at once. The warm-up runs first, so that the GGUF
-conversion and the self-sampled calibration ids are cached once. Each row writes OUTDIR/NAME.json (bench/
+Several suites (`--suite levers zeroshot`) run all their rows at once. With more than one row the warm-up runs
+first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row writes OUTDIR/NAME.json (bench/
 compensate_table.py's, quant_table.py's or zero_shot.py's) and NAME.log; then each suite OUTDIR/quality_SUITE.json:
 the provenance and every row's table.
 """
@@ -179,10 +179,14 @@ def main() -> None:
 
     by_suite = suites(str(data_dir()))
     rows = [(suite, *row) for suite in args.suite for row in by_suite[suite] if args.rows is None or row[0] in args.rows]
+    if args.suite == ["warm"]:
+        warm_up(args.model)
+        return
     if not rows:
-        raise SystemExit(f"no row of {', '.join(args.suite)} is named {', '.join(args.rows)}")
+        raise SystemExit(f"no row of {', '.join(args.suite)} is named {', '.join(args.rows or [])}")
     args.out.mkdir(parents=True, exist_ok=True)
-    warm_up(args.model, shared_calib_samples([options for *_, options in rows]))
+    if len(rows) > 1:  # one row converts and samples for itself: a second model load saved
+        warm_up(args.model, shared_calib_samples([options for *_, options in rows]))
     procs = []
     row_limit = max(1, int(deadline - time.monotonic()) - 5)  # 5 s to merge the rows' JSON before the caller's limit
     for _, name, script, options in rows:
