@@ -1,7 +1,8 @@
 """A training step replayed as one CUDA graph: calibration's KL step without the host's launch cost.
 
 A KL step of calibration launches ~30k operators (~190 ECs, forward and backward), so on a GPU it is bound by
-the host: 0.44 s a step at 8 sequences of 512 tokens on an H200, 0.25 s replayed (BENCHMARKS §2). GraphedStep
+the host: 0.44 s a step at 8 sequences of 512 tokens on an H200, 0.25 s replayed (20 steps, with their scoring
+passes; BENCHMARKS §2). GraphedStep
 captures `loss_fn(*inputs)`, which computes a loss and runs its backward into the `.grad` of `params`, once with
 torch.cuda.graph (after two warm-up calls on a side stream), then copies each call's inputs into the captured
 buffers and replays.
