@@ -27,7 +27,14 @@ import torch  # noqa: E402
 from common import write_json  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
-from spear.compensate.calibrate import CalibrateConfig, OnlineTeacher, _mean_kl, calibrate_ecs  # noqa: E402
+from spear.compensate.calibrate import (  # noqa: E402
+    CalibrateConfig,
+    OnlineTeacher,
+    _mean_kl,
+    calibrate_ecs,
+    ec_state_dict,
+    load_ec_state_dict,
+)
 from spear.compensate.pipeline import CompensateConfig, compensate  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids, sample_with_cache  # noqa: E402
 from spear.models import load_float_model  # noqa: E402
@@ -127,9 +134,9 @@ def main() -> None:
     result["calibration"] = {"steps": args.steps, "s_per_step": {}, "final_train_kl": {}, "heldout_pass_s": {}}
     for b in args.calib_batches:  # each run includes its initial and final train-KL passes
         for graph in (False, True) if torch.cuda.is_available() else (False,):
-            state = {k: v.clone() for k, v in model.state_dict().items() if ".ec." in k}
+            state = ec_state_dict(model)
             res, s = timed(lambda: calibrate_ecs(model, teacher, ids, replace(cal, batch_size=b, cuda_graph=graph)))
-            model.load_state_dict(state, strict=False)  # the next run starts where this one did
+            load_ec_state_dict(model, state)  # the next run starts where this one did
             key = f"b{b}_{'graph' if graph else 'eager'}"
             result["calibration"]["s_per_step"][key] = s / args.steps
             result["calibration"]["final_train_kl"][key] = res.final_train_kl

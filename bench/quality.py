@@ -26,9 +26,9 @@ first half and is copied aside there: the second half must follow within 30 s, a
 (gpu_all.sh's `quality` part reads SPEAR_DATA, default /tmp/spear-data, and brings back quality_SUITE.json.)
 
 Several suites (`--suite levers zeroshot`) run all their rows at once. With more than one row the warm-up runs
-first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row writes OUTDIR/NAME.json (bench/
-compensate_table.py's, quant_table.py's or zero_shot.py's) and NAME.log; then each suite OUTDIR/quality_SUITE.json:
-the provenance and every row's table.
+first, so that the GGUF conversion and the self-sampled calibration ids are cached once. Each row writes
+OUTDIR/NAME.json (bench/compensate_table.py's, quant_table.py's or zero_shot.py's) and NAME.log; then each suite
+OUTDIR/quality_SUITE.json: the provenance and every row's table.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ every `eval_every` steps (`eval_batch_size` sequences a forward), the best state
 stops after `patience` evaluations without improvement.
 
 Speed: a step launches ~30k operators (~190 ECs, forward and backward), so on a GPU it is bound by the
-host's launches: 0.4–0.6 s a step at 8 or at 64 sequences of 512 tokens on an H200 (BENCHMARKS §2). On CUDA
+host's launches: 0.44 / 0.48 s a step at 8 / 32 sequences of 512 tokens on an H200 (BENCHMARKS §2). On CUDA
 the step (forward, chunked KL, backward) is therefore captured once as a CUDA graph and replayed on
 fixed buffers (`cuda_graph`, compensate.graphed_step); clipping and Adam run eagerly.
 
@@ -290,16 +290,11 @@ def teacher_topk(
 # --- the loss -----------------------------------------------------------------------
 
 
-def _batch_kl(student: nn.Module, target, rows: torch.Tensor, ids: torch.Tensor, chunk_tokens: int, backward: bool,
-              hidden_weight: float = 0.0) -> float:
-    """Mean per-token KL of one batch; with `backward`, accumulate the gradient of
-    KL + hidden_weight · layer discrepancy into the ECs (the returned figure is the KL alone)."""
-    return _batch_loss(student, target, target.prepare(rows, ids), ids, chunk_tokens, backward, hidden_weight).item()
-
-
 def _batch_loss(student: nn.Module, target, prepared: tuple, ids: torch.Tensor, chunk_tokens: int, backward: bool,
-                hidden_weight: float) -> torch.Tensor:
-    """_batch_kl on the teacher's prepared targets, as a tensor (no host sync: a CUDA graph can hold it)."""
+                hidden_weight: float = 0.0) -> torch.Tensor:
+    """Mean per-token KL of one batch against the teacher's prepared targets, as a tensor (no host sync: a CUDA
+    graph can hold it); with `backward`, accumulate the gradient of KL + hidden_weight · layer discrepancy into
+    the ECs (the returned figure is the KL alone)."""
     layers = backward and hidden_weight > 0
     h, s_layers = _hidden_and_layers(student, ids, layers)  # [T, H]
     h_leaf = h.detach().requires_grad_(backward)
@@ -323,7 +318,8 @@ def _mean_kl(student: nn.Module, target, ids: torch.Tensor, rows: torch.Tensor, 
     total = 0.0
     for start in range(0, len(rows), batch_size):
         r = rows[start : start + batch_size]
-        total += _batch_kl(student, target, r, ids[r].to(device), chunk_tokens, backward=False) * len(r)
+        batch = ids[r].to(device)
+        total += _batch_loss(student, target, target.prepare(r, batch), batch, chunk_tokens, False).item() * len(r)
     return total / len(rows)
 
 
@@ -495,7 +491,8 @@ def calibrate_ecs(
         step = 0
         for step in bar:
             rows = next(batches)
-            batch_kl = step_fn(ids[rows], target.prepare(rows, ids[rows])).item()
+            batch_ids = ids[rows]
+            batch_kl = step_fn(batch_ids, target.prepare(rows, batch_ids)).item()
             torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             opt.step()
             sched.step()

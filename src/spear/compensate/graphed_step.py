@@ -2,10 +2,9 @@
 
 A KL step of calibration launches ~30k operators (~190 ECs, forward and backward), so on a GPU it is bound by
 the host: 0.44 s a step at 8 sequences of 512 tokens on an H200, 0.25 s replayed (20 steps, with their scoring
-passes; BENCHMARKS §2). GraphedStep
-captures `loss_fn(*inputs)`, which computes a loss and runs its backward into the `.grad` of `params`, once with
-torch.cuda.graph (after two warm-up calls on a side stream), then copies each call's inputs into the captured
-buffers and replays.
+passes; BENCHMARKS §2). GraphedStep captures `loss_fn(*inputs)`, which computes a loss and runs its backward into
+the `.grad` of `params`, once with torch.cuda.graph (after two warm-up calls on a side stream), then copies each
+call's inputs into the captured buffers and replays.
 
 The captured backward writes the gradients into the graph's own memory, so between calls they must stay as they
 are (never set to None): the caller clips them and steps its optimizer eagerly. Inputs keep one shape (tensors,

@@ -25,8 +25,8 @@ gap at 200 steps; 1024 at 200 steps: 76.1%, **1024 at 400 steps: 78.1 / 80.6%**;
 76.6%); the sampler barely moves it (top-p 0.9 / 0.95 / 1.0 and temperature 0.8 within ±0.7 points at 512), and top-p
 0.95 was the best row. Hence 1024 sequences and 400 KL steps (CalibrateConfig.steps): the H200's `spear run` takes
 5 min 20 s with them (78.1 / 80.7%), now that sample_with_cache samples the 1024 in 37 s (generate took ~165 s: its
-per-step host work, 110 ms a step at batch 256 against 39 ms). 2048 × 700 lowered the held-out KL further (0.188
-against 0.206) but takes ~10 minutes.
+per-step host work, 110 ms a step at batch 256 against 39 ms). More still closes more: 2048 × 700 79.8 / 82.3%,
+4096 × 1000 80.4 / 83.1% in 7 min 49 s (over the 6-minute budget of the default; BENCHMARKS §2).
 """
 
 from __future__ import annotations
