@@ -272,6 +272,18 @@ def test_heldout_share_is_capped_and_the_graphed_step_is_eager_off_cuda():
         CalibrateConfig(eval_batch_size=0)
 
 
+def test_train_kl_is_scored_on_at_most_max_holdout_training_sequences(monkeypatch):
+    """The before / after train KL reads a fixed share of the training set, as the held-out scoring does."""
+    import spear.compensate.calibrate as calibrate
+
+    scored = []
+    real = calibrate._mean_kl
+    monkeypatch.setattr(calibrate, "_mean_kl", lambda *a: scored.append(len(a[3])) or real(*a))
+    teacher, student = quantized_pair()
+    result = calibrate_ecs(student, teacher, calib_ids(16, 16), replace(FAST, steps=2, holdout=0.25, max_holdout=3))
+    assert result.heldout_sequences == 3 and scored and max(scored) == 3  # 13 training sequences, 3 scored
+
+
 def test_graphed_step_disabled_sets_fresh_gradients_each_call():
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
 

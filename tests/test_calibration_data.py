@@ -128,6 +128,8 @@ def test_sampling_batch_keeps_the_kv_cache_under_its_budget():
     c = model.config
     row = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4 * 8
     assert sampling_batch(model, CalibConfig(num_sequences=12, seq_len=8)) == 12
+    assert sampling_batch(model, CalibConfig(num_sequences=5000, seq_len=8)) == 4096  # batch_size caps it (16 GB on CPU)
+    assert sampling_batch(model, CalibConfig(num_sequences=5000, seq_len=8, kv_cache_gb=1000 * row / 2**30)) == 1000
     small = CalibConfig(num_sequences=12, seq_len=8, kv_cache_gb=3.5 * row / 2**30)
     assert sampling_batch(model, small) == 3
     assert sample_from_model(model, _Tok(), small).shape == (12, 8)

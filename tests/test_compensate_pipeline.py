@@ -110,3 +110,17 @@ def test_model_without_linear_layers_is_refused():
         quantize_model(model, QuantSettings("rtn", QuantConfig(bits=4)))
     with pytest.raises(SpearError, match="no quantized layers"):
         compensate(model, model, torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_input_statistics_read_at_most_stats_sequences(float_and_quantized, monkeypatch):
+    """The inits' R_xx comes from the first `stats_sequences` calibration sequences, not all of them."""
+    import spear.compensate.pipeline as pipeline
+
+    teacher, quantized, ids = float_and_quantized
+    seen = []
+    real = pipeline.collect_input_stats
+    monkeypatch.setattr(pipeline, "collect_input_stats", lambda model, calib, *a: seen.append(calib) or real(model, calib, *a))
+    compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05, stats_sequences=5))
+    assert len(seen) == 1 and torch.equal(seen[0], ids[:5])
+    with pytest.raises(SpearError, match="stats_sequences"):
+        CompensateConfig(stats_sequences=0)

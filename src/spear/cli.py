@@ -37,8 +37,8 @@ def _add_calib_args(p: argparse.ArgumentParser) -> None:
     from spear.data.calibration import CalibConfig
 
     p.add_argument("--calib-samples", type=int, default=CalibConfig.num_sequences,
-                   help=f"calibration sequences (default {CalibConfig.num_sequences}; 4096 with --steps 1000 closed 80.4%% "
-                        "of SmolLM2's W4 per-channel gap against 78.1%% at the defaults, ~8 min on an H200)")
+                   help=f"calibration sequences (default {CalibConfig.num_sequences}; with the default steps they closed "
+                        "80.4%% of SmolLM2's W4 per-channel gap, 1024 with --steps 400 78.1%%; BENCHMARKS §2)")
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
     p.add_argument("--calib-file", default=None, help="a text file to calibrate on instead of self-sampled sequences")
     p.add_argument("--calib-start", default=CalibConfig.start, choices=["bos", "mid"],
@@ -57,7 +57,8 @@ def _calib_config(args):
 def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
-    p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="windows per forward pass (default: 8 on CUDA, 1 on CPU)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
 
@@ -394,7 +395,7 @@ def cmd_bench(args) -> int:
 def _check_eval_args(args) -> None:
     if args.max_windows is not None and args.max_windows < 1:
         raise SpearError(f"--max-windows must be at least 1, got {args.max_windows}")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise SpearError(f"--batch-size must be at least 1, got {args.batch_size}")
 
 

@@ -31,6 +31,8 @@ QUICK_CALIB = CalibConfig(num_sequences=16, seq_len=128)
 QUICK_WINDOWS = 1
 QUICK_CALIBRATE = CalibrateConfig(steps=16, batch_size=2, eval_every=4, patience=3)
 QUICK_SENSITIVITY = SensitivityConfig(num_sequences=2, seq_len=128)
+EVAL_BATCH_CUDA = 8  # perplexity windows per forward on a GPU: each is scored from scratch, so only the speed changes
+EVAL_LOGITS_BYTES = 4 * 2**30  # ... and fewer where a batch's float32 logits would pass this
 
 
 def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None
@@ -51,13 +53,14 @@ class RunConfig:
     datasets: tuple[str, ...] = ("wikitext2", "ptb")
     seqlen: int = 2048
     max_windows: int | None = None
-    batch_size: int = 1
+    batch_size: int | None = None  # windows per forward pass; None: EVAL_BATCH_CUDA on CUDA, 1 elsewhere
     quick: bool = False
     compensate: CompensateConfig | None = CompensateConfig()  # None: quantize and evaluate only
 
     @classmethod
     def build(cls, model: str, settings: QuantSettings, calib: CalibConfig, quick: bool = False,
-              out: str | None = None, seqlen: int = 2048, max_windows: int | None = None, batch_size: int = 1,
+              out: str | None = None, seqlen: int = 2048, max_windows: int | None = None,
+              batch_size: int | None = None,
               compensate: CompensateConfig | None = CompensateConfig()) -> "RunConfig":
         if quick:
             calib, compensate = quick_calibration(calib, compensate)
@@ -132,10 +135,19 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
 
 
 def _evaluate(lm, config: RunConfig, into: dict, report: RunReport) -> None:
+    batch = config.batch_size or eval_batch(lm.model, config.seqlen)
     for ds in config.datasets:
-        r = perplexity(lm.model, lm.tokenizer, ds, config.seqlen, config.max_windows, config.batch_size)
+        r = perplexity(lm.model, lm.tokenizer, ds, config.seqlen, config.max_windows, batch)
         into[ds] = r.ppl
         report.windows[ds] = r.windows
+
+
+def eval_batch(model, seqlen: int) -> int:
+    """Windows per forward when none is asked: EVAL_BATCH_CUDA on CUDA (under EVAL_LOGITS_BYTES of logits), else 1."""
+    if not next(model.parameters()).is_cuda:
+        return 1
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return max(1, min(EVAL_BATCH_CUDA, EVAL_LOGITS_BYTES // (4 * seqlen * vocab)))
 
 
 def _print_table(report: RunReport, config: RunConfig) -> None:
