@@ -97,6 +97,8 @@ def main() -> None:
     p.add_argument("--calib-batches", type=int, nargs="+", default=[8, 16], help="sequences per KL step, timed")
     p.add_argument("--heldout-batches", type=int, nargs="+", default=[8], help="sequences per held-out forward, timed")
     p.add_argument("--no-sampling", action="store_true", help="time the calibration only")
+    p.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"],
+                   help="calibration steps timed eagerly, replayed as a CUDA graph, or both (graph: CUDA only)")
     p.add_argument("--profile-ops", action="store_true", help="also list the calibration step's top operators (slow)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
@@ -130,18 +132,24 @@ def main() -> None:
     teacher = copy.deepcopy(model)
     quantize_model(model, QuantSettings("rtn", QuantConfig(4, -1)), ids)
     compensate(model, teacher, ids, CompensateConfig(calibrate=CalibrateConfig(steps=1, progress=False)))
-    cal = CalibrateConfig(steps=args.steps, holdout=0.0, progress=False)
-    result["calibration"] = {"steps": args.steps, "s_per_step": {}, "final_train_kl": {}, "heldout_pass_s": {}}
-    for b in args.calib_batches:  # each run includes its initial and final train-KL passes
-        for graph in (False, True) if torch.cuda.is_available() else (False,):
+    every = max(1, args.steps // 4)  # the loop's time from the history: steps every .. steps, no scoring inside
+    cal = CalibrateConfig(steps=args.steps, holdout=0.0, eval_every=every, progress=False)
+    result["calibration"] = {"steps": args.steps, "s_per_step": {}, "s_per_step_loop": {}, "final_train_kl": {},
+                             "heldout_pass_s": {}}
+    graphs = [m == "graph" for m in args.modes if m == "eager" or torch.cuda.is_available()]
+    for b in args.calib_batches:  # s_per_step includes the initial and final train-KL passes and the capture
+        for graph in graphs:
             state = ec_state_dict(model)
             res, s = timed(lambda: calibrate_ecs(model, teacher, ids, replace(cal, batch_size=b, cuda_graph=graph)))
             load_ec_state_dict(model, state)  # the next run starts where this one did
             key = f"b{b}_{'graph' if graph else 'eager'}"
             result["calibration"]["s_per_step"][key] = s / args.steps
             result["calibration"]["final_train_kl"][key] = res.final_train_kl
-            print(key, f"{s / args.steps:.3f} s/step, train KL {res.initial_train_kl:.4f} -> {res.final_train_kl:.4f}",
-                  flush=True)
+            first, last = res.history[0], res.history[-1]
+            loop = (last["seconds"] - first["seconds"]) / max(1, last["step"] - first["step"])
+            result["calibration"]["s_per_step_loop"][key] = loop
+            print(key, f"{s / args.steps:.3f} s/step, {loop:.3f} in the loop, train KL {res.initial_train_kl:.4f} -> "
+                  f"{res.final_train_kl:.4f}", flush=True)
     target = OnlineTeacher(teacher, cache_bytes=2**32)
     held = torch.arange(min(128, len(ids)))
     _mean_kl(model, target, ids.to(device), held, 8, 1024)  # fills the teacher cache

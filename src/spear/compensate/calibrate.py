@@ -483,7 +483,7 @@ def calibrate_ecs(
         norms = cfg.norm_lr > 0
         best_step, best_state, bad = 0, _trained_state(student, norms), 0
         history: list[dict] = []
-        running: list[float] = []
+        running, running_steps = torch.zeros((), device=device), 0  # the train KL since the last evaluation
         batches = _batches(train, batch_size, gen)
         step_fn = GraphedStep(
             lambda batch_ids, prepared: _batch_loss(student, target, prepared, batch_ids, cfg.chunk_tokens, True,
@@ -491,19 +491,19 @@ def calibrate_ecs(
             trainable, enabled=cfg.cuda_graph and ids.is_cuda)
         bar = tqdm(range(1, cfg.steps + 1), desc="calibrating ECs (KL)", unit="step", disable=not cfg.progress)
         step = 0
-        for step in bar:
+        for step in bar:  # no host sync between evaluations: the host queues the next step while the GPU runs this one
             rows = next(batches)
-            batch_ids = ids[rows]
-            batch_kl = step_fn(batch_ids, target.prepare(rows, batch_ids)).item()
+            batch_ids = ids[rows.to(device, non_blocking=True)]
+            running = running + step_fn(batch_ids, target.prepare(rows, batch_ids)).detach()
+            running_steps += 1
             torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             opt.step()
             sched.step()
-            running.append(batch_kl)
-            bar.set_postfix(kl=f"{batch_kl:.4f}", **({} if best_kl is None else {"heldout": f"{best_kl:.4f}"}))
             if step % cfg.eval_every and step != cfg.steps:
                 continue
-            entry = {"step": step, "train_kl": sum(running) / len(running), "seconds": time.perf_counter() - start_time}
-            running = []
+            train_kl = running.item() / running_steps
+            entry = {"step": step, "train_kl": train_kl, "seconds": time.perf_counter() - start_time}
+            running, running_steps = torch.zeros((), device=device), 0
             if n_held:
                 entry["heldout_kl"] = kl = score(held)
                 if kl < best_kl:
@@ -511,6 +511,7 @@ def calibrate_ecs(
                 else:
                     bad += 1
             history.append(entry)
+            bar.set_postfix(kl=f"{train_kl:.4f}", **({} if best_kl is None else {"heldout": f"{best_kl:.4f}"}))
             if n_held and bad >= cfg.patience:
                 break
         bar.close()
