@@ -37,10 +37,12 @@ LEVERS = [
     ("512 samples, 400 KL steps", "data", "steps_h200_22475a7.json", "steps_400", "+SPEAR 1%"),
     ("512 samples, 800 KL steps", "data", "steps_h200_22475a7.json", "steps_800", "+SPEAR 1%"),
     ("1024 samples, 400 KL steps", "data", "steps_n1024_h200_f8c296d.json", "steps_400_n1024", "+SPEAR 1%"),
-    ("today's defaults: 1024 × 400 (spear run)", "default", "spear_run_h200_3b67092_n1024_s400.json", SPEAR_RUN, ""),
+    ("1024 samples × 400 steps (spear run)", "data", "spear_run_h200_3b67092_n1024_s400.json", SPEAR_RUN, ""),
     ("2048 samples, 700 KL steps", "data", "calib_n2048_b8_s700_h200_73ff09e.json", None, "+SPEAR 1%"),
     ("2048 samples, 32 a step × 400 steps", "data", "calib_n2048_b32_s400_h200_73ff09e.json", None, "+SPEAR 1%"),
     ("4096 samples, 1000 KL steps (spear run)", "data", "spear_run_h200_73aa306_n4096_s1000.json", SPEAR_RUN, ""),
+    ("4096 × 1000, another draw (spear run)", "data", "spear_run_h200_f69a084_defaults.json", SPEAR_RUN, ""),
+    ("today's defaults: 4096 × 1500", "default", "full_rtn_w4pc_s1500_h200_f69a084.json", None, "+SPEAR 1%"),
     ("4 samples end to end", "data", "pack_h200_f8c296d.json", "pack4", "+SPEAR 1%"),
     ("windows from mid-text", "data", "levers_h200_4a615ac.json", "lev_calib_mid", "+SPEAR 1%"),
     ("surprise share 0.05", "data", "levers_h200_4a615ac.json", "lev_surprise05", "+SPEAR 1%"),
@@ -102,7 +104,7 @@ def plot(levers: list[tuple[str, str, float, float]], path: Path) -> None:
     axes[0].set_yticks(range(len(levers)), labels, fontsize=8)
     axes[0].invert_yaxis()
     fig.suptitle("SmolLM2-135M, W4 per-channel + SPEAR at 1%, H200: more self-samples with more KL steps is the one "
-                 "data-free lever that reaches 80% (4096 × 1000)", fontsize=9)
+                 "data-free lever that reaches 80% (4096 × 1500)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

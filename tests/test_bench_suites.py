@@ -73,5 +73,6 @@ def test_quality_levers_plot_reads_every_lever_from_its_json(tmp_path):
     assert all(0.5 < wiki < 0.9 and 0.5 < ptb < 0.9 for _, _, wiki, ptb in levers)
     wiki = {label: w for label, _, w, _ in levers}  # a `spear run` record read too: the 80% row of §2
     assert round(100 * wiki["4096 samples, 1000 KL steps (spear run)"], 1) == 80.4
+    assert round(100 * wiki["today's defaults: 4096 × 1500"], 1) == 80.8  # BENCHMARKS §2's first row
     plot_quality_levers.plot(levers, tmp_path / "levers.png")
     assert (tmp_path / "levers.png").read_bytes()[:4] == b"\x89PNG"

@@ -21,12 +21,11 @@ Option: a text file, cut into windows of the requested length.
 
 Defaults, from a sweep on the hard case (SmolLM2-135M, W4 RTN per-channel, SPEAR at 1%; BENCHMARKS §2): the count
 is the lever, together with the KL steps that use it (128 → 512 sequences: 73.4% → 75.8–76.4% of the WikiText-2
-gap at 200 steps; 1024 at 200 steps: 76.1%, **1024 at 400 steps: 78.1 / 80.6%**; 512 at 400 / 800 steps: 76.2 /
-76.6%); the sampler barely moves it (top-p 0.9 / 0.95 / 1.0 and temperature 0.8 within ±0.7 points at 512), and top-p
-0.95 was the best row. Hence 1024 sequences and 400 KL steps (CalibrateConfig.steps): the H200's `spear run` takes
-5 min 20 s with them (78.1 / 80.7%), now that sample_with_cache samples the 1024 in 37 s (generate took ~165 s: its
-per-step host work, 110 ms a step at batch 256 against 39 ms). More still closes more: 2048 × 700 79.8 / 82.3%,
-4096 × 1000 80.4 / 83.1% in 7 min 49 s (over the 6-minute budget of the default; BENCHMARKS §2).
+gap at 200 steps; 1024 at 200 / 400 steps: 76.1 / 78.1%; 512 at 400 / 800 steps: 76.2 / 76.6%; 2048 × 700: 79.8%;
+4096 × 1000: 80.4% and 79.8% in two draws; **4096 × 1500: 80.8 / 82.9%**, W4 GPTQ per-channel 70.2%); the sampler
+barely moves it (top-p 0.9 / 0.95 / 1.0 and temperature 0.8 within ±0.7 points at 512), and top-p 0.95 was the best
+row. Hence 4096 sequences (and CalibrateConfig.steps 1500). sample_with_cache draws them in one batch on an H200 in
+43 s (4 batches of 1024 took 92 s; transformers' generate took 110 ms a step at batch 256, sample_with_cache 39 ms).
 """
 
 from __future__ import annotations
