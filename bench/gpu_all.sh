@@ -15,6 +15,8 @@
 #             `eval $(bash .stage/b/device-join.sh)` first, with ../shared/data copied to /tmp/spear-data (quality.py
 #             says how); the suites' JSON (quality_SUITE.json, every row's table) and quality_rows.tgz (each row's
 #             JSON and log, there even when the limit cut the merge) come back
+#   run       the main job timed end to end on the staged default model (bench/spear_run.py; $RUN_ARGS: options for
+#             `spear run`, default none: the defaults); stage as for quality; spear_run_h200_$tag.json comes back
 #   ab        decode A/B against another source tree $BEFORE (default .before; carry it: `git archive REV src
 #             bench/decode.py bench/common.py | tar -x -C .before`): $MODEL's $SETTINGS (default w4) at batch 1 and 32,
 #             in the order before, after, after, before, each tree with its own tuning cache (the second run of a
@@ -24,8 +26,8 @@
 set -u
 parts=${*:-tests decode kernels}
 for part in $parts; do
-  case $part in tests|decode|profile|kernels|slo|tp|quality|ab) ;;
-    *) echo "unknown part $part: tests, decode, profile, kernels, slo, tp, quality or ab" >&2; exit 2 ;; esac
+  case $part in tests|decode|profile|kernels|slo|tp|quality|run|ab) ;;
+    *) echo "unknown part $part: tests, decode, profile, kernels, slo, tp, quality, run or ab" >&2; exit 2 ;; esac
 done
 out=${OUT:-bench/results/gpu_all}; mkdir -p "$out"
 tag=$(echo "${SPEAR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | cut -c1-7)
@@ -73,6 +75,10 @@ for part in $parts; do
       cp /tmp/quality/quality_*.json "$out/" 2>/dev/null
       tar czf "$out/quality_rows.tgz" -C /tmp/quality . 2>/dev/null  # every row's JSON and log, merged or not
       for f in /tmp/quality/*.log; do echo "--- $f"; tail -n 3 "$f"; done >> $l 2>/dev/null ;;
+    run)
+      [ -n "${GGUF:-}" ] || { echo "run: GGUF is not set: stage the model (bench/quality.py)" > $l; continue; }
+      SPEAR_DATA=${SPEAR_DATA:-/tmp/spear-data} timeout "$(left 570)" python bench/spear_run.py --model "$GGUF" \
+        --json "$out/spear_run_h200_$tag.json" -- ${RUN_ARGS:-} > $l 2>&1 ;;
     ab)
       before=${BEFORE:-.before}
       [ -f "$before/bench/decode.py" ] || { echo "no source tree at $before (BEFORE)" > $l; continue; }

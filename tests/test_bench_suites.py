@@ -76,3 +76,12 @@ def test_quality_levers_plot_reads_every_lever_from_its_json(tmp_path):
     assert round(100 * wiki["today's defaults: 4096 × 1500"], 1) == 80.8  # BENCHMARKS §2's first row
     plot_quality_levers.plot(levers, tmp_path / "levers.png")
     assert (tmp_path / "levers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_spear_run_record_times_the_main_job_in_its_own_process(tiny_model_dir, tmp_path):
+    """bench/spear_run.py: the child's report comes back whole, with the wall seconds around it."""
+    import spear_run
+
+    record = spear_run.timed_run(str(tiny_model_dir), ["--quick", "--seqlen", "64", "--device", "cpu"], tmp_path / "r")
+    assert record["report"]["w4_ppl"] > 0 and (tmp_path / "r" / "report.json").is_file()
+    assert record["wall_s"] >= record["report"]["seconds"]["total"] > 0

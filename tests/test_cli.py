@@ -67,6 +67,9 @@ def test_run_quick_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert rc == 0
     report = json.loads(stdout)
     assert report["fp_ppl"] > 0 and report["w4_ppl"] > 0
+    seconds = report["seconds"]  # where a run's time went: each stage, and the whole
+    assert {"load", "evaluate", "calibration_ids", "quantize", "total"} <= seconds.keys()
+    assert seconds["total"] >= seconds["load"] + seconds["evaluate"] + seconds["quantize"] > 0
     assert (tmp_path / "run" / "report.json").exists() and (tmp_path / "run" / "artifact" / "config.json").exists()
     config = json.loads((tmp_path / "run" / "artifact" / "config.json").read_text())
     assert len(config["calibration"]["ids_sha256"]) == 16

@@ -113,6 +113,8 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
     float_model = copy.deepcopy(lm.model) if config.compensate is not None else None
     t = time.perf_counter()
     ids = calibration_ids(lm.model, lm.tokenizer, config.calib, model_key(config.model))
+    report.seconds["calibration_ids"] = time.perf_counter() - t  # self-sampling, unless cached
+    t = time.perf_counter()
     quantize_model(lm.model, config.settings, ids)
     report.seconds["quantize"] = time.perf_counter() - t
     _evaluate(lm, config, report.quantized, report)
@@ -128,6 +130,7 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
 
     info = ArtifactInfo(config.model, report.setting, calibration_record(config.calib, ids), plan=plan)
     save_artifact(lm.model, lm.tokenizer, config.out / "artifact", info)
+    report.seconds["total"] = time.perf_counter() - t0
     result = report.to_dict()
     (config.out / "report.json").write_text(json.dumps(result, indent=2))
     _print_table(report, config)
@@ -140,6 +143,7 @@ def _evaluate(lm, config: RunConfig, into: dict, report: RunReport) -> None:
         r = perplexity(lm.model, lm.tokenizer, ds, config.seqlen, config.max_windows, batch)
         into[ds] = r.ppl
         report.windows[ds] = r.windows
+        report.seconds["evaluate"] = report.seconds.get("evaluate", 0.0) + r.seconds
 
 
 def eval_batch(model, seqlen: int) -> int:
