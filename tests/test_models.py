@@ -24,3 +24,18 @@ def test_layerwise_walk_reproduces_the_model(tiny_model_dir):
         for x, h in zip(ids, inputs.hidden):
             ref = model(x, output_hidden_states=True).hidden_states[-1]
             torch.testing.assert_close(model.model.norm(h), ref)
+
+
+def test_gguf_conversion_parses_the_file_once(smollm2):
+    """_one_gguf_parse: transformers' three opens of one GGUF share a reader inside the block, and gguf's own
+    class is back after it (a parse of SmolLM2's metadata took ~4 s on a 2-core CPU)."""
+    import gguf
+
+    from spear.models.loading import _one_gguf_parse, resolve_model_path
+
+    path = resolve_model_path("smollm2")
+    original = gguf.GGUFReader
+    with _one_gguf_parse():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and isinstance(first, original)
+    assert gguf.GGUFReader is original
