@@ -27,15 +27,17 @@ def test_layerwise_walk_reproduces_the_model(tiny_model_dir):
 
 
 def test_gguf_conversion_parses_the_file_once(smollm2):
-    """_one_gguf_parse: transformers' three opens of one GGUF share a reader inside the block, and gguf's own
-    class is back after it (a parse of SmolLM2's metadata took ~4 s on a 2-core CPU)."""
+    """_one_gguf_parse: transformers' three opens of one GGUF share a reader inside the block, its 397 requests for
+    the architecture's tensor-name map share one map, and gguf's own functions are back after it."""
     import gguf
 
     from spear.models.loading import _one_gguf_parse, resolve_model_path
 
     path = resolve_model_path("smollm2")
-    original = gguf.GGUFReader
+    original, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     with _one_gguf_parse():
         first = gguf.GGUFReader(path)
         assert gguf.GGUFReader(str(path)) is first and isinstance(first, original)
-    assert gguf.GGUFReader is original
+        llama = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(llama, 30) is gguf.get_tensor_name_map(llama, 30)
+    assert gguf.GGUFReader is original and gguf.get_tensor_name_map is name_map
