@@ -141,6 +141,9 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             (f"full_{name}", table, setting + FULL + ["--steps", steps, "--only", "+SPEAR 1%"])
             for name, setting, steps in (("rtn_w4pc", PC, "1500"), ("gptq_w4pc", G4, "1500"),
                                          ("rtn_w4g64", R64, "1000"), ("gptq_w3g64", G3, "1000"))
+        ] + [  # the gate's equal-bytes ablation at the same settings: a gate-less EC trained with the same KL
+            (f"full_{name}_gateoff", table, setting + FULL + ["--steps", "1500", "--only", "gate off (static"])
+            for name, setting in (("rtn_w4pc", PC), ("gptq_w4pc", G4))
         ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
