@@ -1,5 +1,5 @@
-"""Where the data-free stages' time goes: self-sampling and KL calibration (issue 32: the 1024-sample,
-400-step calibration must fit the 6-minute `spear run`).
+"""Where the data-free stages' time goes: self-sampling and KL calibration (issue 32: the default 4096-sample,
+1500-step calibration must fit the 6-minute `spear run`).
 
     python bench/profile_calibration.py --model $GGUF --json bench/results/quality/profile_calibration_h200.json
     python bench/profile_calibration.py --samples 8 --len 16 --steps 2 --json /tmp/p.json   # CPU: end-to-end check
@@ -7,8 +7,8 @@
 Sampling: `--samples` sequences of `--len` tokens through transformers' generate (the sampler before) and through
 data.calibration.sample_with_cache (today's: one forward a token, the draws on the device), at several batch sizes;
 ms per token step. Calibration: the default model quantized (RTN per-channel), SPEAR's ECs at 1%, then `--steps` KL steps
-timed without held-out passes, eager and replayed as a CUDA graph (each from the same EC state: their final
-train KLs should agree), one held-out pass timed at several batch sizes, and (--profile-ops) the operators that
+timed without held-out passes, eager and replayed as a CUDA graph (`--modes`; each from the same EC state: their
+final train KLs should agree; `s_per_step_loop` is the loop alone, from the calibration history), one held-out pass timed at several batch sizes, and (--profile-ops) the operators that
 take the most time in a few steps.
 """
 
