@@ -75,6 +75,23 @@ def test_run_quick_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert len(config["calibration"]["ids_sha256"]) == 16
 
 
+def test_full_protocol_on_a_cpu_gets_a_one_line_note(capsys):
+    """`spear run` without --quick on a CPU says, before hours of work, that --quick exists; --quick says nothing."""
+    import torch
+
+    from spear.cli import _note_full_protocol_on_cpu
+    from spear.data.calibration import CalibConfig
+    from spear.quant.pipeline import QuantSettings
+    from spear.record import QuantConfig
+    from spear.run import RunConfig
+
+    settings = QuantSettings("rtn", QuantConfig(bits=4))
+    for quick in (False, True):
+        _note_full_protocol_on_cpu(RunConfig.build("m", settings, CalibConfig(), quick=quick), torch.device("cpu"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4096 self-samples" in err[0] and "--quick" in err[0]
+
+
 def test_missing_model(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "eval", tmp_path / "nope", *EVAL_ARGS)
     assert_clean_error(rc, err, "model not found")

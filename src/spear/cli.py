@@ -337,6 +337,17 @@ def cmd_compensate(args) -> int:
     return 0
 
 
+def _note_full_protocol_on_cpu(config, device) -> None:
+    """One line on stderr where the full protocol is about to run on a CPU (hours, not the H200's minutes)."""
+    import torch
+
+    on_cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
+    if on_cpu and not config.quick and config.compensate is not None and not config.calib.text_file:
+        steps = config.compensate.calibrate.steps
+        print(f"spear: note: {config.calib.num_sequences} self-samples of {config.calib.seq_len} tokens and {steps} KL "
+              "steps on a CPU take hours; --quick runs a CPU-sized version in minutes", file=sys.stderr)
+
+
 def cmd_run(args) -> int:
     from spear.run import RunConfig, run
 
@@ -345,7 +356,9 @@ def cmd_run(args) -> int:
     config = RunConfig.build(args.model, settings, calib, quick=args.quick, out=args.out,
                              seqlen=args.seqlen, max_windows=args.max_windows, batch_size=args.batch_size,
                              compensate=None if args.no_compensate else _compensate_config(args))
-    report = run(config, device=_device(args))
+    device = _device(args)
+    _note_full_protocol_on_cpu(config, device)
+    report = run(config, device=device)
     if args.json:
         print(json.dumps(report))
     return 0
