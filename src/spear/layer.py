@@ -103,7 +103,9 @@ class ErrorCompensator(nn.Module):
         u = x @ self.A.to(x.dtype).t()  # [..., r]
         if self.gate is not None:
             u = u * self.gamma(u)  # gamma(u) ⊙ u
-        return self.alpha.to(x.dtype) * (u @ self.B.to(x.dtype).t())
+        # alpha scales B [out, r], as the packed kernels do, not the output [..., out]: O(out·r) work, forward and
+        # backward, instead of O(tokens·out)
+        return u @ (self.alpha * self.B).to(x.dtype).t()
 
     def nbytes(self, bytes_per_param: int = 2) -> int:
         """Bytes as served in fp16: A, B, the gate MLP and alpha."""
