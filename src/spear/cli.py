@@ -339,9 +339,9 @@ def cmd_compensate(args) -> int:
 
 def _note_full_protocol_on_cpu(config, device) -> None:
     """One line on stderr where the full protocol is about to run on a CPU (hours, not the H200's minutes)."""
-    import torch
+    from spear.models.loading import default_device
 
-    on_cpu = device.type == "cpu" if device is not None else not torch.cuda.is_available()
+    on_cpu = (device or default_device()).type == "cpu"
     if on_cpu and not config.quick and config.compensate is not None and not config.calib.text_file:
         steps = config.compensate.calibrate.steps
         print(f"spear: note: {config.calib.num_sequences} self-samples of {config.calib.seq_len} tokens and {steps} KL "

@@ -97,13 +97,14 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
         f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # top-p 1 keeps the keys of existing caches
     sampler += "" if cfg.start == "bos" else f":{cfg.start}"
     sampler += "" if cfg.surprise == 0 else f":surprise{cfg.surprise}"
-    sampler += f":kv:b{sampling_batch(model, cfg)}"  # sample_with_cache's draws (not generate's), set by the batch
+    batch = sampling_batch(model, cfg)  # once: by default it reads the free GPU memory, and the key must name the draw
+    sampler += f":kv:b{batch}"  # sample_with_cache's draws (not generate's), set by the batch
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
     if path.exists():
         ids = load_file(str(path))["ids"]
     else:
-        ids = sample_from_model(model, tokenizer, cfg)
+        ids = sample_from_model(model, tokenizer, cfg, batch)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes sampling the same ids at once each rename a whole file
         save_file({"ids": ids}, str(tmp), metadata={k: str(v) for k, v in asdict(cfg).items()})
         tmp.rename(path)
@@ -209,8 +210,9 @@ def kv_cache_budget(model: nn.Module, cfg: CalibConfig) -> float:
 
 
 @torch.no_grad()
-def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Tensor:
-    """Ancestral sampling (cfg.temperature, cfg.top_p, no top-k, no end-of-sequence), full length, batch by batch."""
+def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig, batch: int | None = None) -> torch.Tensor:
+    """Ancestral sampling (cfg.temperature, cfg.top_p, no top-k, no end-of-sequence), full length, `batch` sequences
+    at a time (default: sampling_batch)."""
     device = next(model.parameters()).device
     torch.manual_seed(cfg.seed)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -218,7 +220,7 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig) -> torch.Te
     special = set(tokenizer.all_special_ids)
     ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
     out = []
-    batch = sampling_batch(model, cfg)
+    batch = batch or sampling_batch(model, cfg)
     for start in tqdm(range(0, cfg.num_sequences, batch), desc="self-sampling calibration data", unit="batch"):
         n = min(batch, cfg.num_sequences - start)
         if bos is None:
