@@ -97,7 +97,7 @@ def calibration_ids(model: nn.Module, tokenizer, cfg: CalibConfig, model_key: st
         f":{cfg.temperature}:{cfg.top_p}:{cfg.first_token}"  # top-p 1 keeps the keys of existing caches
     sampler += "" if cfg.start == "bos" else f":{cfg.start}"
     sampler += "" if cfg.surprise == 0 else f":surprise{cfg.surprise}"
-    batch = sampling_batch(model, cfg)  # once: by default it reads the free GPU memory, and the key must name the draw
+    batch = sampling_batch(model, cfg)  # once, so that the key names the batch the draw used
     sampler += f":kv:b{batch}"  # sample_with_cache's draws (not generate's), set by the batch
     key = hashlib.sha1(f"{model_key}:{cfg.num_sequences}:{cfg.seq_len}:{cfg.seed}{sampler}".encode()).hexdigest()[:16]
     path = cache_dir("calib") / f"selfsample-{key}.safetensors"
@@ -183,8 +183,9 @@ def sample_with_cache(model: nn.Module, first: torch.Tensor, length: int, cfg: C
 
 def sampling_batch(model: nn.Module, cfg: CalibConfig) -> int:
     """Sequences sampled at once: cfg.batch_size, fewer where their KV cache (2 · layers · kv heads · head dim values
-    a token, in the model's dtype) would pass cfg.kv_cache_gb; by default, on CUDA, 40% of the free device memory
-    (the cache grows by concatenation, so a layer's cache is briefly held twice), elsewhere 16 GB.
+    a token, in the model's dtype) would pass cfg.kv_cache_gb; by default, on CUDA, 40% of the device's memory (the
+    cache grows by concatenation, so a layer's cache is briefly held twice), elsewhere 16 GB. The batch is in the
+    cache key, so it rests on the device's total memory, not on what other processes leave free at the time.
 
     Few large batches pay: a step costs 39 ms at 256 sequences, 45 ms at 1,024 and 84 ms at 4,096 on an H200
     (SmolLM2-135M, 512 tokens), so 4,096 sequences took 92 s in batches of 1,024 and 43 s in one."""
@@ -205,7 +206,7 @@ def kv_cache_budget(model: nn.Module, cfg: CalibConfig) -> float:
         return cfg.kv_cache_gb * 2**30
     device = next(model.parameters()).device
     if device.type == "cuda":
-        return 0.4 * torch.cuda.mem_get_info(device)[0]
+        return 0.4 * torch.cuda.get_device_properties(device).total_memory
     return 16 * 2**30
 
 
