@@ -69,7 +69,7 @@ def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, Co
     spear = replace(base, budget=spear_budget)
     planner, calibrate = spear.planner, spear.calibrate
     rows.append((f"+SPEAR {100 * spear_budget:g}%", spear))
-    rows.append(("ablation: gate off (static EC, KL-trained)", replace(spear, kind="qera", train_static=True)))
+    rows.append(("ablation: gate off (static EC, KL-trained)", replace(spear, gate=False)))
     rows.append(("ablation: closed form rank 1 on every linear (QERA)",
                  replace(spear, kind="qera", budget=0.99, planner=replace(planner, max_rank=1))))
     rows.append((TOKEN_GATE_ROW, spear))
@@ -77,8 +77,8 @@ def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, Co
         rows.append((f"ablation: gate hidden {h}", replace(spear, planner=replace(planner, gate_hidden=h))))
     for lam in (0.1, 1.0):
         rows.append((f"ablation: hidden-state term {lam:g}", replace(spear, calibrate=replace(calibrate, hidden_weight=lam))))
-    rows.append(("ablation: hidden-state term 1, gate off", replace(spear, kind="qera", train_static=True,
-                                                                    calibrate=replace(calibrate, hidden_weight=1.0))))
+    rows.append(("ablation: hidden-state term 1, gate off", replace(spear, gate=False,
+                                                               calibrate=replace(calibrate, hidden_weight=1.0))))
     rows.append(("ablation: A, B learning rate 3e-3", replace(spear, calibrate=replace(calibrate, lr_ab=3e-3))))
     for mode in ("uniform", "concentrate", "spread"):
         rows.append((f"ablation: placement {mode}", replace(spear, planner=replace(planner, mode=mode))))

@@ -43,6 +43,30 @@ def test_compensate_respects_budget_and_attaches_ecs(kind, float_and_quantized):
         assert report.calibration is None
 
 
+def test_gate_off_trains_a_static_ec_with_the_gate_bytes_spent_on_rank(float_and_quantized):
+    """gate=False: the same KL training, no gate on any EC, and the bytes the gates would take go to rank."""
+    teacher, quantized, ids = float_and_quantized
+    reports = {}
+    for gate in (True, False):
+        student = copy.deepcopy(quantized)
+        reports[gate] = compensate(student, teacher, ids, CompensateConfig(budget=0.05, calibrate=FAST, gate=gate))
+        assert {m.ec.gate is None for m in quantized_layers(student).values() if m.ec is not None} == {not gate}
+    off = reports[False]
+    assert off.kind == "adaptive, no gate" and reports[True].kind == "adaptive"
+    assert off.calibration.final_heldout_kl < off.calibration.initial_heldout_kl
+    assert off.ec_bytes <= 0.05 * off.w4_bytes
+    rank_sum = {gate: sum(e.rank for e in r.plan.entries) for gate, r in reports.items()}
+    assert rank_sum[False] > rank_sum[True]
+    with pytest.raises(SpearError, match="only the adaptive EC has a gate"):
+        CompensateConfig(kind="qera", gate=False)
+
+
+def test_cli_no_gate_with_a_static_kind_is_one_line(capsys):
+    assert main(["compensate", "x", "--kind", "lqer", "--no-gate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--no-gate applies to --kind adaptive" in err and len(err.splitlines()) == 1
+
+
 def test_compensated_artifact_roundtrips_exactly(float_and_quantized, tiny_model_dir, tmp_path):
     from spear.models import load_float_model
 

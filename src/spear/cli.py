@@ -80,6 +80,9 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=_budget, default=0.01, help="EC memory as a share of the W4 model (default 1%%)")
     p.add_argument("--kind", default="adaptive", choices=["adaptive", "lorc", "lqer", "qera"],
                    help="adaptive: SPEAR's gated, KL-calibrated EC (default); lorc/lqer/qera: static closed form")
+    p.add_argument("--no-gate", action="store_true",
+                   help="adaptive: KL-calibrate the ECs without the gate γ (its bytes go to rank): a static EC that "
+                        "stock vLLM's LoRA path serves exactly, within a point of the gated one (BENCHMARKS §2)")
     p.add_argument("--rank", type=int, default=None, help="fixed EC rank for every chosen module (multiple of 8)")
     p.add_argument("--placement", default="auto", choices=["auto", "concentrate", "spread", "uniform"],
                    help="auto: rank by marginal gain per byte over every linear, the damage entropy as its prior "
@@ -108,7 +111,9 @@ def _compensate_config(args):
     if args.cost == "bytes" and (args.tp != 1 or args.reduce_us):
         raise SpearError("--tp and --reduce-us are terms of --cost latency")
     cost = LatencyCost(tp=args.tp, t_reduce_us=args.reduce_us) if args.cost == "latency" else BytesCost()
-    cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed, cost=cost)
+    if args.no_gate and args.kind != "adaptive":
+        raise SpearError(f"--no-gate applies to --kind adaptive; {args.kind} has no gate")
+    cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed, cost=cost, gate=not args.no_gate)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank),
                    calibrate=replace(cfg.calibrate, steps=args.steps))
 

@@ -9,8 +9,9 @@
 A quantizer that rescales channels (AWQ) is read back into the float model's basis first (compensate.basis).
 
 `kind` picks the EC: "adaptive" (SPEAR: gated, KL-trained) or a static baseline ("lorc",
-"lqer", "qera": gate off, closed form only). `train_static` is the "gate off" ablation:
-a static EC trained with the same KL loss.
+"lqer", "qera": gate off, closed form only). "adaptive" with `gate=False` is KL-trained without the gate: a static
+EC, y = Q(W)x + alpha·B A x, that stock vLLM's LoRA path serves exactly (BENCHMARKS §2: −0.5 to +0.6 points of gap
+closed against the gate, at equal bytes).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class CompensateConfig:
     cost: CostModel = BytesCost()  # what a rank step costs the planner (compensate/cost.py): bytes, or bytes + µs
     sensitivity: SensitivityConfig = SensitivityConfig()
     calibrate: CalibrateConfig = CalibrateConfig()
-    train_static: bool = False  # ablation: train a gate-less EC with the KL loss
+    gate: bool = True  # adaptive only: False trains a gate-less EC with the same KL loss (its bytes go to rank)
     stats_sequences: int = 1024  # input statistics (R_xx, E|x|) from at most the first this many calibration sequences
     seed: int = 0
 
@@ -52,16 +53,18 @@ class CompensateConfig:
             raise SpearError(f"unknown EC kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         if not 0 < self.budget < 1:
             raise SpearError(f"budget must be a fraction in (0, 1), e.g. 0.01 for 1%, got {self.budget}")
+        if not self.gate and self.kind != "adaptive":
+            raise SpearError(f"only the adaptive EC has a gate to turn off; {self.kind} has none")
         if self.stats_sequences < 1:
             raise SpearError(f"stats_sequences must be positive, got {self.stats_sequences}")
 
     @property
     def gated(self) -> bool:
-        return self.kind == "adaptive"
+        return self.kind == "adaptive" and self.gate
 
     @property
     def trained(self) -> bool:
-        return self.kind == "adaptive" or self.train_static
+        return self.kind == "adaptive"
 
 
 @dataclass
@@ -165,4 +168,5 @@ def compensate(
         calibration = calibrate_ecs(student, teacher, calib_ids, calib_cfg)
         seconds["calibrate"] = calibration.seconds
     ec_bytes = sum(layers[n].ec.nbytes() for n in names)
-    return CompensateReport(cfg.kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds)
+    kind = "adaptive, no gate" if cfg.trained and not cfg.gated else cfg.kind
+    return CompensateReport(kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds)
