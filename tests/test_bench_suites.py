@@ -85,3 +85,24 @@ def test_spear_run_record_times_the_main_job_in_its_own_process(tiny_model_dir, 
     record = spear_run.timed_run(str(tiny_model_dir), ["--quick", "--seqlen", "64", "--device", "cpu"], tmp_path / "r")
     assert record["report"]["w4_ppl"] > 0 and (tmp_path / "r" / "report.json").is_file()
     assert record["wall_s"] >= record["report"]["seconds"]["total"] > 0
+
+
+def test_gate_drop_leaves_the_static_form_of_each_ec():
+    """bench/gate_drop.py: with the gates dropped, each EC computes alpha·B·A x (what vLLM's static LoRA serves)."""
+    import torch
+
+    import gate_drop
+    from spear.layer import ErrorCompensator, SpearLinear
+    from spear.record import QuantConfig, rtn_quantize
+
+    torch.manual_seed(0)
+    layer = SpearLinear(rtn_quantize(torch.randn(24, 32), QuantConfig(bits=4)))
+    layer.ec = ErrorCompensator(32, 24, rank=4, gate_hidden=8, alpha=0.7)
+    for p in layer.ec.parameters():
+        torch.nn.init.normal_(p)  # the gate's last layer too, so gamma is not 1
+    x = torch.randn(5, 32)
+    static = (x @ layer.ec.A.t()) @ (layer.ec.alpha * layer.ec.B).t()
+    assert not torch.allclose(layer.ec(x), static)
+    model = torch.nn.Sequential(layer)
+    assert gate_drop.drop_gates(model) == 1 and gate_drop.drop_gates(model) == 0
+    torch.testing.assert_close(layer.ec(x), static)
