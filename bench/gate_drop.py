@@ -21,21 +21,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, write_json  # noqa: E402
 
 from spear import api  # noqa: E402
+from spear.compensate.calibrate import ec_modules  # noqa: E402
 from spear.eval import perplexity  # noqa: E402
-from spear.layer import SpearLinear  # noqa: E402
 from spear.run import gap_closed  # noqa: E402
 
 DATASETS = ("wikitext2", "ptb")
 
 
+def gated_ecs(model: torch.nn.Module) -> list:
+    return [ec for ec in ec_modules(model).values() if ec.gate is not None]
+
+
 def drop_gates(model: torch.nn.Module) -> int:
     """Remove every EC's gate in place (gamma = 1: the static form alpha·B·A x); returns how many were dropped."""
-    dropped = 0
-    for m in model.modules():
-        if isinstance(m, SpearLinear) and m.ec is not None and m.ec.gate is not None:
-            m.ec.gate = None
-            dropped += 1
-    return dropped
+    gated = gated_ecs(model)
+    for ec in gated:
+        ec.gate = None
+    return len(gated)
 
 
 def main() -> None:
@@ -47,13 +49,15 @@ def main() -> None:
     report = json.loads((args.run / "report.json").read_text())
     windows = {ds: args.max_windows or report["windows"][ds] for ds in DATASETS}
     lm = api.load(str(args.run / "artifact"))
-    if not any(isinstance(m, SpearLinear) and m.ec is not None and m.ec.gate is not None for m in lm.model.modules()):
+    if not gated_ecs(lm.model):
         raise SystemExit("gate_drop: the artifact has no gated EC (a --no-gate or static run): nothing to drop")
-    rows = {}
-    for label in ("with gate", "gate dropped"):
-        if label == "gate dropped":
-            print(f"dropped {drop_gates(lm.model)} gates")
-        rows[label] = {ds: perplexity(lm.model, lm.tokenizer, ds, max_windows=windows[ds]).ppl for ds in DATASETS}
+
+    def score() -> dict:
+        return {ds: perplexity(lm.model, lm.tokenizer, ds, max_windows=windows[ds]).ppl for ds in DATASETS}
+
+    rows = {"with gate": score()}
+    print(f"dropped {drop_gates(lm.model)} gates")
+    rows["gate dropped"] = score()
     fp, w4 = report["fp"], report["quantized"]
     for label, ppl in rows.items():
         ppl["gap_closed"] = {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in DATASETS}
