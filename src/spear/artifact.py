@@ -1,12 +1,16 @@
-"""The artifact directory: a quantized (and optionally compensated) model, self-contained.
+"""The artifact directory: a quantized (and optionally compensated) model, self-contained, at 4-bit size.
 
     config.json        format, versions, base model, quantization settings, EC plan,
                        the transformers config of the base model
-    model.safetensors  codes / scales / zeros of every quantized linear, EC tensors
-                       (A, B, alpha, gate), every other parameter in its own dtype
+    model.safetensors  (or model-0000i-of-0000N.safetensors + model.safetensors.index.json above 5 GB: shards.py)
+                       per quantized linear: codes packed at their bits (record.pack_codes: two 4-bit codes a byte),
+                       scales, zeros (g_idx, offsets where imported); EC tensors (A, B, alpha, gate); every other
+                       floating tensor (embeddings, norms, lm_head, biases) at 16 bits (stored_tensor)
     tokenizer files
 
-Written atomically (temp dir + rename); read back through safetensors only.
+Written atomically (temp dir + rename), shard by shard; read back through safetensors only, one tensor at a time
+onto the target device into a model skeleton whose parameters were never allocated (models.skeleton).
+Format version 1 (codes one a byte, floats as computed, one file) still loads: its codes are packed on the way in.
 """
 
 from __future__ import annotations
@@ -16,19 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, _first_line, default_device, default_dtype
-from spear.record import QuantizedWeight, fp16_if_exact
+from spear.models.skeleton import parameters_on_meta, tied_parameters
+from spear.record import QuantizedWeight, fp16_if_exact, pack_codes
+from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
 from spear.util import atomic_dir, versions
 
 FORMAT = "spear-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: codes packed at their bits, floats at 16 bits, sharded; 1: one uint8 a code, one file
+READABLE_VERSIONS = (1, 2)
+RECORD_PARTS = ("codes", "scales", "zeros", "g_idx", "offsets")
 
 
 @dataclass
@@ -50,20 +56,57 @@ def is_artifact(path: str | Path) -> bool:
         return False
 
 
-def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: ArtifactInfo) -> Path:
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: ArtifactInfo,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     quantized, ecs = _spear_modules(model)
-    tensors, tied = {}, {}
-    seen: dict[tuple, str] = {}
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes, metadata={"format": FORMAT})
+        tied = tied_parameters(model)
+        for name, tensor in model.state_dict().items():
+            if name not in tied:  # tied weights (e.g. lm_head = embed_tokens): stored once
+                writer.add(name, stored_tensor(name, tensor, quantized))
+        writer.close()
+        config = artifact_config(model.config, info, {n: (m.bits, m.in_features) for n, m in quantized.items()},
+                                 {n: (ec.rank, ec.gate_hidden) for n, ec in ecs.items()}, tied)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        tokenizer.save_pretrained(tmp)
+    return out_dir
+
+
+def stored_tensor(name: str, tensor: torch.Tensor, quantized) -> torch.Tensor:
+    """A state-dict tensor as the artifact stores it: a record's parts as they are (scales in fp16 where exact),
+    every other floating tensor at 16 bits: fp16 (the kernels' dtype), bf16 where a value passes fp16's range."""
+    module, _, part = name.rpartition(".")
+    if module in quantized and part in RECORD_PARTS:
+        return fp16_if_exact(tensor) if part == "scales" else tensor
+    if not tensor.is_floating_point() or tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor
+    fits = tensor.numel() == 0 or tensor.detach().abs().max() <= FP16_MAX
+    return tensor.to(torch.float16 if fits else torch.bfloat16)
+
+
+@torch.no_grad()
+def round_as_stored(model: nn.Module) -> None:
+    """Round, in place, every floating tensor the artifact stores at 16 bits to its stored value (the dtype stays),
+    so that what is evaluated in memory is what the artifact holds and serves. Quantizing and calibrating end
+    with it."""
+    quantized, _ = _spear_modules(model)
     for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
-        if key in seen:  # tied weights (e.g. lm_head = embed_tokens): store once
-            tied[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = tensor.detach().contiguous().cpu()
-    for name in quantized:
-        tensors[f"{name}.scales"] = fp16_if_exact(tensors[f"{name}.scales"])
-    config = {
+        stored = stored_tensor(name, tensor, quantized)
+        if stored.dtype != tensor.dtype and tensor.is_floating_point():
+            tensor.copy_(stored.to(tensor.dtype))
+
+
+def artifact_config(model_config, info: ArtifactInfo, quantized: dict[str, tuple[int, int]],
+                    ecs: dict[str, tuple[int, int]], tied: dict[str, str]) -> dict:
+    """config.json: `quantized` maps a linear to (bits, in_features), `ecs` an EC to (rank, gate_hidden)."""
+    model_config = model_config.to_dict()
+    model_config.pop("quantization_config", None)
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "versions": versions(),
@@ -71,18 +114,12 @@ def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: Artifa
         "quant": info.quant,
         "calibration": info.calibration,
         "plan": info.plan,
-        "quantized_modules": {name: {"bits": m.bits} for name, m in quantized.items()},
-        "ec_modules": {name: {"rank": ec.rank, "gate_hidden": ec.gate_hidden} for name, ec in ecs.items()},
+        "quantized_modules": {name: {"bits": b, "in_features": k} for name, (b, k) in quantized.items()},
+        "ec_modules": {name: {"rank": r, "gate_hidden": h} for name, (r, h) in ecs.items()},
         "tied": tied,
-        "model_config": model.config.to_dict(),
+        "model_config": model_config,
         **info.extra,
     }
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        tokenizer.save_pretrained(tmp)
-    return out_dir
 
 
 def read_artifact_config(path: str | Path) -> dict:
@@ -96,54 +133,74 @@ def read_artifact_config(path: str | Path) -> dict:
     if config.get("format") != FORMAT:
         raise SpearError(f"{path} is not a SPEAR artifact (config.json has no format {FORMAT!r})")
     version = config.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SpearError(
-            f"artifact {path} has format version {version}, this SPEAR reads version {FORMAT_VERSION}: "
-            "re-create it with `spear quantize`"
+            f"artifact {path} has format version {version}, this SPEAR reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: re-create it with `spear quantize`"
         )
     return config
 
 
-def read_artifact_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the artifact's model.safetensors, by its state-dict name."""
-    path = Path(path)
-    try:
-        return load_file(str(path / "model.safetensors"))
-    except (FileNotFoundError, SafetensorError, OSError) as e:
-        raise SpearError(f"corrupt or missing weights in {path}: {_first_line(e)}") from None
+def read_record(reader: ShardReader, config: dict, name: str) -> QuantizedWeight:
+    """The quantized-weight record of the linear `name` (codes unpacked)."""
+    meta = config["quantized_modules"][name]
+    tensors = {f"{name}.{part}": reader.get(f"{name}.{part}") for part in RECORD_PARTS[:3]}
+    tensors |= {f"{name}.{part}": t for part in RECORD_PARTS[3:] if (t := reader.get_optional(f"{name}.{part}")) is not None}
+    return QuantizedWeight.from_tensors(tensors, name, meta["bits"], meta.get("in_features"),
+                                        packed=config["format_version"] >= 2)
 
 
-def load_artifact(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+def load_artifact(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                  dense: bool = True) -> LoadedModel:
+    """The artifact's model on `device` in `dtype`, its tensors read one at a time from their shards onto the
+    device. `dense=False` (serving) leaves each quantized linear without its dequantized copy: the runtime packs it
+    for its kernels (SpearLinear.release_for_serving)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     config = read_artifact_config(path)
-    tensors = read_artifact_tensors(path)
+    reader = ShardReader(path, device)
     model_config = dict(config["model_config"])
     try:
         hf_config = AutoConfig.for_model(model_config.pop("model_type"), **model_config)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     except (ValueError, KeyError) as e:
         raise SpearError(f"unsupported architecture in {path}: {_first_line(e)}") from None
+    read = set()
     try:
         for name, meta in config["quantized_modules"].items():
             old = model.get_submodule(name)
-            qweight = QuantizedWeight.from_tensors(tensors, name, meta["bits"])
-            set_module(model, name, SpearLinear(qweight, old.bias, dtype=dtype))
+            bits, k = meta["bits"], meta.get("in_features", old.in_features)
+            codes = reader.get(f"{name}.codes")
+            if config["format_version"] == 1:
+                codes = pack_codes(codes, bits)
+            parts = {part: reader.get_optional(f"{name}.{part}") for part in RECORD_PARTS[1:]}
+            bias = reader.get(f"{name}.bias", dtype) if old.bias is not None else None
+            set_module(model, name, SpearLinear.from_packed(codes, **parts, bits=bits, in_features=k, bias=bias,
+                                                            dtype=dtype, dense=dense))
+            read |= {f"{name}.{part}" for part in (*RECORD_PARTS, "bias")}
         for name, meta in config["ec_modules"].items():
             layer = model.get_submodule(name)
             layer.ec = ErrorCompensator(layer.in_features, layer.out_features, meta["rank"], meta["gate_hidden"])
     except (KeyError, AttributeError, RuntimeError) as e:
         raise SpearError(f"corrupt artifact {path}: {_first_line(e)}") from None
-    result = model.load_state_dict(tensors, strict=False)
-    missing = set(result.missing_keys) - set(config["tied"])
+    # ECs train and run their PyTorch path in float32; everything else in the compute dtype
+    rest = {n: reader.get(n, torch.float32 if ".ec." in n else dtype) for n in reader.names() if n not in read}
+    try:
+        result = model.load_state_dict(rest, strict=False, assign=True)
+    except RuntimeError as e:
+        raise SpearError(f"corrupt artifact {path}: {_first_line(e)}") from None
+    missing = set(result.missing_keys) - set(config["tied"]) - {n for n in result.missing_keys if n in read}
     if missing or result.unexpected_keys:
         raise SpearError(
             f"corrupt artifact {path}: {len(missing)} missing and {len(result.unexpected_keys)} unexpected tensors"
         )
     model.tie_weights()
+    if any(p.is_meta for p in model.parameters()):
+        raise SpearError(f"corrupt artifact {path}: some parameters have no tensor in it")
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model.to(device).eval(), tokenizer, config["base_model"], path)
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spear.record import QuantizedWeight
+from spear.errors import SpearError
+from spear.record import QuantizedWeight, pack_codes, packed_width, unpack_codes
 
 if TYPE_CHECKING:
     from spear.kernels.norm_fold import FoldedNorm
@@ -113,40 +114,68 @@ class ErrorCompensator(nn.Module):
 
 
 class SpearLinear(LinearMethod):
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+    """The record's codes are held packed at `bits` a weight (record.pack_codes: the artifact's layout), with its
+    scales and zeros; `weight_hat`, the dequantized weight in the compute dtype, is there for the PyTorch path
+    (calibration, evaluation) unless built with `dense=False` (loading for serving), where that path dequantizes on
+    the fly. `release_for_serving` keeps only what the serving path reads (vLLM's process_weights_after_loading)."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                 dense: bool = True):
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.bits = qweight.bits
-        self.group_size = qweight.group_size
-        self.register_buffer("codes", qweight.codes)
-        self.register_buffer("scales", qweight.scales)
-        self.register_buffer("zeros", qweight.zeros)
-        self.register_buffer("g_idx", qweight.g_idx)  # None (not in the state dict) unless imported
-        self.register_buffer("offsets", qweight.offsets)
-        self.register_buffer("weight_hat", qweight.dequantize(dtype), persistent=False)
+        self._hold(pack_codes(qweight.codes, qweight.bits), qweight.scales, qweight.zeros, qweight.bits,
+                   qweight.shape[1], qweight.g_idx, qweight.offsets, bias, dtype)
+        self.register_buffer("weight_hat", qweight.dequantize(dtype) if dense else None, persistent=False)
+
+    @classmethod
+    def from_packed(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                    in_features: int, g_idx: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                    dense: bool = True) -> "SpearLinear":
+        """From the packed codes uint8 [out, packed_width(in, bits)] as an artifact stores them, without unpacking."""
+        layer = cls.__new__(cls)
+        LinearMethod.__init__(layer)
+        layer._hold(codes, scales, zeros, bits, in_features, g_idx, offsets, bias, dtype)
+        layer.register_buffer("weight_hat", layer.qweight.dequantize(dtype) if dense else None, persistent=False)
+        return layer
+
+    def _hold(self, codes, scales, zeros, bits, in_features, g_idx, offsets, bias, dtype) -> None:
+        if codes.shape[1] != packed_width(in_features, bits):
+            raise SpearError(f"packed codes of {codes.shape[1]} bytes a row do not hold {in_features} {bits}-bit codes")
+        self.out_features, self.in_features = codes.shape[0], in_features
+        self.bits = bits
+        self.group_size = in_features // scales.shape[1]
+        self.dtype = dtype
+        self.register_buffer("codes", codes)  # uint8 [out, packed_width(in, bits)]
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("g_idx", g_idx)  # None (not in the state dict) unless imported
+        self.register_buffer("offsets", offsets)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.record_bytes = QuantizedWeight.nbytes_of(self.out_features, in_features, bits, scales, g_idx, offsets)
         self.ec: ErrorCompensator | None = None
         self.packed = None  # PackedW4 once use_kernels() ran
         self.packed_ec = None  # PackedEC snapshot of self.ec, likewise
 
     @property
     def qweight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.codes, self.scales, self.zeros, self.bits, self.group_size, self.g_idx,
-                               self.offsets)
+        if self.codes is None:
+            raise SpearError("this layer holds only its kernels' packing (release_for_serving); load the artifact "
+                             "again to read its record")
+        return QuantizedWeight(unpack_codes(self.codes, self.bits, self.in_features), self.scales, self.zeros,
+                               self.bits, self.group_size, self.g_idx, self.offsets)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight, so code that reads `.weight` (dtype, device, shape) keeps working."""
-        return self.weight_hat
+        return self.weight_hat if self.weight_hat is not None else self.qweight.dequantize(self.dtype)
 
     def use_kernels(self, drop_dense: bool = False) -> bool:
         """Pack for the Triton kernels (inference: the EC is snapshotted, so call it after calibration).
 
         Returns False, changing nothing, where the kernels do not apply (not 4-bit, sizes not
-        multiples of 64, an unsupported group size). With `drop_dense` the dequantized weight
-        is freed; forward then needs CUDA fp16 inputs.
+        multiples of 64, an unsupported group size). With `drop_dense` only what the kernels read
+        stays (release_for_serving); forward then needs CUDA fp16 inputs.
         """
-        from spear.errors import SpearError
         from spear.kernels.pack import pack_ec, pack_w4
 
         try:
@@ -155,13 +184,23 @@ class SpearLinear(LinearMethod):
             return False
         self.packed_ec = None if self.ec is None else pack_ec(self.ec)
         if drop_dense:
-            self.weight_hat = torch.empty(0, dtype=self.weight_hat.dtype, device=self.weight_hat.device)
+            self.release_for_serving()
         return True
+
+    def release_for_serving(self) -> None:
+        """Free what the serving path does not read: with a kernel packing, the record and the dense copy (the
+        packing holds the codes, scales and zeros); without one, the record (forward reads the dense copy, made
+        here if it was not)."""
+        if self.packed is None and self.weight_hat is None:
+            self.weight_hat = self.qweight.dequantize(self.dtype)
+        if self.packed is not None:
+            self.weight_hat = None
+        self.codes = self.scales = self.zeros = self.g_idx = self.offsets = None
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if self.packed is not None:  # follow .to(device); the packed dtypes are fixed
-            device = self.codes.device
+            device = fn(self.packed.qweight).device  # int32: only a move changes it
             self.packed = self.packed.to(device)
             self.packed_ec = None if self.packed_ec is None else self.packed_ec.to(device)
         return self
@@ -171,7 +210,8 @@ class SpearLinear(LinearMethod):
             from spear.kernels.w4 import w4_linear
 
             return w4_linear(x, self.packed, self.packed_ec, None if self.bias is None else self.bias.half())
-        y = F.linear(x, self.weight_hat.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        weight = self.weight_hat if self.weight_hat is not None else self.qweight.dequantize(x.dtype)
+        y = F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.ec is not None:
             y = y + self.ec(x)
         return y
@@ -179,7 +219,7 @@ class SpearLinear(LinearMethod):
     def nbytes(self) -> int:
         """The record at `bits` a weight (QuantizedWeight.nbytes_packed), the bias and the EC in fp16."""
         bias = 0 if self.bias is None else self.bias.numel() * 2
-        return self.qweight.nbytes_packed() + bias + (0 if self.ec is None else self.ec.nbytes())
+        return self.record_bytes + bias + (0 if self.ec is None else self.ec.nbytes())
 
     def stack_key(self) -> tuple | None:
         """Packed layers of one input width and group size stack into one W4 launch (runtime.linear.FusedLinear)."""

@@ -139,23 +139,33 @@ class QuantizedWeight:
 
     def nbytes_packed(self) -> int:
         """Bytes as served: codes packed at `bits` per weight, scales, zeros at `bits` each, g_idx and offsets."""
-        out_f, in_f = self.shape
-        groups = self.scales.numel()
-        codes = (out_f * in_f * self.bits + 7) // 8
-        zeros = (groups * self.bits + 7) // 8
-        extra = sum(t.numel() * t.element_size() for t in (self.g_idx, self.offsets) if t is not None)
-        return codes + groups * self.scales.element_size() + zeros + extra
+        return self.nbytes_of(*self.shape, self.bits, self.scales, self.g_idx, self.offsets)
+
+    @staticmethod
+    def nbytes_of(out_f: int, in_f: int, bits: int, scales: torch.Tensor, g_idx: torch.Tensor | None = None,
+                  offsets: torch.Tensor | None = None) -> int:
+        """nbytes_packed of a record of this shape, bits, scales, g_idx and offsets."""
+        groups = scales.numel()
+        codes = (out_f * in_f * bits + 7) // 8
+        zeros = (groups * bits + 7) // 8
+        extra = sum(t.numel() * t.element_size() for t in (g_idx, offsets) if t is not None)
+        return codes + groups * scales.element_size() + zeros + extra
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The record as an artifact stores it: codes packed at `bits` a weight (pack_codes), scales, zeros, and
+        g_idx and offsets where present."""
         optional = {"g_idx": self.g_idx, "offsets": self.offsets}
-        return {f"{prefix}.codes": self.codes, f"{prefix}.scales": self.scales, f"{prefix}.zeros": self.zeros} | {
-            f"{prefix}.{k}": v for k, v in optional.items() if v is not None
-        }
+        return {f"{prefix}.codes": pack_codes(self.codes, self.bits), f"{prefix}.scales": self.scales,
+                f"{prefix}.zeros": self.zeros} | {f"{prefix}.{k}": v for k, v in optional.items() if v is not None}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, bits: int) -> "QuantizedWeight":
-        codes = tensors[f"{prefix}.codes"]
-        scales = tensors[f"{prefix}.scales"]
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, bits: int, in_features: int | None = None,
+                     packed: bool = True) -> "QuantizedWeight":
+        """The record from its tensors (`tensors`' layout; `packed=False`: codes one a byte, artifact format 1).
+        `in_features` defaults to what the packed width holds (exact where in · bits is a multiple of 8)."""
+        codes, scales = tensors[f"{prefix}.codes"], tensors[f"{prefix}.scales"]
+        if packed:
+            codes = unpack_codes(codes, bits, in_features or codes.shape[1] * 8 // bits)
         return cls(codes, scales, tensors[f"{prefix}.zeros"], bits, codes.shape[1] // scales.shape[1],
                    tensors.get(f"{prefix}.g_idx"), tensors.get(f"{prefix}.offsets"))
 
@@ -169,6 +179,41 @@ class QuantizedWeight:
             bits=cfg.bits,
             group_size=codes.shape[1] // scale.shape[1],
         )
+
+
+def packed_width(in_features: int, bits: int) -> int:
+    """Bytes a row of `in_features` codes at `bits` each takes once packed (pack_codes)."""
+    return (in_features * bits + 7) // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [out, in] (values < 2^bits) -> uint8 [out, packed_width(in, bits)]: each row a little-endian bitstream,
+    code j at bits j·b .. j·b + b − 1 of the row (at 4 bits: column 2i in the low nibble of byte i, 2i + 1 in the
+    high one; at 8 bits: the codes as they are). The layout of the artifact's `.codes` tensors."""
+    out_f, in_f = codes.shape
+    codes = codes.to(torch.uint8)
+    if bits == 8:
+        return codes.contiguous()
+    if bits == 4 and in_f % 2 == 0:  # the common case, without the bit-plane temporaries
+        pairs = codes.view(out_f, in_f // 2, 2)
+        return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    planes = (codes[..., None] >> torch.arange(bits, dtype=torch.uint8, device=codes.device)) & 1  # [out, in, b]
+    stream = planes.reshape(out_f, in_f * bits)
+    width = packed_width(in_f, bits)
+    stream = torch.nn.functional.pad(stream, (0, width * 8 - in_f * bits)).view(out_f, width, 8)
+    return (stream << torch.arange(8, dtype=torch.uint8, device=codes.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """The inverse of pack_codes: uint8 codes [out, in_features]."""
+    out_f = packed.shape[0]
+    if bits == 8:
+        return packed
+    if bits == 4 and in_features % 2 == 0:
+        return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(out_f, in_features)
+    planes = (packed[..., None] >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1  # [out, width, 8]
+    planes = planes.reshape(out_f, -1)[:, : in_features * bits].view(out_f, in_features, bits)
+    return (planes << torch.arange(bits, dtype=torch.uint8, device=packed.device)).sum(-1, dtype=torch.uint8)
 
 
 def fp16_if_exact(t: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,8 @@ def compensate(
     spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
     plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cfg.cost, cfg.seed, planner, spectra)
 
+    from spear.artifact import round_as_stored
+
     t = time.perf_counter()
     names = [e.name for e in plan.entries]
     for entry in plan.entries:
@@ -167,6 +169,7 @@ def compensate(
         calib_cfg = replace(cfg.calibrate, train_gate=cfg.gated, seed=cfg.seed)
         calibration = calibrate_ecs(student, teacher, calib_ids, calib_cfg)
         seconds["calibrate"] = calibration.seconds
+    round_as_stored(student)  # the ECs as the artifact stores them (fp16): what is evaluated is what is served
     ec_bytes = sum(layers[n].ec.nbytes() for n in names)
     kind = "adaptive, no gate" if cfg.trained and not cfg.gated else cfg.kind
     return CompensateReport(kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds)

@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from spear.artifact import read_artifact_config, read_artifact_tensors
+from spear.artifact import RECORD_PARTS, read_artifact_config, read_record
 from spear.errors import SpearError
 from spear.record import QuantizedWeight
+from spear.shards import ShardReader
 from spear.util import atomic_dir, versions
 
 BITS = 4  # vLLM's W4A16 (compressed-tensors uint4b8 / uint4 with zero points)
@@ -56,17 +57,17 @@ def export_vllm(artifact_dir: str | Path, out_dir: str | Path) -> VllmExport:
     config = read_artifact_config(artifact_dir)
     if out_dir.resolve() == artifact_dir.resolve():
         raise SpearError(f"--out {out_dir} is the artifact itself; give the export a directory of its own")
-    tensors = read_artifact_tensors(artifact_dir)
-    records = {name: _record(tensors, name, meta["bits"]) for name, meta in config["quantized_modules"].items()}
+    reader = ShardReader(artifact_dir)
+    records = {name: _record(reader, config, name) for name in config["quantized_modules"]}
     if not records:
         raise SpearError(f"{artifact_dir} has no quantized linears to export")
     scheme = _scheme(records)
     model = {}
     for name, record in records.items():
         model |= {f"{name}.{k}": v for k, v in pack_compressed_tensors(record, scheme).items()}
-    ecs = {k: v.contiguous() for k, v in tensors.items() if ".ec." in k}
-    owned = set(ecs).union(*(r.tensors(name) for name, r in records.items()))
-    model |= {k: v for k, v in tensors.items() if k not in owned}
+    ecs = {k: reader.get(k).contiguous() for k in reader.names() if ".ec." in k}
+    owned = set(ecs) | {f"{name}.{part}" for name in records for part in RECORD_PARTS}
+    model |= {k: reader.get(k) for k in reader.names() if k not in owned}
     ec_modules = config["ec_modules"]
     hf_config = _hf_config(config, scheme, ec_modules)
     lora = static_lora(ecs, ec_modules)
@@ -110,11 +111,8 @@ class Scheme:
         return QuantizationScheme(targets=["Linear"], weights=self.args())
 
 
-def _record(tensors: dict[str, torch.Tensor], name: str, bits: int) -> QuantizedWeight:
-    try:
-        record = QuantizedWeight.from_tensors(tensors, name, bits)
-    except KeyError as e:
-        raise SpearError(f"corrupt artifact: missing tensor {e.args[0]}") from None
+def _record(reader: ShardReader, config: dict, name: str) -> QuantizedWeight:
+    record = read_record(reader, config, name)
     if record.bits != BITS:
         raise SpearError(f"{name} is {record.bits}-bit; vLLM's compressed-tensors W4A16 takes 4-bit linears")
     if not record.standard_form:
@@ -190,7 +188,8 @@ def static_lora(ecs: dict[str, torch.Tensor], ec_modules: dict) -> tuple[dict[st
     rank = max(meta["rank"] for meta in ec_modules.values())
     lora = {}
     for name in ec_modules:
-        a, b, alpha = ecs[f"{name}.ec.A"], ecs[f"{name}.ec.B"], ecs[f"{name}.ec.alpha"]
+        # in float32: the product alpha B of the stored fp16 tensors, exact
+        a, b, alpha = (ecs[f"{name}.ec.{k}"].float() for k in ("A", "B", "alpha"))
         r = a.shape[0]
         prefix = f"base_model.model.{name}"
         lora[f"{prefix}.lora_A.weight"] = torch.cat([a, a.new_zeros(rank - r, a.shape[1])]).contiguous()

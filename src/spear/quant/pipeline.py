@@ -57,24 +57,29 @@ def check_shapes(model: nn.Module, cfg: QuantConfig) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, settings: QuantSettings, calib_ids: torch.Tensor | None = None) -> dict[str, QuantizedWeight]:
-    """Quantize `model` in place; return the records by module name. GPTQ, AWQ and OmniQuant need calib_ids."""
+    """Quantize `model` in place; return the records by module name. GPTQ, AWQ and OmniQuant need calib_ids.
+    The model's other floating tensors end rounded to the artifact's 16 bits (artifact.round_as_stored)."""
+    from spear.artifact import round_as_stored
+
     check_shapes(model, settings.quant)
     if settings.method == "rtn":
         records = {}
         for name, linear in tqdm(quantizable_linears(model).items(), desc="RTN", unit="layer"):
             records[name] = rtn_quantize(linear.weight, settings.quant)
             replace_with_quantized(model, name, records[name])
-        return records
-    if calib_ids is None:
+    elif calib_ids is None:
         raise SpearError(f"{settings.method} needs calibration data")
-    if settings.method == "gptq":
+    elif settings.method == "gptq":
         from spear.quant.gptq import gptq_quantize_model
 
-        return gptq_quantize_model(model, settings, calib_ids)
-    if settings.method == "omniquant":
+        records = gptq_quantize_model(model, settings, calib_ids)
+    elif settings.method == "omniquant":
         from spear.quant.omniquant import omniquant_quantize_model
 
-        return omniquant_quantize_model(model, settings, calib_ids)
-    from spear.quant.awq import awq_quantize_model
+        records = omniquant_quantize_model(model, settings, calib_ids)
+    else:
+        from spear.quant.awq import awq_quantize_model
 
-    return awq_quantize_model(model, settings, calib_ids)
+        records = awq_quantize_model(model, settings, calib_ids)
+    round_as_stored(model)
+    return records

@@ -1,0 +1,43 @@
+"""A model's skeleton without its weights: modules whose parameters live on the meta device, filled later one
+tensor at a time from a checkpoint's shards (accelerate's init_empty_weights, transformers' meta-device loading).
+
+Parameters are created where the module's constructor asks (uninitialised memory, never touched) and moved to
+meta at once, so building a 70B skeleton costs nothing; buffers (RoPE's inverse frequencies, computed in the
+constructors and not stored in checkpoints) stay real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch import nn
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within the block, every parameter a module registers is moved to the meta device."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Parameters reachable under several names (lm_head.weight = embed_tokens.weight): alias -> first name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
