@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
             model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device,
                                  kernels=channel is None, tune_rows=decode_tune_rows(max(batches)))
             if channel is not None:  # shard, then pack for the kernels; decode steps reduce by --tp-reduction
-                shard_for_serving(model, args.tp_reduction, max(batches), drop_dense=True)
+                shard_for_serving(model, args.tp_reduction, max(batches))
             synchronize(device)
             build_seconds = time.perf_counter() - start
             nbytes = weight_bytes(model)

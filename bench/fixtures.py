@@ -64,7 +64,7 @@ def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction:
             if math.floor((i + 1) * ec_fraction) > math.floor(i * ec_fraction):  # evenly spread, floor(n * fraction) in all
                 lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn)
     if kernels:
-        use_kernels(model, drop_dense=True, tune_rows=tune_rows)
+        use_kernels(model, tune_rows=tune_rows)
     return model
 
 

@@ -89,7 +89,7 @@ def build(args: ModelArgs, fraction: float | None, dtype: torch.dtype, device: t
     model = random_model(args, quant, fraction or 0.0, EC_RANK, dtype, device, kernels=False)
     if dist.get_world_size() > 1:
         apply_tp(model)
-    use_kernels(model, drop_dense=True)
+    use_kernels(model)
     return model
 
 

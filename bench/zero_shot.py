@@ -51,8 +51,7 @@ def without_ecs(lm: LoadedModel) -> LoadedModel:
 def build_spear_artifact(model: str, out_dir: Path, device: torch.device, quick: bool) -> str:
     """W4 RTN per-channel of `model` plus SPEAR at the defaults (or `spear run --quick`'s short calibration),
     written to out_dir: the artifact the rows load."""
-    lm, path = api.quantize(model, W4_RTN_PC, out_dir, device=device)
-    del lm
+    path = api.quantize(model, W4_RTN_PC, out_dir, device=device)
     calib, cfg = CalibConfig(), CompensateConfig()
     if quick:
         calib, cfg = quick_calibration(calib, cfg)

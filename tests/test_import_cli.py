@@ -34,10 +34,19 @@ def assert_clean_error(rc, err, match):
     assert len(lines) == 1 and match in lines[0], err
 
 
+def fp16_valued(model):
+    """The model's float tensors rounded to fp16 values, as a pre-quantized checkpoint (and the artifact) stores
+    them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model
+
+
 def write_gptq_checkpoint(path, reference_path=None, quantization_config=GPTQ_CONFIG, drop=None, reshape=None):
     """A tiny Llama as GPTQ v1 with act-order (every decoder linear), and optionally the float model holding
     the weights AutoGPTQ's formula dequantizes them to (scales[g_idx] * (q - zeros[g_idx]), in float32)."""
-    model = make_tiny_llama()
+    model = fp16_valued(make_tiny_llama())
     tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     for i, (name, linear) in enumerate(quantizable_linears(model).items()):
         record = rtn_quantize(linear.weight, QuantConfig(group_size=32, sym_grid="gptq"))
@@ -115,7 +124,7 @@ def write_awq_or_compressed_tensors(path, fmt: str, sym: bool = False) -> dict[s
     the library, bf16 scales); returns the weights the format's reader dequantizes each linear to."""
     from spear.quant.formats import AWQ_SHIFT_OF_COLUMN
 
-    model = make_tiny_llama()
+    model = fp16_valued(make_tiny_llama())
     tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     expected = {}
     for name, linear in quantizable_linears(model).items():
@@ -251,7 +260,8 @@ def write_gguf(path, kind: str, down_kind: str | None = None):
             return b.reshape(rows, -1)
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, T[k])
 
-    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
+    # fp16 values, as an F16 embedding (the artifact stores every float tensor at 16 bits)
+    w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float16).astype(np.float32))
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     w.add_tensor("blk.0.attn_norm.weight", np.ones(HIDDEN, np.float32))
     w.add_tensor("blk.0.ffn_norm.weight", np.ones(HIDDEN, np.float32))
@@ -281,7 +291,8 @@ def test_gguf_import_matches_transformers_reading(kind, tmp_path, capsys):
 
 
 def test_gguf_import_evaluates_as_the_gguf(tmp_path, capsys):
-    """Q4_K (two-level scales, float32 in the record): the artifact's perplexity is the GGUF's own, to the last bit."""
+    """Q4_K (two-level scales, float32 in the record): the artifact's perplexity is the GGUF's own, to the last bit
+    (its embedding and norms hold fp16 values, which the artifact's 16-bit floats keep exactly)."""
     src = write_gguf(tmp_path / "tiny.gguf", "Q4_K")
     assert run_cli(capsys, "import", src, "--out", tmp_path / "art")[0] == 0
     _, out_art, _ = run_cli(capsys, "eval", tmp_path / "art", *EVAL_ARGS)

@@ -41,10 +41,10 @@ def tiny_args(world: int) -> ModelArgs:
 
 def build(args: ModelArgs, setting: str) -> Transformer:
     if setting == "fp32":
-        return random_model(args, dtype=torch.float32, seed=1)
+        return random_model(args, dtype=torch.float32, seed=1, kernels=False)
     if setting == "w4":
-        return random_model(args, QuantConfig(group_size=-1), dtype=torch.float32, seed=1)
-    model = random_model(args, QuantConfig(group_size=16), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1)
+        return random_model(args, QuantConfig(group_size=-1), dtype=torch.float32, seed=1, kernels=False)
+    model = random_model(args, QuantConfig(group_size=16), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1, kernels=False)
     for i, lin in enumerate(m for m in model.modules() if isinstance(m, SpearLinear)):
         lin.ec.B.mul_(30)
         if i % 2:
@@ -83,7 +83,7 @@ def check_rank() -> None:
         gathered = [torch.empty_like(logits) for _ in range(world)]
         dist.all_gather(gathered, logits)
         assert all(torch.equal(g, gathered[0]) for g in gathered), f"{setting}: ranks disagree"
-    without_ec = random_model(args, QuantConfig(group_size=16), dtype=torch.float32, seed=1)
+    without_ec = random_model(args, QuantConfig(group_size=16), dtype=torch.float32, seed=1, kernels=False)
     moved = (greedy(build(args, "w4+ec"))[0] - greedy(without_ec)[0]).abs().max()
     assert moved > 0.05, f"the ECs barely change the logits ({moved:.3g}): the EC paths would go untested"
 
@@ -178,7 +178,7 @@ def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer():
     its slot of both ranks' buffers and signals both; then each rank's epilogue sums the slots. Twice, so the
     epoch advances and the kernel's counters are left clean; both ranks agree bit for bit."""
     args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
-    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1)
+    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1, kernels=False)
     lin = model.layers[0].feed_forward.w_down  # 64 × 128, a gated EC; groups of 32 (the kernels' smallest)
     lin.ec.B.mul_(30)
     lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
@@ -210,7 +210,7 @@ def test_p2p_epilogue_folds_the_next_norm_on_both_ranks(monkeypatch):
     from spear.runtime.tp import PEER_BLOCK_N
 
     args = ModelArgs(dim=192, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=48, n_layers=1, vocab=64)
-    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=2)
+    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=2, kernels=False)
     lin = model.layers[0].feed_forward.w_down  # 192 × 128: two epilogue blocks of columns, the second partial
     world, max_rows = 2, 4
     shards, slots, signals = p2p_shards(lin, world, max_rows)

@@ -11,17 +11,19 @@ import torch
 from spear.artifact import ArtifactInfo, is_artifact, load_artifact, save_artifact
 from spear.errors import SpearError
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
-from spear.models.loading import LoadedModel, load_float_model, resolve_model_path
+from spear.models.loading import LoadedModel, checkpoint_dir, load_float_model, load_tokenizer, resolve_model_path
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 
 if TYPE_CHECKING:
     from spear.compensate.pipeline import CompensateConfig, CompensateReport
 
 
-def load(spec: str, device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
-    """A SPEAR artifact directory, an HF model directory, a GGUF file, or 'smollm2'."""
+def load(spec: str, device: torch.device | None = None, dtype: torch.dtype | None = None,
+         serving: bool = False) -> LoadedModel:
+    """A SPEAR artifact directory, an HF model directory, a GGUF file, or 'smollm2'. `serving`: an artifact's
+    linears come without their dequantized copies (the runtime packs them: runtime.model.use_kernels)."""
     if is_artifact(spec):
-        return load_artifact(spec, device, dtype)
+        return load_artifact(spec, device, dtype, dense=not serving)
     return load_float_model(spec, device, dtype)
 
 
@@ -39,20 +41,24 @@ def quantize(
     calib: CalibConfig = CalibConfig(),
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
-) -> tuple[LoadedModel, Path]:
-    """Quantize the float model `spec` and write the artifact to `out_dir` (atomically)."""
+) -> Path:
+    """Quantize the float model `spec` and write the artifact to `out_dir` (atomically). RTN reads the checkpoint a
+    decoder layer at a time (quant.streaming) where its tensor names allow; the other methods load the float model
+    (their calibration data is sampled from it)."""
+    from spear.quant.streaming import rtn_quantize_checkpoint, streamable_skeleton
+
+    info = ArtifactInfo(base_model=spec, quant={"method": settings.method, **settings.quant.to_dict(),
+                                                 **_method_options(settings)})
+    if settings.method == "rtn" and (skeleton := streamable_skeleton(hf_dir := checkpoint_dir(spec))) is not None:
+        return rtn_quantize_checkpoint(hf_dir, skeleton, load_tokenizer(spec), settings, Path(out_dir), info)
     lm = load_float_model(spec, device, dtype)
     check_shapes(lm.model, settings.quant)
     ids = None
     if settings.method != "rtn":
         ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(spec))
+        info.calibration = calibration_record(calib, ids)
     quantize_model(lm.model, settings, ids)
-    info = ArtifactInfo(
-        base_model=spec,
-        quant={"method": settings.method, **settings.quant.to_dict(), **_method_options(settings)},
-        calibration=None if ids is None else calibration_record(calib, ids),
-    )
-    return lm, save_artifact(lm.model, lm.tokenizer, out_dir, info)
+    return save_artifact(lm.model, lm.tokenizer, out_dir, info)
 
 
 def _method_options(settings: QuantSettings) -> dict:

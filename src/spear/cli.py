@@ -183,8 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--itl-slo-ms", type=float, default=None,
                    help="SLO-aware chunks (at most --chunk-tokens) from the artifact's latency table, profiled first if absent")
     s.add_argument("--max-model-len", type=int, default=None,
-                   help="context per sequence (default: the model's, at most 4096); with --max-num-seqs it sizes the KV cache")
-    s.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+                   help="context per sequence (default: the model's, at most 4096); the KV cache must hold one")
+    s.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences decoded together at most (as many as the KV cache holds)")
+    s.add_argument("--kv-cache-memory", default=None,
+                   help="the KV cache's size: bytes or a size such as 2GiB, 512MiB, 1.5GB (default: on a GPU "
+                        "--gpu-memory-utilization of its memory less the weights', on a CPU 1GiB)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for the weights, activations and KV cache (default 0.9)")
     s.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: one process per GPU (gloo processes on CPU), rank 0 serves HTTP")
     s.add_argument("--tp-reduction", default="p2p",
@@ -268,7 +274,7 @@ def cmd_quantize(args) -> int:
     from spear import api
 
     settings, calib = _settings(args)
-    _, out = api.quantize(args.model, settings, args.out, calib, device=_device(args))
+    out = api.quantize(args.model, settings, args.out, calib, device=_device(args))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -371,13 +377,15 @@ def cmd_run(args) -> int:
 
 def cmd_serve(args) -> int:
     from spear.server.guard import GuardConfig
-    from spear.server.launch import ServeConfig, serve
+    from spear.server.launch import ServeConfig, parse_memory, serve
 
     hosts = None if args.allowed_hosts is None else tuple(args.allowed_hosts)
     http = GuardConfig(int(args.max_body_mb * 2**20), args.read_timeout_s, args.max_connections, hosts,
                        args.api_key, args.api_key_probes)
     config = ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms,
-                         args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap, http)
+                         args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap, http,
+                         None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory),
+                         args.gpu_memory_utilization)
     serve(args.model, config, device=_device(args))
     return 0
 

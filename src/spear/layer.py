@@ -191,6 +191,8 @@ class SpearLinear(LinearMethod):
         """Free what the serving path does not read: with a kernel packing, the record and the dense copy (the
         packing holds the codes, scales and zeros); without one, the record (forward reads the dense copy, made
         here if it was not)."""
+        if self.codes is None:  # released already
+            return
         if self.packed is None and self.weight_hat is None:
             self.weight_hat = self.qweight.dequantize(self.dtype)
         if self.packed is not None:

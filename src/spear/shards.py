@@ -22,6 +22,9 @@ from spear.errors import SpearError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' and vLLM's usual cap
+# A reader closes its files after this many bytes read: the pages of a memory-mapped file count in the process's
+# resident memory while it is open, so a long read would otherwise hold the whole file beside its copies.
+REMAP_BYTES = 256 * 1024**2
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -78,6 +81,7 @@ class ShardReader:
         self.device = str(device)
         self.weight_map = weight_map(self.directory)
         self._handles: dict[str, object] = {}
+        self._read_bytes = 0  # since the files were opened
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -96,7 +100,16 @@ class ShardReader:
             tensor = self._handles[file].get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise SpearError(f"corrupt or missing weights in {self.directory / file}: {_first_line(e)}") from None
+        self._read_bytes += tensor_bytes(tensor)
+        if self._read_bytes > REMAP_BYTES:
+            self.release()
         return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+    def release(self) -> None:
+        """Close the files (their memory maps count in the process's resident memory until then); the next get
+        opens them again."""
+        self._handles.clear()
+        self._read_bytes = 0
 
     def get_optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.get(name, dtype) if name in self else None

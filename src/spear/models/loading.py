@@ -68,10 +68,24 @@ def load_float_model(spec: str, device: torch.device | None = None, dtype: torch
     """Load the float model named by `spec` onto `device` (CUDA when present) in `dtype`."""
     device = device or default_device()
     dtype = dtype or default_dtype(device)
+    model, tokenizer = _load_hf_dir(checkpoint_dir(spec), dtype, spec)
+    return LoadedModel(model.to(device).eval(), tokenizer, spec, resolve_model_path(spec))
+
+
+def checkpoint_dir(spec: str) -> Path:
+    """The HF directory holding the float model `spec` (a GGUF's, dequantized once into the cache)."""
     path = resolve_model_path(spec)
-    hf_dir = _gguf_as_hf_dir(path) if path.is_file() else path
-    model, tokenizer = _load_hf_dir(hf_dir, dtype, spec)
-    return LoadedModel(model.to(device).eval(), tokenizer, spec, path)
+    return _gguf_as_hf_dir(path) if path.is_file() else path
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of the float model `spec`."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint_dir(spec))
+    except (OSError, ValueError) as e:
+        raise SpearError(f"cannot load the tokenizer of {spec}: {_first_line(e)}") from None
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str):

@@ -141,8 +141,8 @@ def profile_model(spec: str, out: str | Path | None = None, batch_sizes=None, pr
     if out is None and not is_artifact(spec):
         raise SpearError(f"{spec} is not a SPEAR artifact directory; give --out FILE for its latency table")
     path = Path(out) if out is not None else Path(spec) / TABLE_FILE
-    lm = api.load(spec, device)
-    config = EngineConfig()
+    lm = api.load(spec, device, serving=True)
+    config = EngineConfig(max_num_seqs=DEFAULT_BATCH_SIZES[-1])  # the default grid's batches: the KV cache holds them
     runner = make_runner(build_runtime_model(lm.model), config)
     default_batches, default_prefill = default_grid(config.max_num_seqs, runner.max_model_len)
     table = profile(runner, batch_sizes or default_batches, prefill_tokens or default_prefill)

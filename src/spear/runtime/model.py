@@ -453,19 +453,22 @@ def fuse_projections(model: Transformer, dense: bool = True) -> int:
     return count
 
 
-def use_kernels(model: nn.Module, drop_dense: bool = False, tune: bool = True, fuse: bool = True,
+def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
                 tune_rows: tuple[int, ...] | None = None) -> int:
-    """Route the model's 4-bit linears through the Triton W4A16 kernels where they run (CUDA, fp16);
-    returns how many were packed. With `drop_dense`, free their dequantized fp16 copies. With `fuse`
-    (a Transformer on CUDA), q/k/v and gate/up become one launch each, float ones too (fuse_projections). With `tune`, time the
-    decode kernel's configs once per distinct weight shape and row bucket, fused ones included, and at one row
-    once more per shape and EC rank with the EC (tens of seconds on a fresh machine, where every candidate
-    compiles first; kernels.w4.tune_w4). `tune_rows`: only these row counts' buckets (default tune_w4's, 1 to 128
-    rows: kernels.w4.decode_tune_rows gives a decode benchmark's)."""
+    """Turn the model's 4-bit linears into what serving reads (vLLM's process_weights_after_loading): on CUDA in
+    fp16 packed for the Triton W4A16 kernels, then every SpearLinear keeps only what its forward reads
+    (SpearLinear.release_for_serving: no record, no dense copy beside a packing); returns how many were packed.
+    With `fuse` (a Transformer on CUDA), q/k/v and gate/up become one launch each, float ones too
+    (fuse_projections). With `tune`, time the decode kernel's configs once per distinct weight shape and row bucket,
+    fused ones included, and at one row once more per shape and EC rank with the EC (tens of seconds on a fresh
+    machine, where every candidate compiles first; kernels.w4.tune_w4). `tune_rows`: only these row counts' buckets
+    (default tune_w4's, 1 to 128 rows: kernels.w4.decode_tune_rows gives a decode benchmark's)."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
     packed = []
-    if linears and linears[0].codes.device.type == "cuda" and linears[0].weight_hat.dtype == torch.float16:
-        packed = [m for m in linears if m.use_kernels(drop_dense)]
+    if linears and linears[0].scales is not None and linears[0].scales.is_cuda and linears[0].dtype == torch.float16:
+        packed = [m for m in linears if m.use_kernels()]
+    for m in linears:
+        m.release_for_serving()
     if isinstance(model, Transformer) and model.embed.weight.device.type == "cuda":
         # float linears too (on CPU each runs alone through F.linear)
         if fuse:

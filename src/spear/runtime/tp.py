@@ -110,7 +110,7 @@ def column_shard(lin: DenseLinear | SpearLinear, rank: int, world: int) -> Dense
     q = _shardable(lin)
     record = QuantizedWeight(_rows(q.codes, rank, world), _rows(q.scales, rank, world), _rows(q.zeros, rank, world),
                              q.bits, q.group_size)
-    shard = SpearLinear(record, _rows(lin.bias, rank, world), lin.weight_hat.dtype)
+    shard = SpearLinear(record, _rows(lin.bias, rank, world), lin.dtype)
     if lin.ec is not None:
         ec = ErrorCompensator(lin.in_features, shard.out_features, lin.ec.rank)
         ec.A, ec.alpha, ec.gate = lin.ec.A, lin.ec.alpha, lin.ec.gate
@@ -307,9 +307,9 @@ class RowParallelLinear(LinearMethod):
             scales, zeros = (q.scales, q.zeros) if per_channel else (_cols(q.scales, rank, world), _cols(q.zeros, rank, world))
             record = QuantizedWeight(_cols(q.codes, rank, world), scales.clone(), zeros.clone(), q.bits,
                                      self.in_features if per_channel else q.group_size)
-            self.base = SpearLinear(record, None, lin.weight_hat.dtype)
+            self.base = SpearLinear(record, None, lin.dtype)
             if lin.ec is not None:
-                self.ec = RankSpaceEC(lin.ec, rank, world, lin.weight_hat.dtype)
+                self.ec = RankSpaceEC(lin.ec, rank, world, lin.dtype)
         self.reduce: CollectiveReduce | SymmetricReduce | PeerReduce = CollectiveReduce()  # set_reduction
 
     def _staged_width(self) -> int:

@@ -20,13 +20,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from spear.runtime.engine import Engine, EngineConfig, eos_token_ids, make_runner
+from spear.runtime.engine import Engine, EngineConfig, eos_token_ids, kv_cache_blocks, make_runner
 from spear.runtime.kv_cache import Chunk
 from spear.runtime.model import Transformer, build_runtime_model, use_kernels
 from spear.runtime.runner import ModelRunner
@@ -177,17 +179,16 @@ def shard_runtime_model(hf_model: nn.Module, reduction: Reduction = "p2p", max_r
     return shard_for_serving(build_runtime_model(hf_model, kernels=False), reduction, max_rows)
 
 
-def shard_for_serving(model: Transformer, reduction: Reduction = "p2p", max_rows: int = 32,
-                      drop_dense: bool = False) -> Transformer:
+def shard_for_serving(model: Transformer, reduction: Reduction = "p2p", max_rows: int = 32) -> Transformer:
     """Shard the unpacked runtime `model` in place for this rank, then pack its 4-bit linears for the kernels
-    (use_kernels; `drop_dense` frees their fp16 copies).
+    (use_kernels: only what they read stays).
 
     Where they are packed (CUDA, fp16), the row-parallel layers reduce steps of up to `max_rows` token
     rows by `reduction` (spear.runtime.tp: "p2p", the W4 kernel's epilogue writing to the peers, is the
     fastest measured, BENCHMARKS §7); larger steps, float models and CPU ranks reduce collectively.
     Collective: every rank calls it in the same order."""
     apply_tp(model)
-    if use_kernels(model, drop_dense=drop_dense) and reduction != "collective":
+    if use_kernels(model) and reduction != "collective":
         set_reduction(model, reduction, max_rows)
     return model
 
@@ -195,9 +196,19 @@ def shard_for_serving(model: Transformer, reduction: Reduction = "p2p", max_rows
 def leader_engine(hf_model: nn.Module, tokenizer, config: EngineConfig, channel: StepChannel,
                   reduction: Reduction = "p2p") -> Engine:
     """Rank 0's engine: its runner sends every step to the followers before running it."""
-    runner = make_runner(shard_runtime_model(hf_model, reduction, reduction_rows(config)), config)
+    model = shard_runtime_model(hf_model, reduction, reduction_rows(config))
+    config = agree_kv_blocks(model, config, channel)
+    runner = make_runner(model, config)
     runner.on_step = channel.send
     return Engine(runner, tokenizer, config, eos_token_ids(hf_model))
+
+
+def agree_kv_blocks(model: Transformer, config: EngineConfig, channel: StepChannel) -> EngineConfig:
+    """`config` with the KV-cache blocks of the rank whose budget gives the fewest: rank 0's allocator hands out the
+    block ids of every rank's cache. Collective: every rank calls it before make_runner."""
+    blocks = torch.tensor([kv_cache_blocks(model, config)])
+    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=channel.group)
+    return replace(config, num_kv_blocks=int(blocks))
 
 
 def reduction_rows(config: EngineConfig) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import re
 import signal
 import socket
 import sys
@@ -32,14 +33,18 @@ class ServeConfig:
     max_waiting: int = 256  # requests waiting for the engine beyond which the server answers 429
     chunk_tokens: int = 512  # prompt tokens prefilled per engine step (the most, with an ITL SLO)
     itl_slo_ms: float | None = None  # SLO-aware chunks from the latency table (spear.runtime.slo)
-    max_model_len: int | None = None  # context per sequence (None: the model's, at most 4096); sizes the KV cache
-    max_num_seqs: int = 32  # sequences decoded together
+    max_model_len: int | None = None  # context per sequence (None: the model's, at most 4096)
+    max_num_seqs: int = 256  # sequences decoded together at most (as many as the KV cache holds)
     tp: int = 1  # tensor-parallel ranks (spear.runtime.tp_serve)
     tp_reduction: str = "p2p"  # how row-parallel layers reduce on GPUs (spear.runtime.tp.set_reduction)
     # the engine's host work overlapped with the GPU step (EngineConfig.overlap; single rank only): 2-6% less
     # per decode step on the H200 (BENCHMARKS §5)
     overlap: bool = True
     http: GuardConfig = field(default_factory=GuardConfig)  # body size, read timeout, connections, Host names
+    # The KV cache's size (EngineConfig): bytes, or None for gpu_memory_utilization of a GPU's memory less what the
+    # weights and a warm-up step hold (on a CPU: spear.runtime.engine.CPU_KV_CACHE_MEMORY)
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -50,6 +55,10 @@ class ServeConfig:
             raise SpearError("--max-num-seqs must be at least 1 and --max-model-len at least 2")
         if self.tp < 1:
             raise SpearError(f"--tp must be at least 1, got {self.tp}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise SpearError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory} bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise SpearError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         from spear.runtime.tp import Reduction
 
         if self.tp_reduction not in get_args(Reduction):
@@ -93,7 +102,7 @@ class EngineServer(uvicorn.Server):
 def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel: StepChannel | None = None) -> None:
     """Serve on this process; with a `channel`, as rank 0 of a tensor-parallel group."""
     from spear import api
-    from spear.runtime.engine import build_engine
+    from spear.runtime.engine import build_engine, kv_cache_summary
     from spear.runtime.slo import SLOPolicy
     from spear.runtime.tp_serve import leader_engine
     from spear.server.app import build_app
@@ -101,7 +110,7 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
 
     sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
     try:
-        lm = api.load(spec, device)
+        lm = api.load(spec, device, serving=True)
         engine_config = _engine_config(config)
         if channel is None:
             engine = build_engine(lm.model, lm.tokenizer, engine_config)
@@ -119,6 +128,7 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
         host, port = sock.getsockname()[:2]
         tp = "" if channel is None else f", tensor parallel over {config.tp} ranks"
         print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens{tp})", flush=True)
+        print(kv_cache_summary(engine.runner), flush=True)
         raise_open_file_limit()
         EngineServer(uvicorn_config(app, config.host, config.http, log_level="info"), async_engine).run(sockets=[sock])
     finally:
@@ -137,6 +147,7 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
     from spear.runtime.engine import make_runner
     from spear.runtime.tp_serve import (
         StepChannel,
+        agree_kv_blocks,
         follow,
         reduction_rows,
         shard_runtime_model,
@@ -151,8 +162,8 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
         signal.signal(sig, signal.SIG_IGN)
     if rank > 0:
         engine_config = _engine_config(config)
-        model = shard_runtime_model(api.load(spec, device).model, config.tp_reduction, reduction_rows(engine_config))
-        follow(make_runner(model, engine_config), channel)
+        model = shard_runtime_model(api.load(spec, device, serving=True).model, config.tp_reduction, reduction_rows(engine_config))
+        follow(make_runner(model, agree_kv_blocks(model, engine_config, channel)), channel)
         return
     try:
         _serve(spec, config, device, channel)
@@ -165,7 +176,21 @@ def _engine_config(config: ServeConfig) -> EngineConfig:
     from spear.runtime.scheduler import StaticChunkPolicy
 
     return EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                        kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
                         policy=StaticChunkPolicy(config.chunk_tokens), overlap=config.overlap and config.tp == 1)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of a memory size: a number of bytes, or a number and a unit, as 1073741824, "2GiB", "512MiB", "1.5GB"."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match[2].lower() not in _UNITS:
+        raise SpearError(f"cannot read {text!r} as a memory size; give bytes or a number with a unit, as 2GiB, "
+                         f"512MiB or 1.5GB")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
 def serving_table(spec: str, engine: Engine) -> LatencyTable:
@@ -175,6 +200,7 @@ def serving_table(spec: str, engine: Engine) -> LatencyTable:
     from spear.api import model_key
     from spear.artifact import is_artifact
     from spear.runtime import latency
+    from spear.runtime.kv_cache import cdiv
     from spear.util import cache_dir
 
     runner = engine.runner
@@ -190,7 +216,12 @@ def serving_table(spec: str, engine: Engine) -> LatencyTable:
     why = (f"{path} was profiled on {table.device} at EC density {table.ec_density:.2f}" if table is not None
            else f"no stored latency table for {spec} on {device}")
     print(f"{why}: profiling step latency on this device for --itl-slo-ms (a minute or two)", file=sys.stderr, flush=True)
-    table = latency.profile(runner, *latency.default_grid(engine.config.max_num_seqs, engine.max_model_len))
+    context = min(256, engine.max_model_len // 4)  # the profile's decoding sequences' context
+    _, prefill = latency.default_grid(1, engine.max_model_len)
+    # decode batches up to max_num_seqs, or as many as the KV cache holds beside the largest prefill chunk
+    fit = (engine.kv_blocks_total - cdiv(prefill[-1], engine.block_size)) // cdiv(context + 1, engine.block_size)
+    batches, _ = latency.default_grid(max(1, min(engine.config.max_num_seqs, fit)), engine.max_model_len)
+    table = latency.profile(runner, batches, prefill, decode_context=context)
     print(f"wrote {table.save(path)}", file=sys.stderr, flush=True)
     return table
 

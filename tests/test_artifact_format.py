@@ -1,0 +1,120 @@
+"""The artifact at 4-bit size: packed codes, 16-bit floats, shards with the HF index, streaming load and quantize,
+format 1 still readable."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spear.api import quantize
+from spear.artifact import ArtifactInfo, load_artifact, save_artifact
+from spear.errors import SpearError
+from spear.layer import SpearLinear
+from spear.models import load_float_model
+from spear.quant.pipeline import QuantSettings, quantize_model
+from spear.record import QuantConfig, pack_codes, packed_width, rtn_quantize, unpack_codes
+from spear.shards import INDEX_FILE, ShardReader, safetensors_bytes
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("width", [64, 63, 7])
+def test_codes_pack_to_their_bits_and_back(bits, width):
+    codes = torch.randint(0, 2**bits, (5, width), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, packed_width(width, bits)) == (5, -(-width * bits // 8))
+    assert torch.equal(unpack_codes(packed, bits, width), codes)
+
+
+def test_four_bit_codes_are_nibbles_low_first():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    assert pack_codes(codes, 4).tolist() == [[0x21, 0x0F]]
+    assert pack_codes(torch.tensor([[5, 3, 1]], dtype=torch.uint8), 3).tolist() == [[5 | 3 << 3 | 1 << 6, 0]]
+
+
+def _quantized(tiny_model_dir, group_size=-1):
+    lm = load_float_model(str(tiny_model_dir), CPU, torch.float32)
+    quantize_model(lm.model, QuantSettings("rtn", QuantConfig(4, group_size)))
+    return lm
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_artifact_is_4_bit_sharded_and_loads_exactly(tiny_model_dir, tmp_path):
+    lm = _quantized(tiny_model_dir)
+    ids = torch.randint(0, 256, (2, 16))
+    out = save_artifact(lm.model, lm.tokenizer, tmp_path / "art", ArtifactInfo("tiny", {"method": "rtn"}),
+                        max_shard_bytes=20_000)
+    index = json.loads((out / INDEX_FILE).read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in ShardReader(out).items() for t in [t[1]])
+    linears = [m for m in lm.model.modules() if isinstance(m, SpearLinear)]
+    codes = ShardReader(out).get("model.layers.0.mlp.down_proj.codes")
+    assert codes.dtype == torch.uint8 and codes.shape == (64, 64)  # 128 inputs, two codes a byte
+    # every tensor at 4 bits or 16 bits: the files are the served bytes (records + fp16 rest) and headers
+    served = sum(m.nbytes() for m in linears) + sum(
+        p.numel() * 2 for n, p in lm.model.named_parameters() if ".layers." not in n or "norm" in n)
+    assert safetensors_bytes(out) <= 1.05 * served + 8_000 * len(shards)  # headers: a few kB a shard
+    back = load_artifact(out, CPU, torch.float32)
+    assert torch.equal(_logits(back.model, ids), _logits(lm.model, ids))
+    serving = load_artifact(out, CPU, torch.float32, dense=False)
+    assert all(m.weight_hat is None for m in serving.model.modules() if isinstance(m, SpearLinear))
+    assert torch.equal(_logits(serving.model, ids), _logits(lm.model, ids))
+
+
+def test_format_1_artifacts_still_load(tiny_model_dir, tmp_path):
+    lm = _quantized(tiny_model_dir, group_size=32)
+    out = save_artifact(lm.model, lm.tokenizer, tmp_path / "art", ArtifactInfo("tiny", {"method": "rtn"}))
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, meta in config["quantized_modules"].items():  # format 1: one uint8 a code
+        tensors[f"{name}.codes"] = unpack_codes(tensors[f"{name}.codes"], meta["bits"], meta.pop("in_features"))
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config | {"format_version": 1}))
+    ids = torch.randint(0, 256, (1, 12))
+    assert torch.equal(_logits(load_artifact(out, CPU, torch.float32).model, ids), _logits(lm.model, ids))
+    (out / "config.json").write_text(json.dumps(config | {"format_version": 3}))
+    with pytest.raises(SpearError, match="format version 3.*re-create it with `spear quantize`"):
+        load_artifact(out, CPU)
+
+
+def test_streaming_rtn_writes_the_whole_model_artifact(tiny_model_dir, tmp_path):
+    """spear quantize --method rtn reads the checkpoint a layer at a time; its artifact equals the one of the
+    whole-model path (quantize_model + save_artifact), tensor for tensor."""
+    settings = QuantSettings("rtn", QuantConfig(4, 32))
+    streamed = quantize(str(tiny_model_dir), settings, tmp_path / "streamed")
+    lm = _quantized(tiny_model_dir, group_size=32)
+    whole = save_artifact(lm.model, lm.tokenizer, tmp_path / "whole", ArtifactInfo("tiny", {}))
+    a, b = ShardReader(streamed), ShardReader(whole)
+    assert sorted(a.names()) == sorted(b.names())
+    for name in a.names():
+        x, y = a.get(name), b.get(name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    ca, cb = (json.loads((d / "config.json").read_text()) for d in (streamed, whole))
+    assert ca["quantized_modules"] == cb["quantized_modules"] and ca["tied"] == cb["tied"] != {}
+
+
+def test_streaming_rtn_refuses_a_bad_group_size_before_writing(tiny_model_dir, tmp_path):
+    with pytest.raises(SpearError, match="does not divide"):
+        quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, 48)), tmp_path / "art")
+    assert not (tmp_path / "art").exists()
+
+
+def test_spear_linear_holds_packed_codes_and_serving_releases_them():
+    record = rtn_quantize(torch.randn(64, 128), QuantConfig(4, 64))
+    layer = SpearLinear(record)
+    assert layer.codes.shape == (64, 64) and torch.equal(layer.qweight.codes, record.codes)
+    assert layer.nbytes() == record.nbytes_packed()
+    x = torch.randn(3, 128)
+    y = layer(x)
+    layer.release_for_serving()  # on a CPU without a kernel packing: the dense copy stays, the record goes
+    assert layer.codes is None and layer.weight_hat is not None and torch.equal(layer(x), y)
+    with pytest.raises(SpearError, match="release_for_serving"):
+        layer.qweight
