@@ -76,3 +76,90 @@ def _random_ec(in_f: int, out_f: int, rank: int, randn) -> ErrorCompensator:
         layer.weight = randn(*layer.weight.shape, std=layer.in_features**-0.5)
         layer.bias = randn(*layer.bias.shape, std=0.01)
     return ec
+
+
+def hf_config(args: ModelArgs):
+    """The transformers Llama config of a runtime shape (random artifacts carry it as any artifact does)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.intermediate,
+                       num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+                       num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+                       max_position_embeddings=args.max_seq_len, rope_theta=args.rope_theta,
+                       rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings, bos_token_id=1,
+                       eos_token_id=2)
+
+
+@torch.no_grad()
+def write_random_artifact(args: ModelArgs, out_dir, ec_fraction: float = 0.0, rank: int = 32, seed: int = 0,
+                          device: torch.device | str = "cpu", max_shard_bytes: int | None = None):
+    """A W4 per-channel artifact of the shape `args` with random codes (every nibble uniform in 0..15, never all
+    zeros), fp16 scales ~ in^-½ / 4, zero points 8, fp16 embeddings and LM head, and gated rank-`rank` ECs on
+    `ec_fraction` of the linears, written straight to disk a decoder layer at a time: no float weights ever exist,
+    so a 70B artifact (35 GB) is written in 35 GB of disk and one shard of host memory. What `spear serve` loads."""
+    from pathlib import Path
+
+    from spear.artifact import FORMAT, ArtifactInfo, artifact_config
+    from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter
+    from spear.util import atomic_dir
+
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=device) * std).half()
+
+    q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    shapes = {"self_attn.q_proj": (q_out, args.dim), "self_attn.k_proj": (kv_out, args.dim),
+              "self_attn.v_proj": (kv_out, args.dim), "self_attn.o_proj": (args.dim, q_out),
+              "mlp.gate_proj": (args.intermediate, args.dim), "mlp.up_proj": (args.intermediate, args.dim),
+              "mlp.down_proj": (args.dim, args.intermediate)}
+    n_linears = args.n_layers * len(shapes)
+    quantized, ecs = {}, {}
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, metadata={"format": FORMAT})
+        writer.add("model.embed_tokens.weight", randn(args.vocab, args.dim, std=1.0))
+        for i in range(args.n_layers):
+            prefix = f"model.layers.{i}"
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                writer.add(f"{prefix}.{norm}.weight", torch.ones(args.dim, dtype=torch.float16))
+            for j, (name, (n, k)) in enumerate(shapes.items()):
+                full = f"{prefix}.{name}"
+                writer.add(f"{full}.codes", torch.randint(0, 256, (n, k // 2), generator=gen, device=device,
+                                                          dtype=torch.uint8))
+                writer.add(f"{full}.scales", (torch.rand(n, 1, generator=gen, device=device) + 0.5).half() * (k**-0.5 / 4))
+                writer.add(f"{full}.zeros", torch.full((n, 1), 8, dtype=torch.uint8))
+                quantized[full] = (4, k)
+                index = i * len(shapes) + j
+                if math.floor((index + 1) * ec_fraction) > math.floor(index * ec_fraction):
+                    writer.add(f"{full}.ec.A", randn(rank, k, std=k**-0.5))
+                    writer.add(f"{full}.ec.B", randn(n, rank, std=0.01 * rank**-0.5))
+                    writer.add(f"{full}.ec.alpha", torch.ones((), dtype=torch.float16))
+                    for g, (rows, cols) in ((0, (8, rank)), (2, (rank, 8))):
+                        writer.add(f"{full}.ec.gate.{g}.weight", randn(rows, cols, std=cols**-0.5))
+                        writer.add(f"{full}.ec.gate.{g}.bias", randn(rows, std=0.01))
+                    ecs[full] = (rank, 8)
+        writer.add("model.norm.weight", torch.ones(args.dim, dtype=torch.float16))
+        if not args.tie_embeddings:
+            writer.add("lm_head.weight", randn(args.vocab, args.dim, std=args.dim**-0.5))
+        writer.close()
+        assert len(quantized) == n_linears
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if args.tie_embeddings else {}
+        info = ArtifactInfo("random", {"method": "random", "bits": 4, "group_size": -1})
+        config = artifact_config(hf_config(args), info, quantized, ecs, tied)
+        (tmp / "config.json").write_text(__import__("json").dumps(config, indent=2, default=str))
+        byte_tokenizer().save_pretrained(tmp)
+    return out_dir
+
+
+def byte_tokenizer(vocab: int = 256):
+    """A byte-level BPE tokenizer with no merges (every byte one token): random artifacts' tokenizer, no downloads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[:vocab]
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=alphabet[1], eos_token=alphabet[2])

@@ -118,3 +118,33 @@ def test_spear_linear_holds_packed_codes_and_serving_releases_them():
     assert layer.codes is None and layer.weight_hat is not None and torch.equal(layer(x), y)
     with pytest.raises(SpearError, match="release_for_serving"):
         layer.qweight
+
+
+def test_commands_refuse_what_cannot_fit_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A checkpoint or artifact larger than the memory available: one line that says what is needed and what to
+    change, exit 2, before anything is loaded or written."""
+    from spear import memory
+    from spear.cli import main
+
+    art = quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, -1)), tmp_path / "art")
+    capsys.readouterr()
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10_000)
+    for argv, what in (([str(tiny_model_dir)], "loading"), ([str(art)], "loading")):
+        assert main(["eval", *argv, "--device", "cpu", "--max-windows", "1", "--seqlen", "32"]) == 2
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("spear:")]
+        assert len(err) == 1 and what in err[0] and "needs about" in err[0] and "available" in err[0], err
+    assert main(["quantize", str(tiny_model_dir), "--method", "gptq", "--device", "cpu", "--out",
+                 str(tmp_path / "gptq")]) == 2
+    assert "needs about" in capsys.readouterr().err and not (tmp_path / "gptq").exists()
+
+
+def test_load_bytes_estimates_what_loading_holds(tiny_model_dir, tmp_path):
+    from spear.artifact import load_bytes, read_artifact_config
+    from spear.runtime.model import held_bytes
+
+    art = quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, 32)), tmp_path / "art")
+    config = read_artifact_config(art)
+    for dense in (True, False):
+        held = held_bytes(load_artifact(art, CPU, torch.float32, dense=dense).model)
+        estimate = load_bytes(art, config, torch.float32, dense)
+        assert 0.9 * estimate <= sum(held.values()) <= 1.25 * estimate, (dense, held, estimate)

@@ -117,7 +117,7 @@ def test_corrupt_safetensors_in_hf_dir(tiny_model_dir, capsys, tmp_path):
     shutil.copytree(tiny_model_dir, bad)
     (bad / "model.safetensors").write_bytes(b"not safetensors at all")
     rc, _, err = run_cli(capsys, "eval", bad, *EVAL_ARGS)
-    assert_clean_error(rc, err, "cannot load the weights")
+    assert_clean_error(rc, err, "corrupt or missing weights")
 
 
 def test_unsupported_architecture(capsys, tmp_path):

@@ -24,6 +24,7 @@ from torch import nn
 
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
+from spear.memory import require
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, _first_line, default_device, default_dtype
 from spear.models.skeleton import parameters_on_meta, tied_parameters
@@ -161,6 +162,8 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
     device = device or default_device()
     dtype = dtype or default_dtype(device)
     config = read_artifact_config(path)
+    require(load_bytes(path, config, dtype, dense or device.type != "cuda"), device, f"loading {path}",
+            "use a machine with more memory" + (", or serve it on a GPU" if device.type != "cuda" else ""))
     reader = ShardReader(path, device)
     model_config = dict(config["model_config"])
     try:
@@ -203,6 +206,36 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
         raise SpearError(f"corrupt artifact {path}: some parameters have no tensor in it")
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model.to(device).eval(), tokenizer, config["base_model"], path)
+
+
+def load_bytes(path: Path, config: dict, dtype: torch.dtype, dense: bool) -> int:
+    """What load_artifact holds: the records at their bits, every other tensor in `dtype` (ECs in float32), and with
+    `dense` a dequantized copy of each quantized weight in `dtype` (evaluation, calibration, CPU serving)."""
+    from safetensors import safe_open
+
+    from spear.shards import weight_map
+
+    size = torch.finfo(dtype).bits // 8
+    total = 0
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map(path).items():
+        by_file.setdefault(file, []).append(name)
+    quantized = config["quantized_modules"]
+    for file, names in by_file.items():
+        with safe_open(str(path / file), framework="pt") as f:
+            for name in names:
+                view = f.get_slice(name)
+                shape, module = view.get_shape(), name.rpartition(".")[0]
+                numel = 1
+                for n in shape:
+                    numel *= n
+                if module in quantized:  # a record's part: as stored; its codes: a dense copy beside
+                    total += numel * (1 if view.get_dtype() == "U8" else 2 if view.get_dtype() == "F16" else 4)
+                    if dense and name.endswith(".codes"):
+                        total += shape[0] * quantized[module].get("in_features", shape[1]) * size
+                else:
+                    total += numel * (4 if ".ec." in name else size)
+    return total
 
 
 def _spear_modules(model: nn.Module) -> tuple[dict[str, SpearLinear], dict[str, ErrorCompensator]]:

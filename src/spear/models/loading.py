@@ -68,8 +68,8 @@ def load_float_model(spec: str, device: torch.device | None = None, dtype: torch
     """Load the float model named by `spec` onto `device` (CUDA when present) in `dtype`."""
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    model, tokenizer = _load_hf_dir(checkpoint_dir(spec), dtype, spec)
-    return LoadedModel(model.to(device).eval(), tokenizer, spec, resolve_model_path(spec))
+    model, tokenizer = _load_hf_dir(checkpoint_dir(spec), dtype, spec, device)
+    return LoadedModel(model.eval(), tokenizer, spec, resolve_model_path(spec))
 
 
 def checkpoint_dir(spec: str) -> Path:
@@ -88,7 +88,7 @@ def load_tokenizer(spec: str):
         raise SpearError(f"cannot load the tokenizer of {spec}: {_first_line(e)}") from None
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str):
+def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -97,8 +97,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str):
         raise SpearError(f"unsupported architecture in {spec}: {_first_line(e)}") from None
     except (KeyError, OSError, json.JSONDecodeError) as e:
         raise SpearError(f"cannot read the config of {spec}: {_first_line(e)}") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from spear.memory import checkpoint_elements, require
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: not a causal language model")
+    floats, _ = checkpoint_elements(path)
+    require(floats * (torch.finfo(dtype).bits // 8), device, f"loading {spec} in {str(dtype).removeprefix('torch.')}",
+            "use a machine with more memory" + ("" if device.type == "cuda" else " or a GPU") +
+            "; `spear quantize --method rtn` reads it a layer at a time")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        # straight onto the device, tensor by tensor: no whole copy in host memory first
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, device_map=str(device))
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
         raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: {_first_line(e)}") from None
     except (OSError, RuntimeError, SafetensorError) as e:

@@ -517,3 +517,34 @@ def use_dense_kernels(model: Transformer, tune: bool = True) -> int:
         for m in tqdm(weights.values(), desc="tuning the fp16 GEMV", unit="shape", leave=False):
             tune_gemv(m.weight, m.bias)
     return len(launches)
+
+
+def held_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of every tensor `model` holds, each storage counted once, by kind: "packed" (the W4 kernels' codes,
+    scales and zeros and the packed ECs), "codes" (records' packed codes, scales, zeros: what a layer keeps until
+    release_for_serving), "dense" (dequantized copies of 4-bit weights), and "other" (embeddings, norms, float
+    linears, EC parameters, RoPE tables). A served model holds "packed" (on CUDA) or "dense" (CPU), never both,
+    and no "codes"."""
+    seen: set[int] = set()
+    held = {"packed": 0, "codes": 0, "dense": 0, "other": 0}
+
+    def count(kind: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None or tensor.is_meta or tensor.numel() == 0:
+            return
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            held[kind] += tensor.untyped_storage().nbytes()
+
+    for module in model.modules():
+        for packing in (getattr(module, "packed", None), getattr(module, "packed_ec", None)):
+            for value in ([] if packing is None else vars(packing).values()):
+                if isinstance(value, torch.Tensor):
+                    count("packed", value)
+        for name, buffer in module.named_buffers(recurse=False):
+            kind = {"codes": "codes", "scales": "codes", "zeros": "codes", "g_idx": "codes", "offsets": "codes",
+                    "weight_hat": "dense"}.get(name, "other") if isinstance(module, SpearLinear) else "other"
+            count(kind, buffer)
+        for param in module.parameters(recurse=False):
+            count("other", param)
+    return held

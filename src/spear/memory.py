@@ -1,0 +1,69 @@
+"""Memory up front: each command estimates what it will hold before it loads anything, and refuses a plan that
+cannot fit with one line that says what to change, instead of an out-of-memory kill halfway.
+
+The estimates count the tensors a command holds (weights in their compute dtype, dense copies, records at their
+bits), not the allocator's slack or activations; `HEADROOM` covers those. On a CPU the budget is the host's
+available memory (MemAvailable: free plus reclaimable page cache), on CUDA the device's free memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spear.errors import SpearError
+
+HEADROOM = 1.1  # activations, allocator slack, the tokenizer: 10% over the tensors' bytes
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 1024**3:.1f} GiB"
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take on `device`: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def require(nbytes: int, device: torch.device, what: str, advice: str) -> None:
+    """Raise SpearError (one line: what needs how much, what there is, what to change) when `nbytes` with headroom
+    does not fit in what `device` has available."""
+    need, have = int(nbytes * HEADROOM), available_bytes(device)
+    if need > have:
+        where = "GPU" if device.type == "cuda" else "host"
+        raise SpearError(f"{what} needs about {gib(need)} of {where} memory and {gib(have)} is available: {advice}")
+
+
+def checkpoint_elements(directory: Path) -> tuple[int, int]:
+    """(floating-point elements, bytes on disk) of the safetensors of an HF directory or artifact, from the headers
+    alone."""
+    from safetensors import safe_open
+
+    from spear.shards import weight_map
+
+    floats = nbytes = 0
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map(directory).items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(directory / file), framework="pt") as f:
+            for name in names:
+                view = f.get_slice(name)
+                numel = 1
+                for size in view.get_shape():
+                    numel *= size
+                if view.get_dtype() in ("F16", "BF16", "F32", "F64"):
+                    floats += numel
+        nbytes += (directory / file).stat().st_size
+    return floats, nbytes
