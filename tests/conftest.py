@@ -18,6 +18,10 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The runtime's tests check its float32 math against transformers' at 1e-4; the CPU int4 serving path (bfloat16,
+# spear serve's default on a CPU) has its own tests, which switch it on (tests/test_served_memory.py).
+os.environ.setdefault("SPEAR_CPU_W4", "0")
+
 # One spear cache for the whole test run, never the user's ~/.cache/spear; removed when the run ends.
 if "SPEAR_CACHE" not in os.environ:
     os.environ["SPEAR_CACHE"] = tempfile.mkdtemp(prefix="spear-test-cache-")

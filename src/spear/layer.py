@@ -32,6 +32,7 @@ from spear.errors import SpearError
 from spear.record import QuantizedWeight, pack_codes, packed_width, unpack_codes
 
 if TYPE_CHECKING:
+    from spear.kernels.cpu_w4 import PackedCPUW4, PackedNibbles, Scratch
     from spear.kernels.norm_fold import FoldedNorm
     from spear.kernels.pack import PackedEC, PackedW4
 
@@ -155,6 +156,9 @@ class SpearLinear(LinearMethod):
         self.ec: ErrorCompensator | None = None
         self.packed = None  # PackedW4 once use_kernels() ran
         self.packed_ec = None  # PackedEC snapshot of self.ec, likewise
+        self.cpu_w4: PackedCPUW4 | None = None  # once use_cpu_kernels() ran: the CPU int4 kernel's packing
+        self.cpu_nibbles: PackedNibbles | None = None  # and the codes the CPU prefill path dequantizes
+        self.cpu_scratch: Scratch | None = None  # into this buffer, shared by a model's layers
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -187,15 +191,31 @@ class SpearLinear(LinearMethod):
             self.release_for_serving()
         return True
 
+    def use_cpu_kernels(self, scratch: Scratch) -> bool:
+        """Serve on a CPU without a float copy of the weight (kernels.cpu_w4): steps of up to CPU_W4_MAX_ROWS rows
+        through PyTorch's int4 kernel in bfloat16, longer ones dequantize the nibble codes into `scratch` (float32,
+        shared by the model's layers, as large as the largest) and run F.linear. Returns False, changing nothing,
+        where neither applies (not a 4-bit standard-form record, shapes the int4 op refuses)."""
+        from spear.kernels.cpu_w4 import pack_cpu_w4, pack_nibbles
+
+        try:
+            record = self.qweight
+            self.cpu_w4, self.cpu_nibbles = pack_cpu_w4(record), pack_nibbles(record)
+        except SpearError:
+            return False
+        self.cpu_scratch = scratch
+        return True
+
     def release_for_serving(self) -> None:
-        """Free what the serving path does not read: with a kernel packing, the record and the dense copy (the
-        packing holds the codes, scales and zeros); without one, the record (forward reads the dense copy, made
-        here if it was not)."""
+        """Free what the serving path does not read: with a kernel packing (CUDA or CPU), the record and the dense
+        copy (the packing holds the codes, scales and zeros); without one, the record (forward reads the dense
+        copy, made here if it was not)."""
         if self.codes is None:  # released already
             return
-        if self.packed is None and self.weight_hat is None:
+        kernels = self.packed is not None or self.cpu_w4 is not None
+        if not kernels and self.weight_hat is None:
             self.weight_hat = self.qweight.dequantize(self.dtype)
-        if self.packed is not None:
+        if kernels:
             self.weight_hat = None
         self.codes = self.scales = self.zeros = self.g_idx = self.offsets = None
 
@@ -212,6 +232,14 @@ class SpearLinear(LinearMethod):
             from spear.kernels.w4 import w4_linear
 
             return w4_linear(x, self.packed, self.packed_ec, None if self.bias is None else self.bias.half())
+        if self.cpu_w4 is not None and not x.is_cuda:
+            from spear.kernels.cpu_w4 import CPU_W4_MAX_ROWS, cpu_w4_linear, scratch_linear
+
+            if x.numel() // self.in_features <= CPU_W4_MAX_ROWS:
+                y = cpu_w4_linear(x, self.cpu_w4, self.bias)
+            else:
+                y = scratch_linear(x, self.cpu_nibbles, self.cpu_scratch, self.bias)
+            return y if self.ec is None else y + self.ec(x)
         weight = self.weight_hat if self.weight_hat is not None else self.qweight.dequantize(x.dtype)
         y = F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.ec is not None:

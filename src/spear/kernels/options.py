@@ -16,6 +16,8 @@ field, read when this module is first imported (a bad value stops the import wit
     SPEAR_FOLD_NORM=0         the add + RMSNorm between W4 decode launches as its own launch
     SPEAR_FOLD_NORM_TP=1      that fold also into tensor parallelism's reduction epilogue (off: level in time)
     SPEAR_DENSE_KERNELS=0     a float model keeps the transformers layout, every linear through cuBLAS
+    SPEAR_CPU_W4=0            4-bit linears served on a CPU as dense float32 copies, not through the int4 kernel
+                              and the scratch path (kernels.cpu_w4)
 
 Code reads `OPTIONS` through this module (`options.OPTIONS.fold_norm`), so a test or a benchmark may replace it.
 The W4 tuning cache's key holds `OPTIONS.changed()` (kernels.tune_cache), so choices timed under other switches
@@ -55,6 +57,7 @@ class KernelOptions:
     fold_norm: bool = True
     fold_norm_tp: bool = False
     dense_kernels: bool = True
+    cpu_w4: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> KernelOptions:
@@ -74,6 +77,7 @@ class KernelOptions:
             fold_norm=_flag(env, "SPEAR_FOLD_NORM", "1"),
             fold_norm_tp=_flag(env, "SPEAR_FOLD_NORM_TP", "0"),
             dense_kernels=_flag(env, "SPEAR_DENSE_KERNELS", "1"),
+            cpu_w4=_flag(env, "SPEAR_CPU_W4", "1"),
         )
 
     def changed(self) -> str:

@@ -456,17 +456,24 @@ def fuse_projections(model: Transformer, dense: bool = True) -> int:
 def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
                 tune_rows: tuple[int, ...] | None = None) -> int:
     """Turn the model's 4-bit linears into what serving reads (vLLM's process_weights_after_loading): on CUDA in
-    fp16 packed for the Triton W4A16 kernels, then every SpearLinear keeps only what its forward reads
+    fp16 packed for the Triton W4A16 kernels, on a CPU for PyTorch's int4 kernel and the scratch path
+    (SpearLinear.use_cpu_kernels; options' cpu_w4), then every SpearLinear keeps only what its forward reads
     (SpearLinear.release_for_serving: no record, no dense copy beside a packing); returns how many were packed.
     With `fuse` (a Transformer on CUDA), q/k/v and gate/up become one launch each, float ones too
     (fuse_projections). With `tune`, time the decode kernel's configs once per distinct weight shape and row bucket,
     fused ones included, and at one row once more per shape and EC rank with the EC (tens of seconds on a fresh
     machine, where every candidate compiles first; kernels.w4.tune_w4). `tune_rows`: only these row counts' buckets
     (default tune_w4's, 1 to 128 rows: kernels.w4.decode_tune_rows gives a decode benchmark's)."""
-    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
+    linears = [m for m in model.modules() if isinstance(m, SpearLinear) and m.codes is not None]
     packed = []
-    if linears and linears[0].scales is not None and linears[0].scales.is_cuda and linears[0].dtype == torch.float16:
-        packed = [m for m in linears if m.use_kernels()]
+    if linears and linears[0].scales.is_cuda and linears[0].dtype == torch.float16:
+        packed = [m for m in linears if m.use_kernels(drop_dense=True)]  # each released as soon as it is packed
+    elif linears and not linears[0].scales.is_cuda and options.OPTIONS.cpu_w4:
+        from spear.kernels.cpu_w4 import Scratch
+
+        scratch = Scratch(max(m.out_features * m.in_features for m in linears))
+        for m in linears:
+            m.use_cpu_kernels(scratch)
     for m in linears:
         m.release_for_serving()
     if isinstance(model, Transformer) and model.embed.weight.device.type == "cuda":
@@ -537,7 +544,8 @@ def held_bytes(model: nn.Module) -> dict[str, int]:
             held[kind] += tensor.untyped_storage().nbytes()
 
     for module in model.modules():
-        for packing in (getattr(module, "packed", None), getattr(module, "packed_ec", None)):
+        for packing in (getattr(module, n, None) for n in ("packed", "packed_ec", "cpu_w4", "cpu_nibbles",
+                                                            "cpu_scratch")):
             for value in ([] if packing is None else vars(packing).values()):
                 if isinstance(value, torch.Tensor):
                     count("packed", value)

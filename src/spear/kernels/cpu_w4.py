@@ -1,0 +1,183 @@
+"""4-bit weights served on a CPU without a float32 copy of the weight (issues 50 and 53).
+
+Two ways, both from a standard-form record (W_hat = (q - z) s, fp16 scales, codes 0..15), both tested against
+`QuantizedWeight.dequantize()`:
+
+int4 kernel: PyTorch's CPU int4 matmul (`_weight_int4pack_mm_for_cpu`). It walks blocks of 4 activation rows by 32
+    (AVX2) or 64 (AVX-512) output columns and dequantizes the block's weight tile in registers as it multiplies,
+    so its cost grows with ceil(M / 4): the decode path. Its dequant is  W = (q - 8) s' + m'  with s', m' per
+    (group, row); we pass s' = s and m' = (8 - z) s, so that W = (q - z) s.
+      weight             uint8 [N, K / 2]: the op's own layout, which follows the CPU's vector width (AVX2 and
+                         AVX-512 differ): pack on the machine that serves, never store it
+      scales_and_zeros   [K / g', N, 2] in the compute dtype (float32 or bfloat16): (s', m')
+    The op takes N a multiple of 16 and groups g' of 32, 64, 128 or 256 columns; a record group g (per-channel:
+    g = K) that is a multiple of 32 runs as g' = the largest of those dividing g, its scale repeated g / g'
+    times. Activations, scales and output share one dtype (the op refuses a mix); it multiplies and accumulates
+    in float32 either way. Its AVX2 and AVX-512 loops exist for bfloat16 only: float32 runs a scalar loop, 7-13×
+    slower than dense F.linear (bench/cpu_w4.py), so bfloat16 is the default. In float32 the weight is W_hat
+    exactly ((q - 8) s, (8 - z) s and their sum are exact). In bfloat16, s' and m' are rounded to bfloat16
+    (8 significant bits against fp16's 11), x and y too: the output's error is that of a bfloat16 dense linear.
+    Each output element is one block's sum over all of K: the same bits at any thread count and for a row alone
+    or in a batch.
+
+scratch: the codes stay nibble-packed, uint8 [N, K / 2] (column j in the low nibble of byte j, column j + K / 2
+    in the high one, so unpacking writes two contiguous halves), and each call dequantizes the layer into one
+    float32 scratch shared by every layer, then runs F.linear: the prefill path, where the dequantization is
+    spread over many rows. The dequantized weight is W_hat bit for bit ((q - z) s has at most 16 significant bits).
+
+    pack_cpu_w4(record, dtype) -> PackedCPUW4       cpu_w4_linear(x, packed, bias)
+    pack_nibbles(record) -> PackedNibbles           scratch_linear(x, packed, scratch, bias)   scratch = Scratch(numel)
+
+bench/cpu_w4.py times both against dense float32 and bfloat16 F.linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spear.errors import SpearError
+from spear.record import QuantizedWeight
+
+KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 op takes, largest first
+# Steps of up to this many rows take the int4 kernel, longer ones the scratch path: on the 2-core AVX2 EPYC the int4
+# kernel in bfloat16 beat the scratch path up to 32 rows and lost from 64 (Llama-3.2-1B shapes, one thread, ms a
+# forward of the linears: 1592 vs 2113 at 32 rows, 3218 vs 2908 at 64; SmolLM2 flips between the same two;
+# bench/results/cpu_w4_epyc-avx2_t1_rows.json)
+CPU_W4_MAX_ROWS = 32
+
+
+def has_int4_op() -> bool:
+    """Whether this PyTorch build has the CPU int4 matmul (2.11 and 2.13 have it)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+@dataclass
+class PackedCPUW4:
+    weight: torch.Tensor  # uint8 [N, K / 2], the op's layout for this CPU
+    scales_and_zeros: torch.Tensor  # [K / group_size, N, 2] in the compute dtype: (s, (8 - z) s)
+    group_size: int  # g': 32, 64, 128 or 256
+    in_features: int  # K
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the op computes in: activations are cast to it, the result back."""
+        return self.scales_and_zeros.dtype
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales_and_zeros.nbytes
+
+
+@dataclass
+class PackedNibbles:
+    codes: torch.Tensor  # uint8 [N, K / 2]: column j in the low nibble, column j + K / 2 in the high one
+    scales: torch.Tensor  # float32 [N, K / g, 1]
+    offsets: torch.Tensor  # float32 [N, K / g, 1]: -z s
+    group_size: int  # g; K for per-channel
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], 2 * self.codes.shape[1]
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+
+class Scratch:
+    """The buffers a layer is dequantized into, sized for the largest layer and shared by all of them."""
+
+    def __init__(self, numel: int):
+        self.codes = torch.empty(numel, dtype=torch.uint8)
+        self.weight = torch.empty(numel, dtype=torch.float32)
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.weight.nbytes
+
+
+def _check_record(record: QuantizedWeight, path: str) -> None:
+    if record.bits > 4:
+        raise SpearError(f"the CPU {path} path takes weights of at most 4 bits, got {record.bits}-bit; serve it dense")
+    if not record.standard_form:
+        raise SpearError(f"the CPU {path} path takes (q - z) * s with fp16 scales; this record has g_idx, offsets or "
+                         f"float32 scales (an imported format): serve it dense")
+
+
+def kernel_group(record: QuantizedWeight) -> int:
+    """The group g' the int4 op runs the record in; SpearError where the op cannot take the record's shape."""
+    _check_record(record, "int4")
+    n, k = record.shape
+    g = record.group_size
+    if n % 16:
+        raise SpearError(f"the CPU int4 kernel needs an out size that is a multiple of 16, got {n}×{k}: serve it dense "
+                         f"or through the scratch path")
+    for kg in KERNEL_GROUPS:
+        if g % kg == 0:
+            return kg
+    raise SpearError(f"the CPU int4 kernel needs a group size that is a multiple of 32, got {g} for {n}×{k}: "
+                     f"serve it dense or through the scratch path")
+
+
+def pack_cpu_w4(record: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> PackedCPUW4:
+    """The record as the CPU int4 op takes it, computing in `dtype` (float32 or bfloat16)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise SpearError(f"the CPU int4 kernel computes in float32 or bfloat16, not {dtype}")
+    if not has_int4_op():
+        raise SpearError(f"this PyTorch ({torch.__version__}) has no CPU int4 matmul: serve dense or through the "
+                         f"scratch path")
+    kg = kernel_group(record)
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(record.codes.cpu().int().contiguous(), 1)
+    repeat = record.group_size // kg
+    s = record.scales.cpu().float().repeat_interleave(repeat, dim=1)  # [N, K / g']
+    m = (8 - record.zeros.cpu().float().repeat_interleave(repeat, dim=1)) * s
+    scales_and_zeros = torch.stack([s, m], dim=-1).transpose(0, 1).to(dtype).contiguous()
+    return PackedCPUW4(weight, scales_and_zeros, kg, record.shape[1])
+
+
+def cpu_w4_linear(x: torch.Tensor, packed: PackedCPUW4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x W_hatᵀ + bias for x [..., K] on the CPU, computed in packed.dtype, returned in x.dtype."""
+    x2 = x.reshape(-1, packed.in_features).to(packed.dtype).contiguous()  # [M, K]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed.weight, packed.group_size, packed.scales_and_zeros)
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], packed.out_features)
+
+
+def pack_nibbles(record: QuantizedWeight) -> PackedNibbles:
+    _check_record(record, "scratch")
+    n, k = record.shape
+    if k % 2:
+        raise SpearError(f"the CPU scratch path packs two codes a byte and needs an even in size, got {n}×{k}: "
+                         f"serve it dense")
+    codes = record.codes.cpu()
+    half = k // 2
+    s = record.scales.cpu().float()
+    return PackedNibbles((codes[:, :half] | (codes[:, half:] << 4)).contiguous(), s[..., None].contiguous(),
+                         (-record.zeros.cpu().float() * s)[..., None].contiguous(), record.group_size)
+
+
+def dequantize_into(packed: PackedNibbles, scratch: Scratch) -> torch.Tensor:
+    """W_hat [N, K] float32 in the scratch (valid until the next call): unpack, then (q - z) s as q s + (-z s)."""
+    n, k = packed.shape
+    if n * k > scratch.weight.numel():
+        raise SpearError(f"the CPU scratch holds {scratch.weight.numel()} weights, a {n}×{k} layer needs more: size "
+                         f"it for the largest layer")
+    q = scratch.codes[: n * k].view(n, k)
+    torch.bitwise_and(packed.codes, 15, out=q[:, : k // 2])
+    torch.bitwise_right_shift(packed.codes, 4, out=q[:, k // 2 :])
+    w = scratch.weight[: n * k].view(n, -1, packed.group_size)  # [N, K / g, g]
+    w.copy_(q.view_as(w))
+    return w.mul_(packed.scales).add_(packed.offsets).view(n, k)  # two passes: faster than one addcmul here
+
+
+def scratch_linear(x: torch.Tensor, packed: PackedNibbles, scratch: Scratch,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x W_hatᵀ + bias in float32, the layer dequantized into the shared scratch; returned in x.dtype."""
+    w = dequantize_into(packed, scratch)
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)

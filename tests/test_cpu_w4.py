@@ -1,0 +1,133 @@
+"""The CPU 4-bit paths (kernels.cpu_w4) against their specification, x @ record.dequantize()ᵀ: PyTorch's int4 CPU
+matmul (skipped where this PyTorch lacks it) and the nibble-packed scratch dequantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spear.errors import SpearError
+from spear.kernels.cpu_w4 import (
+    Scratch,
+    cpu_w4_linear,
+    dequantize_into,
+    has_int4_op,
+    pack_cpu_w4,
+    pack_nibbles,
+    scratch_linear,
+)
+from spear.record import QuantizedWeight
+
+needs_int4_op = pytest.mark.skipif(not has_int4_op(), reason=f"no CPU int4 matmul in torch {torch.__version__}")
+
+# (N, K, group size or -1 for per-channel): SmolLM2's k/v (192×576, per-channel as g' = 64), groups of 64 and 128,
+# a group of 512 (run as 256), and a per-channel K of 1536 (run as 256)
+SHAPES = [(192, 576, -1), (64, 256, 64), (48, 512, 128), (32, 1024, 512), (16, 1536, -1)]
+
+
+def random_record(n: int, k: int, group: int, gen: torch.Generator, bits: int = 4) -> QuantizedWeight:
+    """Codes, fp16 scales and asymmetric zeros drawn over their whole range."""
+    g = k if group == -1 else group
+    top = 2**bits
+    codes = torch.randint(0, top, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3).half()
+    zeros = torch.randint(0, top, (n, k // g), generator=gen, dtype=torch.uint8)
+    return QuantizedWeight(codes, scales, zeros, bits, g)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@needs_int4_op
+@pytest.mark.parametrize("n,k,group", SHAPES)
+def test_int4_fp32_is_the_dequantized_weight(n, k, group, gen):
+    """In float32 the op's weight is W_hat exactly: the identity as x reads it back bit for bit."""
+    record = random_record(n, k, group, gen)
+    packed = pack_cpu_w4(record, torch.float32)
+    assert torch.equal(cpu_w4_linear(torch.eye(k), packed).t(), record.dequantize())
+
+
+@needs_int4_op
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_int4_linear_matches_reference(n, k, group, dtype, tol, gen):
+    record = random_record(n, k, group, gen)
+    bias = torch.randn(n, generator=gen) * 0.1
+    x = torch.randn(2, 3, k, generator=gen)
+    ref = x.double() @ record.dequantize().double().t() + bias.double()
+    y = cpu_w4_linear(x, pack_cpu_w4(record, dtype), bias)
+    assert y.shape == (2, 3, n) and y.dtype == torch.float32
+    assert rel_err(y, ref) < tol
+    yb = cpu_w4_linear(x.bfloat16(), pack_cpu_w4(record, dtype), bias)  # the result comes back in x's dtype
+    assert yb.dtype == torch.bfloat16 and rel_err(yb, ref) < 2e-2
+
+
+@needs_int4_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_is_deterministic_and_batch_invariant(dtype, gen):
+    """Each output is one tile's sum over K: the same bits at any thread count and for a row alone or in a batch."""
+    packed = pack_cpu_w4(random_record(64, 512, 128, gen), dtype)
+    x = torch.randn(9, 512, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(cpu_w4_linear(x, packed))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(cpu_w4_linear(x[4:5], packed), outs[0][4:5])
+
+
+@needs_int4_op
+@pytest.mark.parametrize("n,k,group,bits,dtype,match", [
+    (40, 256, 64, 4, torch.float32, "multiple of 16"),  # N
+    (64, 256, 16, 4, torch.float32, "multiple of 32"),  # group
+    (64, 576, -1, 4, torch.float32, None),  # per-channel K = 576 runs as 9 groups of 64
+    (64, 200, -1, 4, torch.float32, "multiple of 32"),  # per-channel K not a multiple of 32
+    (64, 256, 64, 8, torch.float32, "at most 4 bits"),
+    (64, 256, 64, 4, torch.float16, "float32 or bfloat16"),
+])
+def test_int4_shapes_it_refuses(n, k, group, bits, dtype, match, gen):
+    record = random_record(n, k, group, gen, bits)
+    if match is None:
+        assert pack_cpu_w4(record, dtype).group_size == 64
+        return
+    with pytest.raises(SpearError, match=match) as info:
+        pack_cpu_w4(record, dtype)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("pack", [pack_nibbles, pytest.param(pack_cpu_w4, marks=needs_int4_op)])
+def test_imported_formats_are_refused(pack, gen):
+    record = random_record(64, 256, 64, gen)
+    record.offsets = torch.zeros(64, 4)
+    with pytest.raises(SpearError, match="imported format"):
+        pack(record)
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES + [(40, 200, 8)])  # the scratch takes any N, any group, even K
+def test_scratch_dequantizes_bit_for_bit(n, k, group, gen):
+    record = random_record(n, k, group, gen)
+    packed = pack_nibbles(record)
+    scratch = Scratch(n * k + 7)  # larger than the layer, as the shared scratch is
+    assert torch.equal(dequantize_into(packed, scratch), record.dequantize())
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(5, k, generator=gen)
+    ref = x.double() @ record.dequantize().double().t() + bias.double()
+    assert rel_err(scratch_linear(x, packed, scratch, bias), ref) < 1e-5
+
+
+def test_scratch_refusals(gen):
+    with pytest.raises(SpearError, match="even in size"):
+        pack_nibbles(random_record(16, 65, -1, gen))
+    packed = pack_nibbles(random_record(16, 64, -1, gen))
+    with pytest.raises(SpearError, match="largest layer"):
+        dequantize_into(packed, Scratch(16 * 64 - 1))
