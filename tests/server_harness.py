@@ -61,6 +61,7 @@ class ScriptedEngine:
     """
 
     block_size = 4
+    num_preemptions = 0
 
     def __init__(self, tokenizer, max_model_len: int = 64, kv_blocks_total: int = 1024, step_delay: float = 0.0,
                  max_num_seqs: int = 1024):

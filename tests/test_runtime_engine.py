@@ -85,10 +85,10 @@ def test_abort_frees_blocks(tiny):
     engine.add_request("a", prompt(20), params)
     engine.add_request("b", prompt(20, 1), params)
     engine.step()
-    assert engine.num_running == 2 and engine.kv_blocks_used == 2 * 5  # 70 tokens: 5 blocks each
+    assert engine.num_running == 2 and engine.kv_blocks_used == 2 * 2  # prompt + 1 token: 2 blocks each
     engine.abort("a")
     engine.abort("unknown")
-    assert engine.num_running == 1 and engine.kv_blocks_used == 5
+    assert engine.num_running == 1 and engine.kv_blocks_used == 2
     outs = {o.request_id: o for o in engine.step()}
     assert outs["a"].finished and outs["a"].finish_reason == "abort" and not outs["b"].finished
     engine.abort("b")
@@ -142,11 +142,9 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_bad_requests_raise(tiny):
-    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=64, num_kv_blocks=3))
+    engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=64, num_kv_blocks=5))
     with pytest.raises(SpearError, match="context"):
         engine.add_request("a", prompt(64), SamplingParams())
-    with pytest.raises(SpearError, match="KV cache"):
-        engine.add_request("a", prompt(40), SamplingParams(max_tokens=10))
     with pytest.raises(SpearError, match="empty"):
         engine.add_request("a", [], SamplingParams())
     engine.add_request("a", prompt(10), SamplingParams())

@@ -33,6 +33,7 @@ from spear.runtime.tp_serve import (
     StepChannel,
     _pack,
     _unpack,
+    agree_kv_blocks,
     follow,
     leader_engine,
     shard_runtime_model,
@@ -79,7 +80,8 @@ def lead_or_follow(model_dir) -> None:
     lm = api.load(str(model_dir), torch.device("cpu"))
     channel = StepChannel()
     if dist.get_rank() > 0:
-        follow(make_runner(shard_runtime_model(lm.model), engine_config()), channel)
+        model = shard_runtime_model(lm.model)
+        follow(make_runner(model, agree_kv_blocks(model, engine_config(), channel)), channel)
         return
     expected = greedy(build_engine(lm.model, lm.tokenizer, engine_config()))
     try:

@@ -2,10 +2,17 @@
 
 Each `step()` runs one forward that mixes a decode for every running sequence whose
 prompt is in the cache (decodes never wait) with chunks of prompts still to prefill, up
-to the token budget the scheduler policy grants. Waiting requests are admitted in
-arrival order when a slot is free and the KV cache has blocks for their whole length
-(prompt + max_tokens, capped at the context), reserved up front so that a running
-sequence never runs out of cache; blocks return to the pool on finish or abort.
+to the token budget the scheduler policy grants.
+
+The KV cache is sized by memory, as vLLM's (`kv_cache_blocks`): a byte budget, or on a GPU
+a fraction of its memory less what the weights and a warm-up step hold; it must hold one
+sequence of the full context. Waiting requests are admitted in arrival order while a slot
+is free and the cache has blocks for their prompt and first generated token; a decode takes
+a block when it crosses into a new one. When none is free, the most recently admitted
+running sequence is preempted (vLLM's recompute preemption): its blocks go back to the pool
+and it returns to the front of the queue, its prompt and the tokens it has generated to be
+prefilled again; what it already returned is not returned again. Blocks return to the pool
+on finish, abort or preemption.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from torch import nn
 
 from spear.errors import SpearError
 from spear.runtime.detokenizer import Detokenizer
-from spear.runtime.kv_cache import BlockAllocator, Chunk, KVCache, cdiv
+from spear.runtime.kv_cache import Batch, BlockAllocator, Chunk, KVCache, cdiv
 from spear.runtime.model import Transformer, build_runtime_model
 from spear.runtime.requests import RequestOutput, SamplingParams, TokenLogprobs
 from spear.runtime.runner import ModelRunner, TokenPatch
@@ -30,6 +37,10 @@ from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
+# The KV cache's bytes on a CPU (kv_cache_blocks): 23k tokens of SmolLM2-135M in float32 (45 KiB a token: 5 sequences
+# of its 4096-token default context, or 256 of 90), 8k of a 7B GQA model in bfloat16 (128 KiB a token). The cache is
+# zero-filled, so this is resident memory from the start (the 32 × 4096-token worst case before it: 6 GB for SmolLM2).
+CPU_KV_CACHE_MEMORY = 1 << 30
 # Powers of two: the W4 kernels' row tile is the power of two ≥ the rows (kernels.w4._row_tile), so a bucket
 # between two powers would cost as much as the larger one.
 MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
@@ -37,10 +48,15 @@ MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 32  # running sequences at most
+    max_num_seqs: int = 256  # running sequences at most (as many as the KV cache holds, up to this)
     max_model_len: int | None = None  # tokens per sequence; None: the model's context, at most 4096
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: enough for max_num_seqs sequences of max_model_len
+    # The KV cache's size (kv_cache_blocks): num_kv_blocks blocks if given; else kv_cache_memory bytes if given; else
+    # on CUDA gpu_memory_utilization × the device's memory less what is in use after the weights and a warm-up step
+    # (vLLM's --gpu-memory-utilization), on a CPU CPU_KV_CACHE_MEMORY. Its dtype is the model's.
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
     policy: SchedulerPolicy = field(default_factory=StaticChunkPolicy)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
     # Token-count buckets for mixed steps (prefill chunks beside decodes) replayed as CUDA-graph pieces
@@ -113,17 +129,22 @@ class Sequence:
     generator: torch.Generator
     detokenizer: Detokenizer
     max_len: int  # prompt + max_tokens, capped at the context
+    prefill_ids: list[int]  # tokens to prefill: the prompt (after a preemption, the prompt and output so far)
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     pending_row: int | None = None  # overlapped steps: its last token is this row of the step in flight's samples
     pending_step: int = -1  # that step's number (Engine.num_launched)
-    released: bool = False  # out of the running set, its blocks freed (Engine._release)
+    released: bool = False  # out of the running set, its blocks freed (Engine._release, Engine._preempt)
     finished: bool = False
 
     @property
     def prefilled(self) -> bool:
-        return self.num_computed >= len(self.prompt_ids)
+        return self.num_computed >= len(self.prefill_ids)
+
+    def blocks_short(self, block_size: int) -> int:
+        """Blocks its table lacks for the token at position num_computed (its next decode's)."""
+        return max(0, cdiv(self.num_computed + 1, block_size) - len(self.block_table))
 
     def at_length(self, extra: int = 0) -> bool:
         """Its output has max_tokens tokens, or it fills its context, with `extra` tokens more (a sample in flight)."""
@@ -136,16 +157,65 @@ class Sequence:
         if self.prefilled:
             return Chunk([0 if self.pending_row is not None else self.output_ids[-1]], self.num_computed,
                          self.block_table)
-        tokens = self.prompt_ids[self.num_computed:self.num_computed + budget]
+        tokens = self.prefill_ids[self.num_computed:self.num_computed + budget]
         return Chunk(tokens, self.num_computed, self.block_table)
 
 
-def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
-    """The KV cache and model runner that `config` asks for."""
-    max_len = min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, model.args.max_seq_len)
+def context_len(model: Transformer, config: EngineConfig) -> int:
+    """Tokens per sequence: config.max_model_len, or the model's context up to DEFAULT_MAX_MODEL_LEN."""
     if config.max_model_len is not None and config.max_model_len > model.args.max_seq_len:
         raise SpearError(f"max_model_len {config.max_model_len} exceeds the model's context of {model.args.max_seq_len}")
-    blocks = config.num_kv_blocks or config.max_num_seqs * cdiv(max_len, config.block_size) + 1
+    return min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, model.args.max_seq_len)
+
+
+def kv_block_bytes(model: Transformer, block_size: int) -> int:
+    """Bytes of one KV-cache block: K and V of `block_size` tokens in every layer, in the model's dtype."""
+    args = model.args
+    return 2 * args.n_layers * block_size * args.n_kv_heads * args.head_dim * model.dtype.itemsize
+
+
+def kv_cache_blocks(model: Transformer, config: EngineConfig) -> int:
+    """The KV cache's blocks, the null block included, as EngineConfig says; no more than max_num_seqs sequences of the
+    full context use (more would never be used). make_runner checks that they hold one such sequence."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    max_len = context_len(model, config)
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif model.device.type == "cuda":
+        budget = _cuda_kv_budget(model, config, max_len)
+    else:
+        budget = CPU_KV_CACHE_MEMORY
+    most = config.max_num_seqs * cdiv(max_len, config.block_size) + 1
+    return min(most, max(budget, 0) // kv_block_bytes(model, config.block_size))
+
+
+def _cuda_kv_budget(model: Transformer, config: EngineConfig, max_len: int) -> int:
+    """gpu_memory_utilization × the device's memory less what is in use (weights, the CUDA context, other processes)
+    once a step of the most tokens the engine runs (every sequence decoding beside the policy's largest prefill
+    chunk) has run over a cache of the null block alone: its activations stay reserved for the steps to come."""
+    tokens = config.max_num_seqs + config.policy.prefill_budget(0, 0, max_len)
+    chunks = [Chunk([0] * min(max_len, tokens - i), 0, []) for i in range(0, tokens, max_len)]  # the null block's
+    args = model.args
+    cache = KVCache(args.n_layers, 1, config.block_size, args.n_kv_heads, args.head_dim, model.dtype, model.device)
+    with torch.inference_mode():
+        model(Batch.build(chunks, config.block_size, model.device), cache)
+    torch.cuda.synchronize(model.device)
+    free, total = torch.cuda.mem_get_info(model.device)
+    return int(total * config.gpu_memory_utilization) - (total - free)
+
+
+def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
+    """The KV cache and model runner that `config` asks for; SpearError if the cache cannot hold one sequence of the
+    full context."""
+    max_len = context_len(model, config)
+    blocks, per_seq = kv_cache_blocks(model, config), cdiv(max_len, config.block_size)
+    if blocks - 1 < per_seq:
+        block_bytes = kv_block_bytes(model, config.block_size)
+        holds = max(blocks - 1, 0) * config.block_size
+        raise SpearError(f"the KV cache budget of {_size(blocks * block_bytes)} holds {holds} tokens; one sequence of "
+                         f"{max_len} tokens needs {_size((per_seq + 1) * block_bytes)}: raise --kv-cache-memory (or "
+                         f"--gpu-memory-utilization) or lower --max-model-len")
     args = model.args
     cache = KVCache(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.head_dim, model.dtype, model.device)
     mixed = config.mixed_graph_tokens
@@ -154,6 +224,19 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
         most = min(config.max_num_seqs * max_len, (blocks - 1) * config.block_size)
         mixed = mixed_buckets(most, above=config.row_graph_tokens) if graphs else ()
     return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, mixed, config.row_graph_tokens)
+
+
+def kv_cache_summary(runner: ModelRunner) -> str:
+    """One line: the KV cache's blocks, tokens, memory and dtype, and how many sequences of the full context it holds."""
+    cache = runner.cache
+    tokens = (cache.num_blocks - 1) * cache.block_size
+    return (f"KV cache: {cache.num_blocks - 1} blocks, {tokens} tokens ({_size(cache.nbytes)}, "
+            f"{str(cache.k.dtype).removeprefix('torch.')}): {tokens // runner.max_model_len} sequences of "
+            f"{runner.max_model_len} tokens")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def mixed_buckets(max_step_tokens: int, above: int = 0) -> tuple[int, ...]:
@@ -195,6 +278,7 @@ class Engine:
         self.num_launched = 0
         self.last_step = StepStats()
         self.num_steps = 0
+        self.num_preemptions = 0
         self._last_ready = 0.0  # overlapped: when the last step's tokens were read (time.perf_counter())
 
     # Counters the server's /metrics reads.
@@ -229,15 +313,13 @@ class Engine:
                              f"and must leave room for at least one generated token")
         if any(s.request_id == request_id for s in (*self.waiting, *self.running)):
             raise SpearError(f"request id {request_id!r} is already in use")
-        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        if cdiv(max_len, self.block_size) > self.allocator.num_total:
-            raise SpearError(f"prompt + max_tokens = {max_len} tokens do not fit the KV cache "
-                             f"({self.allocator.num_total} blocks of {self.block_size}); lower max_tokens")
+        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)  # the cache holds it (make_runner)
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(self.generator.device).manual_seed(params.seed)
         detokenizer = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
-        self.waiting.append(Sequence(request_id, list(prompt_token_ids), params, generator, detokenizer, max_len))
+        self.waiting.append(Sequence(request_id, list(prompt_token_ids), params, generator, detokenizer, max_len,
+                                     list(prompt_token_ids)))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Drop a request (unknown or finished ids are ignored); the next step reports it finished with `reason`."""
@@ -258,13 +340,20 @@ class Engine:
         in_flight, self._in_flight = self._in_flight, None
         for seq in [s for s in self.running if s.pending_row is not None and s.at_length(extra=1)]:
             self._release(seq)  # its token in flight ends it: its slot and blocks go to the next requests now
+        if in_flight is not None and self._decode_blocks_needed() > self.allocator.num_free:
+            # a preemption ahead: read the step in flight first (finished sequences free their blocks, and a
+            # preempted one is recomputed from tokens on the host)
+            outputs += self._finish(in_flight)
+            self._observe_finished(in_flight)
+            in_flight = None
+        preempted = self._grow_decodes()
         work = [(seq, seq.next_chunk(1)) for seq in self.running if seq.prefilled]
         num_decodes = len(work)
-        waiting_tokens = sum(len(s.prompt_ids) - s.num_computed for s in (*self.running, *self.waiting) if not s.prefilled)
+        waiting_tokens = sum(len(s.prefill_ids) - s.num_computed for s in (*self.running, *self.waiting) if not s.prefilled)
         budget = self.policy.prefill_budget(num_decodes, sum(c.start + 1 for _, c in work), waiting_tokens)
         if num_decodes == 0:
             budget = max(budget, 1)  # with nothing to decode, a step must make progress
-        work += self._prefill_chunks(budget)
+        work += self._prefill_chunks(budget, admit=not preempted)  # (a step that preempted admits no one, as vLLM)
         if work:
             self._launch(work, in_flight)
         if in_flight is not None:  # overlapped: the previous step's tokens, while this one runs
@@ -298,6 +387,36 @@ class Engine:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.released = True
+
+    def _decode_blocks_needed(self) -> int:
+        """Blocks the running decodes need for this step's tokens beyond those they hold."""
+        return sum(s.blocks_short(self.block_size) for s in self.running if s.prefilled)
+
+    def _grow_decodes(self) -> bool:
+        """Give each decoding sequence, oldest first, the block its next token needs; while none is free, preempt the
+        most recently admitted running sequence (itself, if it is that one). Returns whether any was preempted."""
+        preempted = False
+        for seq in list(self.running):
+            while not seq.released and seq.prefilled and seq.blocks_short(self.block_size):
+                if self.allocator.num_free:
+                    seq.block_table += self.allocator.allocate(1)
+                else:
+                    self._preempt(self.running[-1])
+                    preempted = True
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and queue it first, to prefill its prompt and output again (no token of
+        it is in flight: Engine.step reads the step in flight before it preempts)."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.prefill_ids = seq.prompt_ids + seq.output_ids
+        log.warning("KV cache full: preempted request %s, its %d blocks freed, its %d tokens to be recomputed "
+                    "(%d running, %d waiting)", seq.request_id, len(seq.block_table), len(seq.prefill_ids),
+                    len(self.running), len(self.waiting))
+        seq.block_table, seq.num_computed, seq.released = [], 0, True
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def _launch(self, work: list[tuple[Sequence, Chunk]], previous: InFlight | None) -> None:
         """Run the step's forward and sample (tokens in flight: not waited for); decode tokens still on the device
@@ -376,19 +495,20 @@ class Engine:
                 outputs.append(self._append(seq, token, logprobs.get(row)))
         return outputs
 
-    def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, Chunk]]:
-        """Continue admitted prompts, then admit waiting requests in order while slots, blocks and budget last."""
+    def _prefill_chunks(self, budget: int, admit: bool) -> list[tuple[Sequence, Chunk]]:
+        """Continue admitted prompts, then (`admit`) admit waiting requests in order while slots, budget and blocks
+        for their prompt and first generated token last."""
         work = []
         for seq in self.running:
             if budget > 0 and not seq.prefilled:
                 work.append((seq, seq.next_chunk(budget)))
                 budget -= len(work[-1][1].tokens)
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            needed = cdiv(self.waiting[0].max_len, self.block_size)
+        while admit and budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            needed = cdiv(len(self.waiting[0].prefill_ids) + 1, self.block_size)
             if needed > self.allocator.num_free:
                 break
             seq = self.waiting.popleft()
-            seq.block_table = self.allocator.allocate(needed)
+            seq.block_table, seq.released = self.allocator.allocate(needed), False
             self.running.append(seq)
             work.append((seq, seq.next_chunk(budget)))
             budget -= len(work[-1][1].tokens)

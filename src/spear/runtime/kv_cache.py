@@ -78,6 +78,10 @@ class KVCache:
     def device(self) -> torch.device:
         return self.k.device
 
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 

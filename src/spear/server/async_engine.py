@@ -45,6 +45,7 @@ class SyncEngine(Protocol):
     max_num_seqs: int  # sequences it runs at once
     kv_blocks_used: int
     kv_blocks_total: int
+    num_preemptions: int  # running sequences preempted so far (their blocks freed, to be recomputed)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def abort(self, request_id: str) -> None: ...
@@ -61,6 +62,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -255,4 +257,5 @@ class AsyncEngine:
         e = self.engine
         with self._cond:
             pending = len(self._adds)
-        self._stats = EngineStats(pending + e.num_waiting, e.num_running, e.num_waiting, e.kv_blocks_used, e.kv_blocks_total)
+        self._stats = EngineStats(pending + e.num_waiting, e.num_running, e.num_waiting, e.kv_blocks_used, e.kv_blocks_total,
+                                  e.num_preemptions)

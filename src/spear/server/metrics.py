@@ -11,6 +11,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from spear.server.async_engine import AsyncEngine
 
@@ -48,9 +49,21 @@ class ServerMetrics:
         }
         for name, (doc, field) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda field=field: getattr(engine.stats, field))
+        r.register(EngineCounters(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineCounters:
+    """Counters the engine keeps itself (a collector: they are read from its stats, not incremented here)."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self):
+        yield CounterMetricFamily("spear_num_preemptions", "Running requests preempted because the KV cache was full "
+                                  "(their blocks freed, to be recomputed)", value=self.engine.stats.num_preemptions)
 
 
 class RequestTimer:
