@@ -37,10 +37,11 @@ from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
-# The KV cache's bytes on a CPU (kv_cache_blocks): 23k tokens of SmolLM2-135M in float32 (45 KiB a token: 5 sequences
-# of its 4096-token default context, or 256 of 90), 8k of a 7B GQA model in bfloat16 (128 KiB a token). The cache is
-# zero-filled, so this is resident memory from the start (the 32 × 4096-token worst case before it: 6 GB for SmolLM2).
-CPU_KV_CACHE_MEMORY = 1 << 30
+# The KV cache's bytes on a CPU (kv_cache_blocks): 11.6k tokens of SmolLM2-135M in float32 (45 KiB a token: 2.8
+# sequences of its 4096-token default context, or 128 of 90), 4k of a 7B GQA model in bfloat16 (128 KiB a token). The
+# cache is zero-filled, so this is resident memory from the start (the 32 × 4096-token worst case before it: 6 GB for
+# SmolLM2); 512 MiB keeps `spear serve` of SmolLM2's W4 artifact within 1.5 GB idle (BENCHMARKS §8).
+CPU_KV_CACHE_MEMORY = 512 << 20
 # Powers of two: the W4 kernels' row tile is the power of two ≥ the rows (kernels.w4._row_tile), so a bucket
 # between two powers would cost as much as the larger one.
 MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
