@@ -27,7 +27,7 @@ from spear.layer import ErrorCompensator, SpearLinear
 from spear.memory import require
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, _first_line, default_device, default_dtype
-from spear.models.skeleton import parameters_on_meta, tied_parameters
+from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.record import QuantizedWeight, fp16_if_exact, pack_codes
 from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
 from spear.util import atomic_dir, versions
@@ -156,7 +156,7 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
     """The artifact's model on `device` in `dtype`, its tensors read one at a time from their shards onto the
     device. `dense=False` (serving) leaves each quantized linear without its dequantized copy: the runtime packs it
     for its kernels (SpearLinear.release_for_serving)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
     device = device or default_device()
@@ -168,8 +168,7 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
     model_config = dict(config["model_config"])
     try:
         hf_config = AutoConfig.for_model(model_config.pop("model_type"), **model_config)
-        with parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = causal_lm_skeleton(hf_config, dtype)
     except (ValueError, KeyError) as e:
         raise SpearError(f"unsupported architecture in {path}: {_first_line(e)}") from None
     read = set()

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from spear.artifact import FORMAT, ArtifactInfo, artifact_config, stored_tensor
 from spear.layer import SpearLinear
 from spear.models.layerwise import decoder_layers, layer_linears, set_module
-from spear.models.skeleton import parameters_on_meta, tied_parameters
+from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.quant.pipeline import QuantSettings, check_shapes
 from spear.record import rtn_quantize
 from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
@@ -31,11 +31,9 @@ log = logging.getLogger(__name__)
 
 def float_skeleton(hf_dir: Path) -> nn.Module:
     """The checkpoint's causal LM with its parameters on the meta device (float32 once filled)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(hf_dir)
-    with parameters_on_meta():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return causal_lm_skeleton(AutoConfig.from_pretrained(hf_dir), torch.float32)
 
 
 def streamable_skeleton(hf_dir: Path) -> nn.Module | None:
