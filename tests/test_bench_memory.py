@@ -1,0 +1,103 @@
+"""bench/memory.py: the random-weight checkpoint it writes, its byte arithmetic, and measured steps on `tiny`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import memory  # bench/, on sys.path through conftest
+from conftest import make_byte_tokenizer, make_tiny_llama
+from spear.record import QuantConfig, rtn_quantize
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    tok = tmp_path_factory.mktemp("tok")
+    make_byte_tokenizer().save_pretrained(tok)
+    return memory.build_checkpoint("tiny", tmp_path_factory.mktemp("memory") / "ckpt", tok, shard_mb=4)
+
+
+def test_served_bytes_of_a_known_shape():
+    """Per layer q, o [64, 64], k, v [32, 64], gate, up [128, 64], down [64, 128]: 36,864 weights at 4 bits = 18,432
+    bytes, per channel 512 rows of an fp16 scale and a 4-bit zero (1,024 + 256); norms (2 · 2 · 64 + 64) and the
+    tied embeddings (256 · 64) in fp16."""
+    assert memory.served_bytes(SMALL) == 2 * (18432 + 1024 + 256) + 2 * 320 + 2 * 256 * 64
+    assert memory.served_bytes(SMALL, group_size=32) == 2 * (18432 + 2 * 1152 + 1152 // 2) + 2 * 320 + 2 * 256 * 64
+    assert memory.served_bytes(SMALL | {"tie_word_embeddings": False}) == memory.served_bytes(SMALL) + 2 * 256 * 64
+
+
+def test_served_bytes_count_what_the_library_packs():
+    """The arithmetic agrees with QuantizedWeight.nbytes_packed of every decoder linear of a model of that shape,
+    and the parameter count with the model's."""
+    model = make_tiny_llama()
+    config = model.config.to_dict()
+    packed = other = 0
+    for name, p in model.named_parameters():
+        if ".layers." in name and p.dim() == 2:
+            packed += rtn_quantize(p, QuantConfig(bits=4, group_size=32)).nbytes_packed()
+        else:
+            other += 2 * p.numel()
+    assert memory.served_bytes(config, group_size=32) == packed + other
+    assert memory.param_count(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_checkpoint_is_sharded_and_loads_in_transformers(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    index = json.loads((tiny_checkpoint / "model.safetensors.index.json").read_text())
+    files = sorted(tiny_checkpoint.glob("*.safetensors"))
+    assert len(files) > 1 and {f.name for f in files} == set(index["weight_map"].values())
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    assert set(index["weight_map"]) == set(memory.tensor_shapes(config))
+    assert index["metadata"]["total_size"] == 2 * memory.param_count(config)
+    for f in files:  # each shard within --shard-mb, unless one tensor alone is larger
+        with safe_open(str(f), "pt") as st:
+            if len(st.keys()) > 1:
+                assert f.stat().st_size <= 4e6 + 1e5
+            for name in st.keys():
+                t = st.get_tensor(name)
+                assert t.dtype == torch.float16 and (t != 0).all()
+                assert t.dim() == 1 or 0.015 < t.float().std() < 0.025, name
+
+    model, info = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert sum(p.numel() for p in model.parameters()) == memory.param_count(config) == 6_365_504
+    assert (tiny_checkpoint / "tokenizer.json").is_file()
+
+
+def test_a_measured_step_records_rss_and_exit_status(tiny_checkpoint, tmp_path):
+    args = argparse.Namespace(device="cpu", timeout=300, settle_s=1, tokens=8, serve_args="")
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    row = memory.run_step("quantize_rtn", str(tiny_checkpoint), config, tmp_path, args)
+    assert row["rc"] == 0, row.get("error")
+    assert row["peak_rss_bytes"] >= row["kernel_maxrss_bytes"] > 0 and row["wall_s"] > 0
+    assert row["artifact_bytes"] == memory.dir_bytes(tmp_path / "rtn") > 0
+    assert memory.run_step("serve", str(tiny_checkpoint), config, tmp_path / "none", args)["skipped"]
+
+    record = {"served_bytes": 1, "layer_fp32_bytes": 0}
+    (artifact,) = memory.targets(record, {"quantize_rtn": row | {"rc": 1}}, tmp_path)
+    assert artifact["value"] == row["artifact_bytes"] and not artifact["pass"]
+
+
+def test_a_failed_command_is_recorded_not_raised(tmp_path):
+    row = memory.measure(memory.spear("quantize", str(tmp_path / "missing"), "--out", str(tmp_path / "a")),
+                         tmp_path / "q", timeout=120)
+    assert row["rc"] == 2 and row["error"].startswith("spear: error: model not found")
+
+
+def test_the_kv_cache_is_read_from_the_servers_line(tmp_path):
+    """K and V of 2 layers × 2 KV heads × 16 dims per token, float32: 512 bytes a token, 16 tokens a block."""
+    out = tmp_path / "serve.out"
+    out.write_text("KV cache: 4096 blocks, 65536 tokens (0.03 GiB, float32): 32 sequences of 2048 tokens\nserving\n")
+    assert memory.served_kv(SMALL, out) == {"kv_blocks": 4097, "kv_tokens": 65536, "kv_bytes": 4097 * 16 * 512}
+    out.write_text("KV cache: 4096 blocks, 65536 tokens (32.02 MiB, float16): 32 sequences of 2048 tokens\n")
+    assert memory.served_kv(SMALL, out)["kv_bytes"] == 4097 * 16 * 256
+    out.write_text("serving\n")
+    assert memory.served_kv(SMALL, out) == {}
