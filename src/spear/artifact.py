@@ -210,30 +210,17 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
 def load_bytes(path: Path, config: dict, dtype: torch.dtype, dense: bool) -> int:
     """What load_artifact holds: the records at their bits, every other tensor in `dtype` (ECs in float32), and with
     `dense` a dequantized copy of each quantized weight in `dtype` (evaluation, calibration, CPU serving)."""
-    from safetensors import safe_open
-
-    from spear.shards import weight_map
-
-    size = torch.finfo(dtype).bits // 8
-    total = 0
-    by_file: dict[str, list[str]] = {}
-    for name, file in weight_map(path).items():
-        by_file.setdefault(file, []).append(name)
+    reader, size = ShardReader(path), torch.finfo(dtype).bits // 8
     quantized = config["quantized_modules"]
-    for file, names in by_file.items():
-        with safe_open(str(path / file), framework="pt") as f:
-            for name in names:
-                view = f.get_slice(name)
-                shape, module = view.get_shape(), name.rpartition(".")[0]
-                numel = 1
-                for n in shape:
-                    numel *= n
-                if module in quantized:  # a record's part: as stored; its codes: a dense copy beside
-                    total += numel * (1 if view.get_dtype() == "U8" else 2 if view.get_dtype() == "F16" else 4)
-                    if dense and name.endswith(".codes"):
-                        total += shape[0] * quantized[module].get("in_features", shape[1]) * size
-                else:
-                    total += numel * (4 if ".ec." in name else size)
+    total = 0
+    for name in reader.names():
+        entry, module = reader.entry(name), name.rpartition(".")[0]
+        if module in quantized:  # a record's part as stored; beside its codes, a dense copy
+            total += entry.end - entry.begin
+            if dense and name.endswith(".codes"):
+                total += entry.shape[0] * quantized[module].get("in_features", entry.shape[1]) * size
+        else:
+            total += entry.numel * (4 if ".ec." in name else size)
     return total
 
 

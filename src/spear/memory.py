@@ -48,22 +48,9 @@ def require(nbytes: int, device: torch.device, what: str, advice: str) -> None:
 def checkpoint_elements(directory: Path) -> tuple[int, int]:
     """(floating-point elements, bytes on disk) of the safetensors of an HF directory or artifact, from the headers
     alone."""
-    from safetensors import safe_open
+    from spear.shards import ShardReader
 
-    from spear.shards import weight_map
-
-    floats = nbytes = 0
-    by_file: dict[str, list[str]] = {}
-    for name, file in weight_map(directory).items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(str(directory / file), framework="pt") as f:
-            for name in names:
-                view = f.get_slice(name)
-                numel = 1
-                for size in view.get_shape():
-                    numel *= size
-                if view.get_dtype() in ("F16", "BF16", "F32", "F64"):
-                    floats += numel
-        nbytes += (directory / file).stat().st_size
-    return floats, nbytes
+    reader = ShardReader(directory)
+    entries = [reader.entry(name) for name in reader.names()]
+    floats = sum(e.numel for e in entries if e.dtype in ("F16", "BF16", "F32", "F64"))
+    return floats, sum(e.end - e.begin for e in entries)

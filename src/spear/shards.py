@@ -2,19 +2,21 @@
 `model-00001-of-0000N.safetensors` ... with `model.safetensors.index.json` mapping each tensor to its file.
 
 ShardWriter takes tensors one at a time and writes a shard whenever the next tensor would pass the size cap, so a
-model written layer by layer never has more than one shard's tensors in memory. ShardReader opens the files lazily
-and reads one tensor at a time straight onto the device it is asked for (safetensors memory-maps the file), so
-loading never holds a second copy of the model.
+model written layer by layer never has more than one shard's tensors in memory. ShardReader reads one tensor at a time
+with plain file reads (the files' headers parsed once) and moves it to the device it is asked for, so loading never
+holds a second copy of the model, nor the files' pages.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spear.errors import SpearError
@@ -22,9 +24,6 @@ from spear.errors import SpearError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' and vLLM's usual cap
-# A reader closes its files after this many bytes read: the pages of a memory-mapped file count in the process's
-# resident memory while it is open, so a long read would otherwise hold the whole file beside its copies.
-REMAP_BYTES = 256 * 1024**2
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -73,15 +72,61 @@ class ShardWriter:
         return [self.directory / name for name in final]
 
 
+# safetensors' dtype names (the format's header) -> torch dtypes
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in a safetensors file: its dtype and shape, and its bytes [begin, end) of the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """The tensors of a safetensors file from its header alone (8 bytes of length, then JSON), checked against
+    the file's size; SpearError (one line) for anything that is not such a file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        entries = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            entry = TensorEntry(meta["dtype"], tuple(meta["shape"]), 8 + length + begin, 8 + length + end)
+            if entry.dtype not in DTYPES or entry.end > size or \
+                    entry.end - entry.begin != entry.numel * DTYPES[entry.dtype].itemsize:
+                raise ValueError(f"tensor {name} does not fit its dtype, shape or the file")
+            entries[name] = entry
+        return entries
+    except (OSError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+        raise SpearError(f"corrupt or missing weights in {path}: {_first_line(e)}") from None
+
+
 class ShardReader:
-    """The tensors of a directory's safetensors (one file or an indexed set), read one at a time."""
+    """The tensors of a directory's safetensors (one file or an indexed set), read one at a time: each read into
+    memory of its own with plain file reads, so the process holds the tensors it keeps and nothing of the files
+    (a memory map's pages count in the resident memory, which would hold the whole file beside its copies)."""
 
     def __init__(self, directory: Path, device: torch.device | str = "cpu"):
         self.directory = Path(directory)
-        self.device = str(device)
+        self.device = torch.device(device)
         self.weight_map = weight_map(self.directory)
-        self._handles: dict[str, object] = {}
-        self._read_bytes = 0  # since the files were opened
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -89,27 +134,30 @@ class ShardReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor `name` on the reader's device, cast to `dtype` if given (floating tensors only)."""
+    def entry(self, name: str) -> TensorEntry:
         file = self.weight_map.get(name)
         if file is None:
             raise SpearError(f"corrupt checkpoint {self.directory}: no tensor {name}")
-        try:
-            if file not in self._handles:
-                self._handles[file] = safe_open(str(self.directory / file), framework="pt", device=self.device)
-            tensor = self._handles[file].get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise SpearError(f"corrupt or missing weights in {self.directory / file}: {_first_line(e)}") from None
-        self._read_bytes += tensor_bytes(tensor)
-        if self._read_bytes > REMAP_BYTES:
-            self.release()
-        return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        if file not in self._headers:
+            self._headers[file] = read_header(self.directory / file)
+        if name not in self._headers[file]:
+            raise SpearError(f"corrupt checkpoint {self.directory}: {file} has no tensor {name}")
+        return self._headers[file][name]
 
-    def release(self) -> None:
-        """Close the files (their memory maps count in the process's resident memory until then); the next get
-        opens them again."""
-        self._handles.clear()
-        self._read_bytes = 0
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor `name` on the reader's device, cast to `dtype` if given (floating tensors only)."""
+        entry, path = self.entry(name), self.directory / self.weight_map[name]
+        tensor = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
+        try:
+            with open(path, "rb") as f:
+                f.seek(entry.begin)
+                if f.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != entry.end - entry.begin:
+                    raise OSError("file shorter than its header says")
+        except OSError as e:
+            raise SpearError(f"corrupt or missing weights in {path}: {_first_line(e)}") from None
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        return tensor.to(self.device)
 
     def get_optional(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.get(name, dtype) if name in self else None
@@ -125,13 +173,10 @@ def weight_map(directory: Path) -> dict[str, str]:
     try:
         if index.is_file():
             return dict(json.loads(index.read_text())["weight_map"])
-        if (directory / SINGLE_FILE).is_file():
-            with safe_open(str(directory / SINGLE_FILE), framework="pt") as f:
-                return dict.fromkeys(f.keys(), SINGLE_FILE)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise SpearError(f"corrupt weight index {index}: {_first_line(e)}") from None
-    except (SafetensorError, OSError) as e:
-        raise SpearError(f"corrupt or missing weights in {directory / SINGLE_FILE}: {_first_line(e)}") from None
+    if (directory / SINGLE_FILE).is_file():
+        return dict.fromkeys(read_header(directory / SINGLE_FILE), SINGLE_FILE)
     raise SpearError(f"no weights in {directory}: neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
