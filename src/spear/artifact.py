@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spear.errors import SpearError
+from spear.errors import SpearError, first_line
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.memory import require
 from spear.models.layerwise import set_module
-from spear.models.loading import LoadedModel, _first_line, default_device, default_dtype
+from spear.models.loading import LoadedModel, default_device, default_dtype
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.record import QuantizedWeight, fp16_if_exact, pack_codes
 from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
@@ -130,7 +130,7 @@ def read_artifact_config(path: str | Path) -> dict:
     except FileNotFoundError:
         raise SpearError(f"{path} is not a SPEAR artifact: no config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpearError(f"corrupt artifact config {path / 'config.json'}: {_first_line(e)}") from None
+        raise SpearError(f"corrupt artifact config {path / 'config.json'}: {first_line(e)}") from None
     if config.get("format") != FORMAT:
         raise SpearError(f"{path} is not a SPEAR artifact (config.json has no format {FORMAT!r})")
     version = config.get("format_version")
@@ -142,13 +142,23 @@ def read_artifact_config(path: str | Path) -> dict:
     return config
 
 
+def read_record_parts(reader: ShardReader, config: dict, name: str) -> tuple[dict[str, torch.Tensor | None], int]:
+    """The linear `name`'s record as stored (codes packed at their bits, format 1's packed on the way in; scales,
+    zeros; g_idx and offsets or None) and its in_features."""
+    bits = config["quantized_modules"][name]["bits"]
+    parts = {part: reader.get(f"{name}.{part}") for part in RECORD_PARTS[:3]}
+    parts |= {part: reader.get_optional(f"{name}.{part}") for part in RECORD_PARTS[3:]}
+    in_features = config["quantized_modules"][name].get("in_features", parts["codes"].shape[1])
+    if config["format_version"] == 1:
+        parts["codes"] = pack_codes(parts["codes"], bits)
+    return parts, in_features
+
+
 def read_record(reader: ShardReader, config: dict, name: str) -> QuantizedWeight:
     """The quantized-weight record of the linear `name` (codes unpacked)."""
-    meta = config["quantized_modules"][name]
-    tensors = {f"{name}.{part}": reader.get(f"{name}.{part}") for part in RECORD_PARTS[:3]}
-    tensors |= {f"{name}.{part}": t for part in RECORD_PARTS[3:] if (t := reader.get_optional(f"{name}.{part}")) is not None}
-    return QuantizedWeight.from_tensors(tensors, name, meta["bits"], meta.get("in_features"),
-                                        packed=config["format_version"] >= 2)
+    parts, in_features = read_record_parts(reader, config, name)
+    return QuantizedWeight.from_tensors({f"{name}.{p}": t for p, t in parts.items() if t is not None}, name,
+                                        config["quantized_modules"][name]["bits"], in_features)
 
 
 def load_artifact(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None,
@@ -170,31 +180,26 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
         hf_config = AutoConfig.for_model(model_config.pop("model_type"), **model_config)
         model = causal_lm_skeleton(hf_config, dtype)
     except (ValueError, KeyError) as e:
-        raise SpearError(f"unsupported architecture in {path}: {_first_line(e)}") from None
+        raise SpearError(f"unsupported architecture in {path}: {first_line(e)}") from None
     read = set()
     try:
         for name, meta in config["quantized_modules"].items():
-            old = model.get_submodule(name)
-            bits, k = meta["bits"], meta.get("in_features", old.in_features)
-            codes = reader.get(f"{name}.codes")
-            if config["format_version"] == 1:
-                codes = pack_codes(codes, bits)
-            parts = {part: reader.get_optional(f"{name}.{part}") for part in RECORD_PARTS[1:]}
-            bias = reader.get(f"{name}.bias", dtype) if old.bias is not None else None
-            set_module(model, name, SpearLinear.from_packed(codes, **parts, bits=bits, in_features=k, bias=bias,
-                                                            dtype=dtype, dense=dense))
+            parts, in_features = read_record_parts(reader, config, name)
+            bias = reader.get(f"{name}.bias", dtype) if model.get_submodule(name).bias is not None else None
+            set_module(model, name, SpearLinear.from_packed(**parts, bits=meta["bits"], in_features=in_features,
+                                                            bias=bias, dtype=dtype, dense=dense))
             read |= {f"{name}.{part}" for part in (*RECORD_PARTS, "bias")}
         for name, meta in config["ec_modules"].items():
             layer = model.get_submodule(name)
             layer.ec = ErrorCompensator(layer.in_features, layer.out_features, meta["rank"], meta["gate_hidden"])
     except (KeyError, AttributeError, RuntimeError) as e:
-        raise SpearError(f"corrupt artifact {path}: {_first_line(e)}") from None
+        raise SpearError(f"corrupt artifact {path}: {first_line(e)}") from None
     # ECs train and run their PyTorch path in float32; everything else in the compute dtype
     rest = {n: reader.get(n, torch.float32 if ".ec." in n else dtype) for n in reader.names() if n not in read}
     try:
         result = model.load_state_dict(rest, strict=False, assign=True)
     except RuntimeError as e:
-        raise SpearError(f"corrupt artifact {path}: {_first_line(e)}") from None
+        raise SpearError(f"corrupt artifact {path}: {first_line(e)}") from None
     missing = set(result.missing_keys) - set(config["tied"]) - {n for n in result.missing_keys if n in read}
     if missing or result.unexpected_keys:
         raise SpearError(

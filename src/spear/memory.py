@@ -45,12 +45,10 @@ def require(nbytes: int, device: torch.device, what: str, advice: str) -> None:
         raise SpearError(f"{what} needs about {gib(need)} of {where} memory and {gib(have)} is available: {advice}")
 
 
-def checkpoint_elements(directory: Path) -> tuple[int, int]:
-    """(floating-point elements, bytes on disk) of the safetensors of an HF directory or artifact, from the headers
-    alone."""
+def checkpoint_floats(directory: Path) -> int:
+    """Floating-point elements of the safetensors of an HF directory, from the headers alone."""
     from spear.shards import ShardReader
 
     reader = ShardReader(directory)
-    entries = [reader.entry(name) for name in reader.names()]
-    floats = sum(e.numel for e in entries if e.dtype in ("F16", "BF16", "F32", "F64"))
-    return floats, sum(e.end - e.begin for e in entries)
+    entries = (reader.entry(name) for name in reader.names())
+    return sum(e.numel for e in entries if e.dtype in ("F16", "BF16", "F32", "F64"))

@@ -159,13 +159,12 @@ class QuantizedWeight:
                 f"{prefix}.zeros": self.zeros} | {f"{prefix}.{k}": v for k, v in optional.items() if v is not None}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, bits: int, in_features: int | None = None,
-                     packed: bool = True) -> "QuantizedWeight":
-        """The record from its tensors (`tensors`' layout; `packed=False`: codes one a byte, artifact format 1).
-        `in_features` defaults to what the packed width holds (exact where in · bits is a multiple of 8)."""
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, bits: int,
+                     in_features: int | None = None) -> "QuantizedWeight":
+        """The record from its tensors (`tensors`' layout). `in_features` defaults to what the packed width holds
+        (exact where in · bits is a multiple of 8)."""
         codes, scales = tensors[f"{prefix}.codes"], tensors[f"{prefix}.scales"]
-        if packed:
-            codes = unpack_codes(codes, bits, in_features or codes.shape[1] * 8 // bits)
+        codes = unpack_codes(codes, bits, in_features or codes.shape[1] * 8 // bits)
         return cls(codes, scales, tensors[f"{prefix}.zeros"], bits, codes.shape[1] // scales.shape[1],
                    tensors.get(f"{prefix}.g_idx"), tensors.get(f"{prefix}.offsets"))
 

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from spear.errors import SpearError
+from spear.errors import SpearError, first_line
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -114,7 +114,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             entries[name] = entry
         return entries
     except (OSError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
-        raise SpearError(f"corrupt or missing weights in {path}: {_first_line(e)}") from None
+        raise SpearError(f"corrupt or missing weights in {path}: {first_line(e)}") from None
 
 
 class ShardReader:
@@ -154,7 +154,7 @@ class ShardReader:
                 if f.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != entry.end - entry.begin:
                     raise OSError("file shorter than its header says")
         except OSError as e:
-            raise SpearError(f"corrupt or missing weights in {path}: {_first_line(e)}") from None
+            raise SpearError(f"corrupt or missing weights in {path}: {first_line(e)}") from None
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         return tensor.to(self.device)
@@ -174,7 +174,7 @@ def weight_map(directory: Path) -> dict[str, str]:
         if index.is_file():
             return dict(json.loads(index.read_text())["weight_map"])
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise SpearError(f"corrupt weight index {index}: {_first_line(e)}") from None
+        raise SpearError(f"corrupt weight index {index}: {first_line(e)}") from None
     if (directory / SINGLE_FILE).is_file():
         return dict.fromkeys(read_header(directory / SINGLE_FILE), SINGLE_FILE)
     raise SpearError(f"no weights in {directory}: neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -184,7 +184,3 @@ def safetensors_bytes(directory: Path) -> int:
     """Bytes of the directory's safetensors files on disk."""
     return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from spear.errors import SpearError
+from spear.errors import SpearError, first_line
 from spear.util import atomic_dir, cache_dir
 
 DEFAULT_MODEL = "smollm2"
@@ -85,7 +85,7 @@ def load_tokenizer(spec: str):
     try:
         return AutoTokenizer.from_pretrained(checkpoint_dir(spec))
     except (OSError, ValueError) as e:
-        raise SpearError(f"cannot load the tokenizer of {spec}: {_first_line(e)}") from None
+        raise SpearError(f"cannot load the tokenizer of {spec}: {first_line(e)}") from None
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str, device: torch.device):
@@ -94,30 +94,29 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str, device: torch.device
     try:
         config = AutoConfig.from_pretrained(path)
     except ValueError as e:  # "... Transformers does not recognize this architecture"
-        raise SpearError(f"unsupported architecture in {spec}: {_first_line(e)}") from None
+        raise SpearError(f"unsupported architecture in {spec}: {first_line(e)}") from None
     except (KeyError, OSError, json.JSONDecodeError) as e:
-        raise SpearError(f"cannot read the config of {spec}: {_first_line(e)}") from None
+        raise SpearError(f"cannot read the config of {spec}: {first_line(e)}") from None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from spear.memory import checkpoint_elements, require
+    from spear.memory import checkpoint_floats, require
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: not a causal language model")
-    floats, _ = checkpoint_elements(path)
-    require(floats * (torch.finfo(dtype).bits // 8), device, f"loading {spec} in {str(dtype).removeprefix('torch.')}",
+    require(checkpoint_floats(path) * (torch.finfo(dtype).bits // 8), device, f"loading {spec} in {str(dtype).removeprefix('torch.')}",
             "use a machine with more memory" + ("" if device.type == "cuda" else " or a GPU") +
             "; `spear quantize --method rtn` reads it a layer at a time")
     try:
         # straight onto the device, tensor by tensor: no whole copy in host memory first
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, device_map=str(device))
     except ValueError as e:  # transformers says "Unrecognized configuration class ..." for non-causal-LM models
-        raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: {_first_line(e)}") from None
+        raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: {first_line(e)}") from None
     except (OSError, RuntimeError, SafetensorError) as e:
-        raise SpearError(f"cannot load the weights of {spec}: {_first_line(e)}") from None
+        raise SpearError(f"cannot load the weights of {spec}: {first_line(e)}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise SpearError(f"cannot load the tokenizer of {spec}: {_first_line(e)}") from None
+        raise SpearError(f"cannot load the tokenizer of {spec}: {first_line(e)}") from None
     return model, tokenizer
 
 
@@ -139,7 +138,7 @@ def _gguf_as_hf_dir(gguf: Path) -> Path:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, KeyError, OSError, RuntimeError, EOFError) as e:
-        raise SpearError(f"cannot read GGUF file {gguf}: {_first_line(e)}") from None
+        raise SpearError(f"cannot read GGUF file {gguf}: {first_line(e)}") from None
     with atomic_dir(target) as tmp:
         config = model.config.to_dict()
         config.pop("quantization_config", None)
@@ -172,10 +171,6 @@ def _one_gguf_parse():
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0]
 
 
 def transformers_quiet() -> None:

@@ -28,9 +28,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from spear.artifact import ArtifactInfo, save_artifact
-from spear.errors import SpearError
+from spear.errors import SpearError, first_line
 from spear.models.layerwise import quantizable_linears
-from spear.models.loading import _first_line, load_float_model, resolve_model_path
+from spear.models.loading import load_float_model, resolve_model_path
 from spear.quant.formats import awq_record, compressed_tensors_record, gguf_record, gptq_record
 from spear.quant.pipeline import replace_with_quantized
 from spear.record import QuantizedWeight
@@ -65,7 +65,7 @@ def _read_hf_dir(path: Path, src: str):
     try:
         config = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpearError(f"cannot read the config of {src}: {_first_line(e)}") from None
+        raise SpearError(f"cannot read the config of {src}: {first_line(e)}") from None
     qc = config.pop("quantization_config", None)
     if not isinstance(qc, dict):
         raise SpearError(f"{src} has no quantization_config: not a pre-quantized checkpoint (use spear quantize)")
@@ -75,7 +75,7 @@ def _read_hf_dir(path: Path, src: str):
         hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     except (ValueError, KeyError) as e:
-        raise SpearError(f"unsupported architecture in {src}: {_first_line(e)}") from None
+        raise SpearError(f"unsupported architecture in {src}: {first_line(e)}") from None
     records = {}
     for name, linear in quantizable_linears(model).items():
         missing = [f"{name}.{k}" for k in STORED[fmt][:3] if f"{name}.{k}" not in tensors]
@@ -96,7 +96,7 @@ def _read_hf_dir(path: Path, src: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise SpearError(f"cannot load the tokenizer of {src}: {_first_line(e)}") from None
+        raise SpearError(f"cannot load the tokenizer of {src}: {first_line(e)}") from None
     group = _common_group_size(records) if fmt == "compressed-tensors" else group_size
     return model, tokenizer, {"method": fmt, "bits": bits, "group_size": group, "sym": sym, "imported": True}
 
@@ -142,7 +142,7 @@ def _load_tensors(path: Path, src: str) -> dict[str, torch.Tensor]:
         try:
             tensors |= load_file(str(f))
         except (SafetensorError, OSError) as e:
-            raise SpearError(f"cannot read {f}: {_first_line(e)}") from None
+            raise SpearError(f"cannot read {f}: {first_line(e)}") from None
     return tensors
 
 
@@ -152,7 +152,7 @@ def _load_float_tensors(model: nn.Module, tensors: dict, records: dict[str, Quan
     try:
         result = model.load_state_dict(tensors, strict=False)
     except RuntimeError as e:
-        raise SpearError(f"malformed checkpoint {src}: {_first_line(e)}") from None
+        raise SpearError(f"malformed checkpoint {src}: {first_line(e)}") from None
     model.tie_weights()
     loaded = {p.data_ptr() for k, p in model.state_dict().items() if k in tensors}
     state = model.state_dict()

@@ -527,11 +527,12 @@ def use_dense_kernels(model: Transformer, tune: bool = True) -> int:
 
 
 def held_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of every tensor `model` holds, each storage counted once, by kind: "packed" (the W4 kernels' codes,
-    scales and zeros and the packed ECs), "codes" (records' packed codes, scales, zeros: what a layer keeps until
+    """Bytes of every tensor `model` holds, each storage counted once, by kind: "packed" (a kernel's packing: the
+    W4 kernels' codes, scales, zeros and packed ECs on CUDA; the CPU int4 kernel's, the nibble codes and the shared
+    scratch on a CPU), "codes" (records' packed codes, scales, zeros: what a layer keeps until
     release_for_serving), "dense" (dequantized copies of 4-bit weights), and "other" (embeddings, norms, float
-    linears, EC parameters, RoPE tables). A served model holds "packed" (on CUDA) or "dense" (CPU), never both,
-    and no "codes"."""
+    linears, EC parameters, RoPE tables). A served linear holds its packing, or a dense copy where no kernel
+    applies, never both, and no "codes"."""
     seen: set[int] = set()
     held = {"packed": 0, "codes": 0, "dense": 0, "other": 0}
 
