@@ -47,6 +47,15 @@ CPU_KV_CACHE_MEMORY = 512 << 20
 MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 
 
+def mixed_seed(seed: int) -> int:
+    """A request's 64-bit seed mixed (splitmix64) before it seeds a generator: a CPU generator keeps only the low
+    32 bits of its seed, so seeds equal modulo 2^32 would otherwise sample alike."""
+    z = (seed + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 256  # running sequences at most (as many as the KV cache holds, up to this)
@@ -317,7 +326,7 @@ class Engine:
         max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)  # the cache holds it (make_runner)
         generator = self.generator
         if params.seed is not None:
-            generator = torch.Generator(self.generator.device).manual_seed(params.seed)
+            generator = torch.Generator(self.generator.device).manual_seed(mixed_seed(params.seed))
         detokenizer = Detokenizer(self.tokenizer, prompt_token_ids, params.stop)
         self.waiting.append(Sequence(request_id, list(prompt_token_ids), params, generator, detokenizer, max_len,
                                      list(prompt_token_ids)))
