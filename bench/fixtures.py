@@ -143,11 +143,11 @@ def write_random_artifact(args: ModelArgs, out_dir, ec_fraction: float = 0.0, ra
         writer.add("model.norm.weight", torch.ones(args.dim, dtype=torch.float16))
         if not args.tie_embeddings:
             writer.add("lm_head.weight", randn(args.vocab, args.dim, std=args.dim**-0.5))
-        writer.close()
+        sha256 = writer.close()
         assert len(quantized) == n_linears
         tied = {"lm_head.weight": "model.embed_tokens.weight"} if args.tie_embeddings else {}
         info = ArtifactInfo("random", {"method": "random", "bits": 4, "group_size": -1})
-        config = artifact_config(hf_config(args), info, quantized, ecs, tied)
+        config = artifact_config(hf_config(args), info, quantized, ecs, tied, sha256)
         (tmp / "config.json").write_text(__import__("json").dumps(config, indent=2, default=str))
         byte_tokenizer().save_pretrained(tmp)
     return out_dir

@@ -222,6 +222,7 @@ def _healthy(url: str) -> bool:
 def test_serve_overlaps_steps_on_one_rank_only():
     from spear.server.launch import ServeConfig, _engine_config
 
-    assert _engine_config(ServeConfig()).overlap
-    assert not _engine_config(ServeConfig(overlap=False)).overlap
-    assert not _engine_config(ServeConfig(tp=2)).overlap  # the TP step channel needs every token on the host
+    cpu = torch.device("cpu")
+    assert _engine_config(ServeConfig(), cpu).overlap
+    assert not _engine_config(ServeConfig(overlap=False), cpu).overlap
+    assert not _engine_config(ServeConfig(tp=2), cpu).overlap  # the TP step channel needs every token on the host

@@ -214,3 +214,65 @@ def test_disconnect_mid_stream_aborts(tokenizer):
             httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 50}, timeout=0.2)
         wait_until(lambda: len(engine.aborted) == 2, timeout=5)
         assert engine.kv_blocks_used == 0
+
+
+def test_every_served_name_is_served_and_responses_name_the_first(tokenizer):
+    app = build_app(AsyncEngine(ScriptedEngine(tokenizer, max_model_len=MAX_LEN)), tokenizer, ("/models/q4", "q4"),
+                    MAX_LEN)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["/models/q4", "q4"]
+        assert client.models.retrieve("q4").id == "q4" and client.models.retrieve("/models/q4").id == "/models/q4"
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve("gpt-9")
+        assert e.value.body["code"] == "model_not_found"
+        for model in ("q4", "/models/q4"):  # as vLLM documents --served-model-name: the first name answers
+            assert client.completions.create(model=model, prompt="hi", max_tokens=2).model == "/models/q4"
+        reply = client.chat.completions.create(model="q4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.model == "/models/q4"
+        with pytest.raises(openai.NotFoundError, match="'/models/q4', 'q4'"):
+            client.completions.create(model="q5", prompt="hi", max_tokens=2)
+
+
+def test_served_model_names_default_to_the_spec_and_its_base_name(capsys):
+    from spear.cli import build_parser, main
+    from spear.errors import SpearError
+    from spear.server.launch import ServeConfig, served_model_names
+
+    assert served_model_names("/tmp/q4", ServeConfig()) == ("/tmp/q4", "q4")
+    assert served_model_names("runs/q4/", ServeConfig()) == ("runs/q4/", "q4")
+    assert served_model_names("smollm2", ServeConfig()) == ("smollm2",)
+    assert served_model_names("/tmp/q4", ServeConfig(served_model_name=("a", "b"))) == ("a", "b")
+    with pytest.raises(SpearError, match="--served-model-name"):
+        ServeConfig(served_model_name=("a", " "))
+    args = build_parser().parse_args(["serve", "/tmp/q4", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"]
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--served-model-name NAME [NAME ...]" in capsys.readouterr().out
+
+
+def test_an_unexpected_error_is_one_logged_500_on_a_connection_kept_open(tokenizer, caplog):
+    import http.client
+    import logging
+
+    app = build_app(AsyncEngine(ScriptedEngine(tokenizer, max_model_len=MAX_LEN)), tokenizer, "tiny", MAX_LEN)
+
+    @app.get("/v1/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    with running_server(app) as url:
+        logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # uvicorn's loggers do not propagate
+        try:
+            conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+            conn.request("GET", "/v1/boom")
+            r = conn.getresponse()
+            assert r.status == 500 and json.loads(r.read())["error"]["type"] == "server_error"
+            sock = conn.sock
+            conn.request("GET", "/health")  # the same connection: uvicorn closed it after a re-raised error
+            assert conn.getresponse().status == 200 and conn.sock is sock
+            conn.close()
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
+    assert [r.levelno for r in caplog.records if r.exc_info] == [logging.ERROR]

@@ -81,7 +81,7 @@ def test_sigterm_ends_streams_in_flight_with_an_error_event(tiny_model_dir):
             rest = [line for line in lines if line.startswith("data:")]
         assert json.loads(rest[-1][6:])["error"]["message"] == "the server is shutting down"
         assert len(rest) < 499 and "data: [DONE]" not in rest
-        assert proc.wait(timeout=30) == -signal.SIGTERM  # uvicorn ends by the signal it stopped for
+        assert proc.wait(timeout=30) == 0  # a stop asked for, cleanly done (uvicorn would re-raise it: 143)
         assert "Traceback" not in proc.stderr.read()
     finally:
         stop(proc)

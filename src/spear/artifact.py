@@ -1,7 +1,7 @@
 """The artifact directory: a quantized (and optionally compensated) model, self-contained, at 4-bit size.
 
-    config.json        format, versions, base model, quantization settings, EC plan,
-                       the transformers config of the base model
+    config.json        format, versions, base model, quantization settings, EC plan, each shard's sha256
+                       (weights_sha256, checked as the shards load), the transformers config of the base model
     model.safetensors  (or model-0000i-of-0000N.safetensors + model.safetensors.index.json above 5 GB: shards.py)
                        per quantized linear: codes packed at their bits (record.pack_codes: two 4-bit codes a byte),
                        scales, zeros (g_idx, offsets where imported); EC tensors (A, B, alpha, gate); every other
@@ -26,10 +26,10 @@ from spear.errors import SpearError, first_line
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.memory import require
 from spear.models.layerwise import set_module
-from spear.models.loading import LoadedModel, default_device, default_dtype
+from spear.models.loading import LoadedModel, default_device, default_dtype, read_tokenizer
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.record import QuantizedWeight, fp16_if_exact, pack_codes
-from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
+from spear.shards import DEFAULT_MAX_SHARD_BYTES, Sha256Check, ShardReader, ShardWriter, check_sha256
 from spear.util import atomic_dir, versions
 
 FORMAT = "spear-artifact"
@@ -70,9 +70,9 @@ def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: Artifa
         for name, tensor in model.state_dict().items():
             if name not in tied:  # tied weights (e.g. lm_head = embed_tokens): stored once
                 writer.add(name, stored_tensor(name, tensor, quantized))
-        writer.close()
+        sha256 = writer.close()
         config = artifact_config(model.config, info, {n: (m.bits, m.in_features) for n, m in quantized.items()},
-                                 {n: (ec.rank, ec.gate_hidden) for n, ec in ecs.items()}, tied)
+                                 {n: (ec.rank, ec.gate_hidden) for n, ec in ecs.items()}, tied, sha256)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         tokenizer.save_pretrained(tmp)
     return out_dir
@@ -103,8 +103,9 @@ def round_as_stored(model: nn.Module) -> None:
 
 
 def artifact_config(model_config, info: ArtifactInfo, quantized: dict[str, tuple[int, int]],
-                    ecs: dict[str, tuple[int, int]], tied: dict[str, str]) -> dict:
-    """config.json: `quantized` maps a linear to (bits, in_features), `ecs` an EC to (rank, gate_hidden)."""
+                    ecs: dict[str, tuple[int, int]], tied: dict[str, str], sha256: dict[str, str]) -> dict:
+    """config.json: `quantized` maps a linear to (bits, in_features), `ecs` an EC to (rank, gate_hidden), `sha256` a
+    shard's file name to its sha256 (ShardWriter.close)."""
     model_config = model_config.to_dict()
     model_config.pop("quantization_config", None)
     return {
@@ -118,6 +119,7 @@ def artifact_config(model_config, info: ArtifactInfo, quantized: dict[str, tuple
         "quantized_modules": {name: {"bits": b, "in_features": k} for name, (b, k) in quantized.items()},
         "ec_modules": {name: {"rank": r, "gate_hidden": h} for name, (r, h) in ecs.items()},
         "tied": tied,
+        "weights_sha256": sha256,
         "model_config": model_config,
         **info.extra,
     }
@@ -165,22 +167,75 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
                   dense: bool = True) -> LoadedModel:
     """The artifact's model on `device` in `dtype`, its tensors read one at a time from their shards onto the
     device. `dense=False` (serving) leaves each quantized linear without its dequantized copy: the runtime packs it
-    for its kernels (SpearLinear.release_for_serving)."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    for its kernels (SpearLinear.release_for_serving). Its config, model config, tokenizer and chat template are
+    checked before the weights are read (artifact_parts); its shards against the sha256 config.json records while
+    they are (artifacts written before it recorded one are not)."""
     path = Path(path)
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    config = read_artifact_config(path)
+    config, model, tokenizer = artifact_parts(path, dtype)
     require(load_bytes(path, config, dtype, dense or device.type != "cuda"), device, f"loading {path}",
             "use a machine with more memory" + (", or serve it on a GPU" if device.type != "cuda" else ""))
-    reader = ShardReader(path, device)
-    model_config = dict(config["model_config"])
+    check = Sha256Check(path, config.get("weights_sha256", {}))
+    check.start()
     try:
-        hf_config = AutoConfig.for_model(model_config.pop("model_type"), **model_config)
-        model = causal_lm_skeleton(hf_config, dtype)
-    except (ValueError, KeyError) as e:
-        raise SpearError(f"unsupported architecture in {path}: {first_line(e)}") from None
+        _read_weights(model, ShardReader(path, device), config, path, dtype, dense)
+    except SpearError:
+        check.result()  # a shard not as written explains whatever the load met: its error first
+        raise
+    check.result()
+    return LoadedModel(model.to(device).eval(), tokenizer, config["base_model"], path)
+
+
+# sizes every model config must hold as positive integers, where it has them
+MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def artifact_parts(path: Path, dtype: torch.dtype) -> tuple[dict, nn.Module, object]:
+    """The artifact's config, its model's skeleton (parameters on meta) and its tokenizer (chat template rendered
+    once); SpearError, one line naming the file, where one of them cannot be had."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = read_artifact_config(path)
+    model_config = dict(config.get("model_config") or {})
+    model_type = model_config.pop("model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise SpearError(f"unsupported architecture {model_type!r} in {path}: not a causal language model")
+    fix = "; restore it, or re-create the artifact"
+    for key in MODEL_SIZES:
+        value = model_config.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise SpearError(f"bad model_config in {path / 'config.json'}: {key} is {value!r}, not a positive "
+                             f"integer{fix}")
+    try:
+        model = causal_lm_skeleton(AutoConfig.for_model(model_type, **model_config), dtype)
+    except Exception as e:  # transformers' validation errors, torch's for impossible sizes: their types vary
+        raise SpearError(f"bad model_config in {path / 'config.json'}: {' '.join(str(e).split())}{fix}") from None
+    _check_shapes(path, config, model)
+    return config, model, read_tokenizer(path)
+
+
+def _check_shapes(path: Path, config: dict, model: nn.Module) -> None:
+    """Each stored tensor's shape, from the shards' headers, against the skeleton's (a record's codes against its
+    linear's weight); names the skeleton lacks are left to the load's missing and unexpected tensors."""
+    reader, expected, quantized = ShardReader(path), model.state_dict(), config["quantized_modules"]
+    for name in reader.names():
+        stored, (module, _, part) = reader.entry(name).shape, name.rpartition(".")
+        if module in quantized and part in RECORD_PARTS:
+            if part != "codes":
+                continue
+            stored, name = (stored[0], quantized[module].get("in_features", stored[1])), f"{module}.weight"
+        if name in expected and tuple(expected[name].shape) != stored:
+            raise SpearError(f"corrupt artifact {path}: {name} is {list(stored)} in its weights but "
+                             f"{list(expected[name].shape)} by config.json's model_config; restore it, or re-create "
+                             "the artifact")
+
+
+def _read_weights(model: nn.Module, reader: ShardReader, config: dict, path: Path, dtype: torch.dtype,
+                  dense: bool) -> None:
+    """Fill the skeleton `model` from the artifact's shards: each record into a SpearLinear, the rest in place."""
     read = set()
     try:
         for name, meta in config["quantized_modules"].items():
@@ -208,8 +263,33 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
     model.tie_weights()
     if any(p.is_meta for p in model.parameters()):
         raise SpearError(f"corrupt artifact {path}: some parameters have no tensor in it")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model.to(device).eval(), tokenizer, config["base_model"], path)
+
+
+@dataclass
+class Verified:
+    """What verify_artifact found sound: the config, model config, tokenizer and chat template, and the shards
+    (none where the artifact records no sha256)."""
+
+    path: Path
+    shards: int
+    bytes: int
+
+    def summary(self) -> str:
+        if not self.shards:
+            return (f"{self.path}: config and tokenizer load; weights not checked: no sha256 recorded (written before "
+                    "SPEAR recorded them; re-create it to record them)")
+        return (f"ok: {self.path}: {self.shards} shard{'s' * (self.shards > 1)}, {self.bytes / 1e9:.2f} GB, sha256 as "
+                "recorded; config and tokenizer load")
+
+
+def verify_artifact(path: str | Path) -> Verified:
+    """Check the artifact at `path` as load_artifact does, without loading its weights: config, model config,
+    tokenizer and chat template, and every shard against the sha256 its config.json records."""
+    path = Path(path)
+    config, _, _ = artifact_parts(path, torch.float16)
+    sha256 = config.get("weights_sha256", {})
+    check_sha256(path, sha256)
+    return Verified(path, len(sha256), sum((path / name).stat().st_size for name in sha256))
 
 
 def load_bytes(path: Path, config: dict, dtype: torch.dtype, dense: bool) -> int:

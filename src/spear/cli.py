@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from spear.errors import SpearError
+from spear.errors import SpearError, optional_requirement, require_module
 
 
 class _Parser(argparse.ArgumentParser):
@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the float model it was quantized from (HF directory, .gguf or 'smollm2'): the reference "
                          "`spear compensate` calibrates against (without it the artifact cannot be compensated)")
 
+    v = sub.add_parser("verify", help="check an artifact without loading it: its config, tokenizer and chat "
+                                      "template load, and each shard matches the sha256 its config.json records")
+    v.add_argument("artifact", help="artifact directory written by `spear quantize` (or compensate, import)")
+
     ev = sub.add_parser("export-vllm", help="a (compensated) artifact as a model directory vLLM serves: "
                                             "compressed-tensors W4A16, the ECs for the spear-vllm plugin, "
                                             "and a static LoRA adapter")
@@ -179,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond which requests get HTTP 429")
-    s.add_argument("--chunk-tokens", type=int, default=512, help="prompt tokens prefilled per engine step")
+    s.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prompt tokens prefilled per engine step (default: 512 on a GPU; 128 on a CPU, where a "
+                        "larger chunk stalls every running stream for seconds)")
     s.add_argument("--itl-slo-ms", type=float, default=None,
                    help="SLO-aware chunks (at most --chunk-tokens) from the artifact's latency table, profiled first if absent")
     s.add_argument("--max-model-len", type=int, default=None,
@@ -209,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("SPEAR_API_KEY"),
                    help="require Authorization: Bearer KEY on every /v1 route (default: $SPEAR_API_KEY; none: no auth)")
     s.add_argument("--api-key-probes", action="store_true", help="/health and /metrics need the key too")
+    s.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                   help="the names requests may give as `model`, listed by /v1/models; responses name the first "
+                        "(default: MODEL as given and its base name, as /models/q4 and q4)")
     s.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
 
     pr = sub.add_parser("profile", help="measure engine step latency (decode batch x prefill tokens) for the SLO scheduler")
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"quantize": cmd_quantize, "eval": cmd_eval, "compensate": cmd_compensate, "run": cmd_run,
                     "serve": cmd_serve, "profile": cmd_profile, "bench": cmd_bench,
-                    "import": cmd_import, "export-vllm": cmd_export_vllm}
+                    "import": cmd_import, "export-vllm": cmd_export_vllm, "verify": cmd_verify}
         return commands[args.command](args)
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
@@ -241,6 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("spear: interrupted", file=sys.stderr)
         return 130
+
+
+def lm_eval_main() -> int:
+    """`spear-lm-eval`: lm-eval's command line with the "spear" model registered (spear.eval.lm_eval_adapter)."""
+    try:
+        from spear.eval.lm_eval_adapter import main as lm_eval_cli
+    except SpearError as e:  # lm-eval is not installed
+        print(f"spear-lm-eval: error: {e}", file=sys.stderr)
+        return 2
+    lm_eval_cli()
+    return 0
 
 
 def _device(args):
@@ -284,6 +304,13 @@ def cmd_import(args) -> int:
 
     out = import_checkpoint(args.checkpoint, args.out, args.base)
     print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from spear.artifact import verify_artifact
+
+    print(verify_artifact(args.artifact).summary())
     return 0
 
 
@@ -385,7 +412,7 @@ def cmd_serve(args) -> int:
     config = ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms,
                          args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap, http,
                          None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory),
-                         args.gpu_memory_utilization)
+                         args.gpu_memory_utilization, tuple(args.served_model_name))
     serve(args.model, config, device=_device(args))
     return 0
 
@@ -414,6 +441,10 @@ def cmd_bench(args) -> int:
     except SystemExit as e:
         if isinstance(e.code, str):  # the script's own one-line refusal (e.g. no CUDA GPU): exit 2, as every CLI error
             raise SpearError(e.code) from None
+        raise
+    except ModuleNotFoundError as e:  # a suite's optional dependency (triton, httpx): what to install, in one line
+        if e.name and optional_requirement(e.name):
+            require_module(e.name.partition(".")[0], f"spear bench {args.name}")
         raise
     return 0
 

@@ -2,16 +2,19 @@
 `model-00001-of-0000N.safetensors` ... with `model.safetensors.index.json` mapping each tensor to its file.
 
 ShardWriter takes tensors one at a time and writes a shard whenever the next tensor would pass the size cap, so a
-model written layer by layer never has more than one shard's tensors in memory. ShardReader reads one tensor at a time
-with plain file reads (the files' headers parsed once) and moves it to the device it is asked for, so loading never
-holds a second copy of the model, nor the files' pages.
+model written layer by layer never has more than one shard's tensors in memory; it returns each shard's sha256 (what
+`sha256sum` prints, and the Hugging Face Hub's LFS oid), which check_sha256 checks. ShardReader reads one tensor at a
+time with plain file reads (the files' headers parsed once) and moves it to the device it is asked for, so loading
+never holds a second copy of the model, nor the files' pages.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -39,7 +42,7 @@ class ShardWriter:
         self.metadata = metadata or {}
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._files: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names), in order
+        self._files: list[tuple[str, list[str], str]] = []  # (temporary file name, tensor names, sha256), in order
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -53,23 +56,70 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f".shard-{len(self._files):05d}.safetensors"
         save_file(self._pending, str(self.directory / name), metadata=self.metadata)
-        self._files.append((name, list(self._pending)))
+        self._files.append((name, list(self._pending), file_sha256(self.directory / name)))
         self._pending, self._pending_bytes = {}, 0
 
-    def close(self) -> list[Path]:
-        """Write the last shard, give the shards their final names (and the index when there are several)."""
+    def close(self) -> dict[str, str]:
+        """Write the last shard, give the shards their final names (and the index when there are several); each
+        shard's sha256 by its name."""
         if self._pending or not self._files:
             self._flush()
         n = len(self._files)
         final = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        weight_map = {}
-        for (tmp, names), name in zip(self._files, final):
+        weight_map, sha256 = {}, {}
+        for (tmp, names, digest), name in zip(self._files, final):
             (self.directory / tmp).rename(self.directory / name)
             weight_map.update(dict.fromkeys(names, name))
+            sha256[name] = digest
         if n > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        return [self.directory / name for name in final]
+        return sha256
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read a MiB at a time (hashlib lets other threads run while it hashes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_sha256(directory: Path, sha256: dict[str, str]) -> None:
+    """SpearError, one line naming the file, where a file of `directory` has not the sha256 `sha256` records for it
+    (file name -> hex digest)."""
+    for name, expected in sha256.items():
+        path = Path(directory) / name
+        try:
+            actual = file_sha256(path)
+        except OSError as e:
+            raise SpearError(f"corrupt or missing weights in {path}: {first_line(e)}") from None
+        if actual != expected:
+            raise SpearError(f"corrupt weights: {path} does not match the sha256 that "
+                             f"{Path(directory) / 'config.json'} records; restore the file, or re-create the artifact")
+
+
+class Sha256Check(threading.Thread):
+    """check_sha256 on a thread of its own, started before a load and waited for after it: file reads and hashlib let
+    the loading thread run meanwhile, so the files hash on another core while their tensors load."""
+
+    def __init__(self, directory: Path, sha256: dict[str, str]):
+        super().__init__(daemon=True)  # an interrupted load does not wait for it
+        self.directory, self.sha256 = directory, sha256
+        self.error: SpearError | None = None
+
+    def run(self) -> None:
+        try:
+            check_sha256(self.directory, self.sha256)
+        except SpearError as e:
+            self.error = e
+
+    def result(self) -> None:
+        """Wait for the check; its SpearError where a file is not as recorded."""
+        self.join()
+        if self.error is not None:
+            raise self.error
 
 
 # safetensors' dtype names (the format's header) -> torch dtypes

@@ -16,14 +16,12 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from spear.errors import SpearError
+from spear.errors import SpearError, require_module
 from spear.eval.tasks import context_length, loglikelihoods, rolling_loglikelihood_requests, score_tokens
 
-try:
-    from lm_eval.api.model import LM
-    from lm_eval.api.registry import register_model
-except ModuleNotFoundError as e:
-    raise SpearError("the lm-eval adapter needs lm-eval: pip install lm-eval") from e
+require_module("lm_eval", "the lm-eval adapter")
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

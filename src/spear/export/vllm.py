@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from spear.artifact import RECORD_PARTS, read_artifact_config, read_record
-from spear.errors import SpearError
+from spear.errors import SpearError, require_module
 from spear.record import QuantizedWeight
 from spear.shards import ShardReader
 from spear.util import atomic_dir, versions
@@ -53,6 +53,7 @@ class VllmExport:
 
 def export_vllm(artifact_dir: str | Path, out_dir: str | Path) -> VllmExport:
     """Write the vLLM model directory of the artifact `artifact_dir` to `out_dir` (atomically)."""
+    require_module("compressed_tensors", "spear export-vllm")  # the vllm extra: pip install -e ".[vllm]"
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir)
     config = read_artifact_config(artifact_dir)
     if out_dir.resolve() == artifact_dir.resolve():

@@ -8,34 +8,17 @@ of any float dtype: the symmetric-memory path reduces [y_r | u_r] rows in float3
 reads both halves of the sum and writes the layer's fp16 output (no EC: the bias and the cast
 alone). The Triton kernel is one launch over (row, block of N); each program recomputes the
 row's tiny gate (r → h → r) and adds its block of B·g. Math in float32; 1 + tanh(z) is computed
-as 2·sigmoid(2z). spear.runtime.tp imports this module only on CUDA (tests: TRITON_INTERPRET=1).
+as 2·sigmoid(2z). Its reference is kernels.reference.ec_epilogue_ref, what CPU ranks run (this
+module needs triton; tests: TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from spear.kernels.w4.epilogue import store_add_norm
-
-
-def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,
-                    b1: torch.Tensor | None = None, W2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The specification: y [M, N], u [M, r] (None: no EC), B [N, r] (alpha folded in), gate W1 [h, r], b1 [h],
-    W2 [r, h], b2 [r], bias [N]; the result in `dtype` (default y's)."""
-    out = y.float()
-    if bias is not None:
-        out = out + bias.float()
-    if u is not None:
-        g = u.float()
-        if W1 is not None:
-            hidden = F.silu(g @ W1.float().t() + b1.float())
-            g = g * (1 + torch.tanh(hidden @ W2.float().t() + b2.float()))
-        out = out + g @ B.float().t()
-    return out.to(dtype or y.dtype)
 
 
 @triton.jit

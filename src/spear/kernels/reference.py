@@ -2,7 +2,8 @@
 
     y = x · dequant(Q)ᵀ + bias + ec(x),   ec(x) = (alpha·B) (gamma(A x) ⊙ A x),
     gamma(u) = 1 + tanh(W2 silu(W1 u + b1) + b2)
-Math in float32 from the fp16 inputs; the result in x's dtype.
+Math in float32 from the fp16 inputs; the result in x's dtype. And the row-parallel layers' epilogue after tensor
+parallelism's reduction (kernels.ec_epilogue), which CPU ranks run.
 """
 
 from __future__ import annotations
@@ -40,3 +41,21 @@ def w4_linear_ref(
     if ec is not None:
         y = y + ec_gated_rank_ref(x, ec) @ ec.B.float().t()
     return y.to(x.dtype)
+
+
+def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,
+                    b1: torch.Tensor | None = None, W2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The EC epilogue y + bias + (alpha·B)(gamma(u) ⊙ u) on reduced partials: y [M, N], u [M, r] (None: no EC),
+    B [N, r] (alpha folded in), gate W1 [h, r], b1 [h], W2 [r, h], b2 [r], bias [N]; the result in `dtype`
+    (default y's)."""
+    out = y.float()
+    if bias is not None:
+        out = out + bias.float()
+    if u is not None:
+        g = u.float()
+        if W1 is not None:
+            hidden = F.silu(g @ W1.float().t() + b1.float())
+            g = g * (1 + torch.tanh(hidden @ W2.float().t() + b2.float()))
+        out = out + g @ B.float().t()
+    return out.to(dtype or y.dtype)

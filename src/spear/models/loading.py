@@ -80,16 +80,50 @@ def checkpoint_dir(spec: str) -> Path:
 
 def load_tokenizer(spec: str):
     """The tokenizer of the float model `spec`."""
+    return read_tokenizer(checkpoint_dir(spec))
+
+
+# the tokenizer's JSON files, and the files a chat template is read from (the first that exists, as transformers does)
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+
+def read_tokenizer(directory: Path):
+    """The tokenizer saved in `directory` (a model or artifact directory), its chat template rendered once on a
+    one-message chat; SpearError, one line naming the file, for a tokenizer that does not load or a chat template
+    that does not render (served, it would answer every chat request 500)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(checkpoint_dir(spec))
-    except (OSError, ValueError) as e:
-        raise SpearError(f"cannot load the tokenizer of {spec}: {first_line(e)}") from None
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # tokenizers and transformers raise types of their own
+        raise SpearError(f"{_tokenizer_fault(directory, e)}; restore the model's tokenizer files, or re-create the "
+                         "artifact") from None
+    if tokenizer.chat_template is not None:  # none: chat requests get a 400, completions still serve
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                          tokenize=False)
+        except Exception as e:  # jinja2's errors, or what the template raises
+            file = next((directory / f for f in CHAT_TEMPLATE_FILES if (directory / f).is_file()), directory)
+            raise SpearError(f"the chat template in {file} does not render a one-message chat: {first_line(e)}; "
+                             "fix or remove it") from None
+    return tokenizer
+
+
+def _tokenizer_fault(directory: Path, e: Exception) -> str:
+    """Why the tokenizer in `directory` did not load (`e`): the JSON file that does not parse, else `e`."""
+    for name in TOKENIZER_JSON:
+        try:
+            if (directory / name).is_file():
+                json.loads((directory / name).read_text())
+        except (OSError, ValueError) as bad:
+            return f"corrupt tokenizer file {directory / name}: {first_line(bad)}"
+    missing = "" if (directory / "tokenizer.json").is_file() else " (it has no tokenizer.json)"
+    return f"cannot load the tokenizer in {directory}{missing}: {first_line(e).rstrip(': ')}"
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str, device: torch.device):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -103,6 +137,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str, device: torch.device
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: not a causal language model")
+    tokenizer = read_tokenizer(path)  # before the weights: a broken tokenizer fails at once
     require(checkpoint_floats(path) * (torch.finfo(dtype).bits // 8), device, f"loading {spec} in {str(dtype).removeprefix('torch.')}",
             "use a machine with more memory" + ("" if device.type == "cuda" else " or a GPU") +
             "; `spear quantize --method rtn` reads it a layer at a time")
@@ -113,10 +148,6 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str, device: torch.device
         raise SpearError(f"unsupported architecture {config.model_type!r} in {spec}: {first_line(e)}") from None
     except (OSError, RuntimeError, SafetensorError) as e:
         raise SpearError(f"cannot load the weights of {spec}: {first_line(e)}") from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise SpearError(f"cannot load the tokenizer of {spec}: {first_line(e)}") from None
     return model, tokenizer
 
 

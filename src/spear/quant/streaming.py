@@ -95,8 +95,8 @@ def rtn_quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings:
         for name in model.state_dict():
             if name not in in_layers and name not in tied:
                 writer.add(name, stored_tensor(name, reader.get(source[name]), {}))
-        writer.close()
-        config = artifact_config(model.config, info, quantized, {}, tied)
+        sha256 = writer.close()
+        config = artifact_config(model.config, info, quantized, {}, tied, sha256)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         tokenizer.save_pretrained(tmp)
     return out_dir

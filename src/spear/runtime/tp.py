@@ -156,7 +156,7 @@ class RankSpaceEC(nn.Module):
             from spear.kernels.ec_epilogue import ec_epilogue
 
             return ec_epilogue(y, u, *epilogue_weights(self))
-        from spear.kernels.ec_epilogue import ec_epilogue_ref
+        from spear.kernels.reference import ec_epilogue_ref
 
         return ec_epilogue_ref(y, u, *epilogue_weights(self))
 

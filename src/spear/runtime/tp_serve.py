@@ -212,7 +212,10 @@ def agree_kv_blocks(model: Transformer, config: EngineConfig, channel: StepChann
 
 
 def reduction_rows(config: EngineConfig) -> int:
-    """The token rows a decode step of this engine reduces at most: its batch, up to the decode kernel's rows."""
+    """The token rows a decode step of this engine reduces at most: its batch, up to the decode kernel's rows where
+    that kernel can run (without a GPU ranks reduce collectively, and triton may not be installed)."""
+    if not torch.cuda.is_available():
+        return config.max_num_seqs
     from spear.kernels.w4 import DECODE_KERNEL_MAX_M
 
     return min(config.max_num_seqs, DECODE_KERNEL_MAX_M)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models[/{model}], /health, /metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from spear.errors import SpearError
 from spear.runtime.requests import RequestOutput
+from spear.server import openapi
 from spear.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -39,6 +40,8 @@ from spear.server.protocol import (
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_THREADS = 2  # for long prompts, each bounded by the context (spear.server.prompts)
+
 
 class _ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
@@ -57,28 +60,35 @@ class _EventStream(StreamingResponse):
 class OpenAIServing:
     """Turns validated requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int, metrics: ServerMetrics):
+    def __init__(self, engine: AsyncEngine, tokenizer, model_names: tuple[str, ...], max_model_len: int,
+                 metrics: ServerMetrics):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.model_names = model_names  # requests may name any; responses name the first (as vLLM documents)
         self.max_model_len = max_model_len
         self.metrics = metrics
 
         self.prompts = PromptEncoder(tokenizer, max_model_len)
-        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="spear-tokenize")  # off the event loop, in order
+        # long prompts off the event loop; short ones never queue behind them (PromptEncoder.is_long)
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="spear-tokenize")
 
     async def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prompts.completion, req)
+        return await self._tokenized(self.prompts.completion, req)
 
     async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prompts.chat, req)
+        return await self._tokenized(self.prompts.chat, req)
+
+    async def _tokenized(self, encode, req):
+        if not self.prompts.is_long(req):
+            return encode(req)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, encode, req)
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def serve(self, req: _SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
         params = self._sampling_params(req, prompt_ids)
-        builder = ResponseBuilder(chat, self.model_name, self.tokenizer)
+        builder = ResponseBuilder(chat, self.model_names[0], self.tokenizer)
         echo = self._echo(req, prompt_ids)
         timer = RequestTimer(self.metrics)
         try:
@@ -108,9 +118,8 @@ class OpenAIServing:
         return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)
 
     def _sampling_params(self, req: _SamplingRequest, prompt_ids: list[int]):
-        if req.model is not None and req.model != self.model_name:
-            raise RequestError(f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                               "model", status=404, code="model_not_found")
+        if req.model is not None and req.model not in self.model_names:
+            raise model_not_found(req.model, self.model_names)
         n, limit = len(prompt_ids), self.max_model_len
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
@@ -185,6 +194,11 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def model_not_found(model: str, served: Sequence[str]) -> RequestError:
+    return RequestError(f"the model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                        "model", status=404, code="model_not_found")
+
+
 async def _unless_disconnected(request: Request, work: Awaitable):
     """Await `work`, but give up (raise _ClientGone) as soon as the client disconnects."""
     task = asyncio.ensure_future(work)
@@ -204,10 +218,13 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int) -> FastAPI:
-    """The app; its lifespan starts and stops the engine thread."""
+def build_app(engine: AsyncEngine, tokenizer, model_names: str | Sequence[str], max_model_len: int) -> FastAPI:
+    """The app; its lifespan starts and stops the engine thread. `model_names`: the names requests may give as
+    `model` (spear serve --served-model-name); responses name the first."""
+    names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, tokenizer, model_name, max_model_len, metrics)
+    serving = OpenAIServing(engine, tokenizer, names, max_model_len, metrics)
+    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -216,39 +233,52 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, max_model_len: in
         engine.shutdown()
         serving.close()
 
-    app = FastAPI(title="SPEAR", lifespan=lifespan)
+    app = openapi.App(title="SPEAR", lifespan=lifespan)
     _install_error_handlers(app)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=openapi.generate_responses(openapi.Completion, openapi.CompletionChunk))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await serving.serve(req, await serving.completion_prompt(req), request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=openapi.generate_responses(openapi.ChatCompletion, openapi.ChatCompletionChunk))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await serving.serve(req, await serving.chat_prompt(req), request, chat=True)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "spear",
-                "max_model_len": max_model_len}
-        return {"object": "list", "data": [card]}
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "spear", "max_model_len": max_model_len}
 
-    @app.get("/health")
+    @app.get("/v1/models", response_model=None, responses=openapi.MODELS_RESPONSES)
+    async def models() -> dict:
+        return {"object": "list", "data": [card(name) for name in names]}
+
+    @app.get("/v1/models/{model:path}", response_model=None, responses=openapi.MODEL_RESPONSES)  # names hold "/"
+    async def retrieve_model(model: str) -> dict:
+        if model not in names:
+            raise model_not_found(model, names)
+        return card(model)
+
+    @app.get("/health", response_model=None, responses=openapi.HEALTH_RESPONSES)
     async def health() -> Response:
         alive = engine.is_running()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=openapi.METRICS_RESPONSES)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
-def _param_path(locs: list[tuple]) -> list[str]:
-    """The field the first error is about: a union's alternatives all fail under one field, so take their common prefix."""
-    paths = [[str(part) for part in loc if part != "body"] for loc in locs]
-    return os.path.commonprefix([p for p in paths if p[:1] == paths[0][:1]])
+def _param_path(error: dict, errors: list[dict]) -> list[str]:
+    """The field `error` is about: a union's alternatives all fail under one field, so take the common prefix of the
+    errors under its top-level field."""
+    def path(e: dict) -> list[str]:
+        return [str(part) for part in e.get("loc", ()) if part != "body"]
+
+    top = path(error)[:1]
+    return os.path.commonprefix([path(e) for e in errors if path(e)[:1] == top])
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -259,7 +289,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         # of a union's alternatives, the error about the value, not the one that says it has another type
         first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
-        loc = _param_path([e.get("loc", ()) for e in errors])
+        loc = _param_path(first, errors)  # message and parameter from the same error
         if first.get("type") == "json_invalid":
             message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
         else:
@@ -293,7 +323,31 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body("internal server error", type="server_error"), status_code=500)
+    app.add_middleware(_InternalErrors)
+
+
+class _InternalErrors:
+    """ASGI middleware: an unexpected exception becomes a 500 with an error body, logged once, on a connection that
+    stays open. (Starlette's handler for Exception answers too, but re-raises: uvicorn logs it again and closes.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            if started:  # the status is sent: only closing the connection tells the client
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            body = error_body("internal server error", type="server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)

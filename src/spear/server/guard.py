@@ -1,11 +1,13 @@
 """What the server refuses before a request reaches the API, so that no client can stall or drive it:
 
-- connections: at most `max_connections` open (more are closed at once, so file descriptors never run out), and a
+- connections: at most `max_connections` open, so file descriptors never run out: at the cap a new connection
+  closes the oldest one that has not sent a whole request (or itself, when every one has a request in flight); and a
   request must arrive whole, headers and body, within `read_timeout_s` (slow or silent clients are dropped);
 - bodies over `max_body_bytes` → 413, before any parsing. A connection closed while its request body is still
   arriving (a 413, a timeout) closes as nginx's lingering close does: FIN first, what the client still sends
   discarded for up to LINGER_S, so that a client in the middle of a large upload reads the answer, not a reset;
-- POSTs that are not `application/json` → 415 (a web page cannot send JSON cross-origin without a preflight);
+- POSTs to the API's POST routes that are not `application/json` → 415 (a web page cannot send JSON cross-origin
+  without a preflight); other methods and paths go on to routing, which answers 405 or 404;
 - a `Host` header the server was not bound for → 421 (DNS rebinding against a loopback server);
 - with an API key, a /v1 request (and, if asked, /health and /metrics) without `Authorization: Bearer KEY` → 401.
 """
@@ -90,13 +92,17 @@ class GuardMiddleware:
         self.app = app
         self.hosts = hosts
         self.max_body_bytes = config.max_body_bytes
-        self.api_key = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.api_key = None if config.api_key is None else config.api_key.encode()
         self.key_probes = config.key_probes
+        # the requests whose body the app reads: POSTs to these paths (the API's POST routes, none with parameters)
+        self.body_paths = frozenset(route.path for route in app.routes if "POST" in route.methods)
 
     def _authorized(self, path: str, headers: dict[str, str]) -> bool:
         if self.api_key is None or not (path.startswith("/v1") or self.key_probes):
             return True
-        return hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.api_key)
+        scheme, _, key = headers.get("authorization", "").strip().partition(" ")
+        # RFC 7235: the scheme is case-insensitive ("bearer" is "Bearer")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode("latin-1"), self.api_key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -108,7 +114,7 @@ class GuardMiddleware:
         if not self._authorized(scope["path"], headers):
             return await _refuse(send, 401, "a valid API key is required: send Authorization: Bearer KEY",
                                  code="invalid_api_key", extra=[(b"www-authenticate", b"Bearer")])
-        if scope["method"] in ("POST", "PUT", "PATCH"):
+        if scope["method"] == "POST" and scope["path"] in self.body_paths:
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
                 return await _refuse(send, 415, "the request body must be JSON, sent with Content-Type: application/json")
@@ -178,13 +184,28 @@ def guarded_protocol(guard: GuardConfig) -> type[H11Protocol]:
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > guard.max_connections:
-                log.warning("over %d open connections: closing a new one", guard.max_connections)
+            self._opened = self.loop.time()
+            if len(self.connections) > guard.max_connections and not self._make_room():
+                log.warning("%d open connections, each with a request in flight: closing a new one",
+                            guard.max_connections)
                 transport.close()
                 return
             # the request cycles close through it: a lingering close while the request body is still arriving
             self.transport = LingeringTransport(transport, self.loop, lambda: self.conn.their_state is h11.SEND_BODY)
             self._arm()
+
+        def _make_room(self) -> bool:
+            """Over the cap, close the oldest connection that has not sent a whole request (idle keep-alive, or
+            still sending), so that whoever holds that many idle sockets cannot lock the others out. False: every
+            other one has a request in flight."""
+            live = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and not c.transport.is_closing()]
+            if len(live) <= guard.max_connections:  # the rest are closing already
+                return True
+            idle = [c for c in live if c is not self and c._awaiting_request()]
+            if not idle:
+                return False
+            min(idle, key=lambda c: c._opened)._drop()
+            return True
 
         def data_received(self, data: bytes) -> None:
             if getattr(self.transport, "lingering", False):
@@ -219,10 +240,15 @@ def guarded_protocol(guard: GuardConfig) -> type[H11Protocol]:
         def _timed_out(self) -> None:
             self._deadline = None
             if self._awaiting_request() and not self.transport.is_closing():
-                if self.cycle is not None and not self.cycle.response_complete:  # the app waits for a body
-                    self.cycle.disconnected = True
-                    self.cycle.message_event.set()
-                self.transport.close()
+                self._drop()
+
+        def _drop(self) -> None:
+            """Close a connection whose request has not arrived whole."""
+            self._disarm()
+            if self.cycle is not None and not self.cycle.response_complete:  # the app waits for a body
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.close()
 
     return GuardedH11Protocol
 

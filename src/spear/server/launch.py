@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
+import os
 import re
 import signal
 import socket
@@ -26,12 +28,18 @@ if TYPE_CHECKING:
     from spear.runtime.tp_serve import StepChannel
 
 
+# The default prefill chunk. On a CPU a step of 512 prompt tokens stalls every running stream for seconds (3–8 s
+# for SmolLM2-135M on 2 cores, beside 0.07 s a decode step); 128 bounds it near 1 s (bench/server_reliability.py)
+CHUNK_TOKENS = {"cuda": 512, "cpu": 128}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_waiting: int = 256  # requests waiting for the engine beyond which the server answers 429
-    chunk_tokens: int = 512  # prompt tokens prefilled per engine step (the most, with an ITL SLO)
+    # prompt tokens prefilled per engine step (the most, with an ITL SLO); None: CHUNK_TOKENS of the device
+    chunk_tokens: int | None = None
     itl_slo_ms: float | None = None  # SLO-aware chunks from the latency table (spear.runtime.slo)
     max_model_len: int | None = None  # context per sequence (None: the model's, at most 4096)
     max_num_seqs: int = 256  # sequences decoded together at most (as many as the KV cache holds)
@@ -45,6 +53,8 @@ class ServeConfig:
     # weights and a warm-up step hold (on a CPU: spear.runtime.engine.CPU_KV_CACHE_MEMORY)
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    # the names requests may give as `model`, responses giving the first (none: served_model_names' default)
+    served_model_name: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -55,6 +65,8 @@ class ServeConfig:
             raise SpearError("--max-num-seqs must be at least 1 and --max-model-len at least 2")
         if self.tp < 1:
             raise SpearError(f"--tp must be at least 1, got {self.tp}")
+        if not all(name.strip() for name in self.served_model_name):
+            raise SpearError("--served-model-name has an empty name")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise SpearError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory} bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -63,6 +75,13 @@ class ServeConfig:
 
         if self.tp_reduction not in get_args(Reduction):
             raise SpearError(f"--tp-reduction must be one of {', '.join(get_args(Reduction))}, got {self.tp_reduction!r}")
+
+
+def served_model_names(spec: str, config: ServeConfig) -> tuple[str, ...]:
+    """The names the API serves the model as: --served-model-name's, else the spec as given and its base name
+    ('/models/q4' → '/models/q4' and 'q4')."""
+    base = os.path.basename(os.path.abspath(spec))
+    return config.served_model_name or tuple(dict.fromkeys(name for name in (spec, base) if name))
 
 
 def serve(spec: str, config: ServeConfig, device: torch.device | None = None) -> None:
@@ -98,6 +117,14 @@ class EngineServer(uvicorn.Server):
         await asyncio.to_thread(self.engine.shutdown)
         await super().shutdown(sockets)
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn re-raises the signal it shut down for; a SIGTERM is a stop asked for, and a clean shutdown after
+        it exits 0 (not 143). Ctrl-C still ends as an interrupt (exit 130)."""
+        with super().capture_signals():
+            yield
+            self._captured_signals = [sig for sig in self._captured_signals if sig != signal.SIGTERM]
+
 
 def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel: StepChannel | None = None) -> None:
     """Serve on this process; with a `channel`, as rank 0 of a tensor-parallel group."""
@@ -111,7 +138,7 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
     sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
     try:
         lm = api.load(spec, device, serving=True)
-        engine_config = _engine_config(config)
+        engine_config = _engine_config(config, lm.model.device)
         if channel is None:
             engine = build_engine(lm.model, lm.tokenizer, engine_config)
         else:
@@ -122,9 +149,9 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
             table = serving_table(spec, engine)
             if (warning := slo_warning(table, config.itl_slo_ms, config.max_num_seqs)) is not None:
                 print(warning, file=sys.stderr, flush=True)
-            engine.policy = SLOPolicy(table, config.itl_slo_ms, max_chunk=config.chunk_tokens)
+            engine.policy = SLOPolicy(table, config.itl_slo_ms, max_chunk=engine_config.policy.chunk_tokens)
         async_engine = AsyncEngine(engine, config.max_waiting, fatal_step_errors=channel is not None)
-        app = build_app(async_engine, tokenizer, spec, engine.max_model_len)
+        app = build_app(async_engine, tokenizer, served_model_names(spec, config), engine.max_model_len)
         host, port = sock.getsockname()[:2]
         tp = "" if channel is None else f", tensor parallel over {config.tp} ranks"
         print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens{tp})", flush=True)
@@ -161,7 +188,7 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
         # then, so that the followers are stopped
         signal.signal(sig, signal.SIG_IGN)
     if rank > 0:
-        engine_config = _engine_config(config)
+        engine_config = _engine_config(config, device)
         model = shard_runtime_model(api.load(spec, device, serving=True).model, config.tp_reduction, reduction_rows(engine_config))
         follow(make_runner(model, agree_kv_blocks(model, engine_config, channel)), channel)
         return
@@ -171,13 +198,14 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
         channel.send(None)
 
 
-def _engine_config(config: ServeConfig) -> EngineConfig:
+def _engine_config(config: ServeConfig, device: torch.device) -> EngineConfig:
     from spear.runtime.engine import EngineConfig
     from spear.runtime.scheduler import StaticChunkPolicy
 
+    chunk_tokens = config.chunk_tokens or CHUNK_TOKENS["cuda" if device.type == "cuda" else "cpu"]
     return EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
-                        policy=StaticChunkPolicy(config.chunk_tokens), overlap=config.overlap and config.tp == 1)
+                        policy=StaticChunkPolicy(chunk_tokens), overlap=config.overlap and config.tp == 1)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -17,6 +17,7 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes
 MAX_LOGIT_BIAS = 300  # entries
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key; int() of a 5,000-digit one raises
 
 
 def _valid_unicode(text: str) -> str:
@@ -53,14 +54,15 @@ NEUTRAL_VALUES: dict[str, tuple] = {
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    """The fields completions and chat share. Unknown fields are an error, not silently ignored."""
+    """The fields completions and chat share. Unknown fields are an error, not silently ignored; values are not
+    coerced ("temperature": false, "max_tokens": "5" are 400s, as the schema says)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -96,8 +98,10 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not (key.isascii() and key.isdigit()):  # the vocabulary's size is checked with the tokenizer (bias_token_ids)
-                raise ValueError(f"its keys are token ids, got {key!r}")
+            # the vocabulary's size is checked with the tokenizer (OpenAIServing._sampling_params)
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"its keys are token ids (at most {MAX_TOKEN_ID_DIGITS} digits), got {key[:20]!r}"
+                                 f"{'…' if len(key) > 20 else ''}")
         return value
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -152,17 +156,50 @@ class CompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        """OpenAI also takes a list of prompts (a batch); a list of one is that prompt."""
+        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+            if len(value) > 1:
+                raise ValueError(f"batch prompts (a list of {len(value)}) are not supported; send one request a prompt")
+            return value[0]
+        return value
+
     @field_validator("best_of", "suffix")
     @classmethod
     def _only_neutral_here(cls, value: Any, info: ValidationInfo) -> Any:
         return _neutral(value, info)
 
 
+class TextPart(BaseModel):
+    """One part of a message's content in OpenAI's list form."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text
+    content: Text | list[TextPart]  # a list of text parts is joined with newlines, as vLLM does
     name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            kinds = sorted({str(part.get("type")) for part in value if isinstance(part, dict)} - {"text"})
+            if kinds:
+                raise ValueError(f"content parts of type {', '.join(kinds)} are not supported: this server takes "
+                                 "text parts only")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _joined(cls, value: str | list[TextPart]) -> str:
+        return value if isinstance(value, str) else "\n".join(part.text for part in value)
 
 
 class ChatCompletionRequest(_SamplingRequest):
