@@ -6,6 +6,7 @@ vLLM shards the base weight) is spear's ErrorCompensator. tests/test_vllm_plugin
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -100,6 +101,41 @@ def test_ecs_round_trip(exported):
         for key, value in ec.state_dict().items():
             assert torch.equal(ecs[f"{name}.ec.{key}"], value)
     assert len(ecs) == sum(len(model.get_submodule(n).ec.state_dict()) for n in EC_LINEARS)
+
+
+def test_import_of_the_export_is_the_compensated_artifact(exported, tmp_path, capsys):
+    """`spear import VDIR` reads the weights its index lists and the ECs its spear entry names: the same records,
+    the same EC tensors, the same logits as the artifact exported."""
+    art, result = exported
+    rc, _, err = run_cli(capsys, "import", result.out_dir, "--out", tmp_path / "imported")
+    assert rc == 0, err
+    original = load_artifact(art, torch.device("cpu"), torch.float32).model
+    imported = load_artifact(tmp_path / "imported", torch.device("cpu"), torch.float32).model
+    layers = quantized_layers(imported)
+    assert set(layers) == set(quantized_layers(original))
+    for name, layer in quantized_layers(original).items():
+        ours, theirs = layer.qweight, layers[name].qweight
+        assert torch.equal(ours.codes, theirs.codes) and torch.equal(ours.scales, theirs.scales)
+        assert torch.equal(ours.zeros.long(), theirs.zeros.long())
+        assert (layer.ec is None) == (layers[name].ec is None)
+        if layer.ec is not None:
+            assert layer.ec.state_dict().keys() == layers[name].ec.state_dict().keys()
+            assert all(torch.equal(v, layers[name].ec.state_dict()[k]) for k, v in layer.ec.state_dict().items())
+    ids = torch.randint(0, original.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(imported(ids).logits, original(ids).logits)
+
+
+def test_import_of_an_export_with_a_bad_ec_file_is_one_line(exported, tmp_path, capsys):
+    _, result = exported
+    vdir = tmp_path / "vllm"
+    shutil.copytree(result.out_dir, vdir)
+    ecs = load_file(str(vdir / EC_FILE))
+    del ecs[f"{EC_LINEARS[0]}.ec.B"]
+    save_file(ecs, str(vdir / EC_FILE))
+    rc, _, err = run_cli(capsys, "import", vdir, "--out", tmp_path / "imported")
+    assert_clean_error(rc, err, f"malformed EC {EC_LINEARS[0]}")
+    assert not (tmp_path / "imported").exists()
 
 
 def test_static_lora_is_the_ec_static_product(exported):

@@ -11,6 +11,11 @@ The float model the checkpoint was quantized from is not in it: `base` names it 
 or GGUF), the teacher of `spear compensate`; without it the artifact evaluates and serves but
 cannot be compensated.
 
+A directory of `spear export-vllm` is compressed-tensors with ECs beside it: its index lists the weights (as
+transformers reads it, so the EC file is not among them) and `quantization_config.spear` names the EC file and each
+EC's rank and gate width; the ECs come back onto their linears, so export then import gives back the artifact's
+records and ECs unchanged.
+
 A command of its own (`spear import`), not an option of `spear quantize`: none of quantize's settings
 (method, bits, group size, grid, calibration) apply, the checkpoint fixes them all, as `vllm serve`
 reads them from the checkpoint rather than from flags.
@@ -29,6 +34,8 @@ from torch import nn
 
 from spear.artifact import ArtifactInfo, save_artifact
 from spear.errors import SpearError, first_line
+from spear.export.vllm import SPEAR_KEY, SPEAR_KEY_VERSION
+from spear.layer import ErrorCompensator
 from spear.models.layerwise import quantizable_linears
 from spear.models.loading import load_float_model, resolve_model_path
 from spear.quant.formats import awq_record, compressed_tensors_record, gguf_record, gptq_record
@@ -93,6 +100,7 @@ def _read_hf_dir(path: Path, src: str):
     _load_float_tensors(model, {k: v for k, v in tensors.items() if k not in stored}, records, src)
     for name, record in records.items():
         replace_with_quantized(model, name, record)
+    _attach_ecs(model, records, path, qc, src)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -134,16 +142,56 @@ def _hf_quant_args(qc: dict, src: str) -> tuple[str, int, int, bool | None, bool
 
 
 def _load_tensors(path: Path, src: str) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
+    """The checkpoint's weights: the files its model.safetensors.index.json maps them to, as transformers reads it
+    (an export-vllm directory's index leaves its EC file out), else every .safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or no weight_map of files
+            raise SpearError(f"cannot read the index {index}: {first_line(e)}") from None
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise SpearError(f"{src} has no .safetensors files")
     tensors = {}
     for f in files:
-        try:
-            tensors |= load_file(str(f))
-        except (SafetensorError, OSError) as e:
-            raise SpearError(f"cannot read {f}: {first_line(e)}") from None
+        tensors |= _load_file(f)
     return tensors
+
+
+def _load_file(f: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError) as e:
+        raise SpearError(f"cannot read {f}: {first_line(e)}") from None
+
+
+def _attach_ecs(model: nn.Module, records: dict[str, QuantizedWeight], path: Path, qc: dict, src: str) -> None:
+    """The ECs of an export-vllm directory (spear.export.vllm), from the file its quantization_config.spear entry
+    names, onto their quantized linears as the artifact holds them (float32 parameters of the stored values)."""
+    spear = qc.get(SPEAR_KEY)
+    if spear is None:
+        return
+    if (not isinstance(spear, dict) or spear.get("version") != SPEAR_KEY_VERSION
+            or not isinstance(spear.get("ec_file"), str) or not isinstance(spear.get("ec_modules"), dict)):
+        raise SpearError(f"{src}: quantization_config.{SPEAR_KEY} is not a version {SPEAR_KEY_VERSION} entry of "
+                         "spear export-vllm; export the artifact again with this SPEAR")
+    file = path / spear["ec_file"]
+    ecs = _load_file(file)
+    for name, meta in spear["ec_modules"].items():
+        if name not in records:
+            raise SpearError(f"malformed checkpoint {src}: EC {name} is not on a 4-bit decoder linear")
+        tensors = {k.removeprefix(f"{name}.ec."): ecs.pop(k) for k in [k for k in ecs if k.startswith(f"{name}.ec.")]}
+        layer = model.get_submodule(name)
+        try:
+            layer.ec = ErrorCompensator(layer.in_features, layer.out_features, meta["rank"], meta["gate_hidden"])
+            layer.ec.load_state_dict(tensors)
+        except (KeyError, TypeError, RuntimeError) as e:
+            raise SpearError(f"malformed EC {name} in {file}: {' '.join(str(e).split())}") from None
+    if ecs:
+        raise SpearError(f"malformed checkpoint {src}: {file} holds {next(iter(ecs))}, of no EC its "
+                         f"quantization_config.{SPEAR_KEY} names")
 
 
 def _load_float_tensors(model: nn.Module, tensors: dict, records: dict[str, QuantizedWeight], src: str) -> None:
