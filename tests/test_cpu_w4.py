@@ -131,3 +131,25 @@ def test_scratch_refusals(gen):
     packed = pack_nibbles(random_record(16, 64, -1, gen))
     with pytest.raises(SpearError, match="largest layer"):
         dequantize_into(packed, Scratch(16 * 64 - 1))
+
+
+@pytest.mark.parametrize("gate_hidden", [0, 8])
+def test_a_layer_served_on_the_cpu_is_its_pytorch_forward(gate_hidden, gen):
+    """SpearLinear after use_cpu_kernels (the int4 kernel and the scratch path, its EC snapshot: ServedEC) against
+    its own PyTorch forward (the dequantized weight, the EC module)."""
+    from spear.layer import ErrorCompensator, SpearLinear
+
+    layer = SpearLinear(random_record(64, 256, 64, gen))
+    layer.ec = ErrorCompensator(256, 64, rank=4, gate_hidden=gate_hidden)
+    with torch.no_grad():
+        for p in layer.ec.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    x = torch.randn(40, 256, generator=gen)
+    want = layer(x)
+    assert layer.use_cpu_kernels(Scratch(64 * 256))
+    layer.release_for_serving()
+    ec = layer.ec(x)
+    assert torch.allclose(layer.cpu_ec(x), ec, atol=1e-6)  # the snapshot is the same function
+    for rows in (1, 40):  # the int4 kernel (bfloat16), the scratch path (float32)
+        tol = 2e-2 if rows == 1 else 1e-5
+        assert torch.allclose(layer(x[:rows]), want[:rows], atol=tol, rtol=tol), rows

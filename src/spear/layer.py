@@ -22,6 +22,7 @@ all import it; it imports only the quantized-weight record and (when packing) th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +114,31 @@ class ErrorCompensator(nn.Module):
         """Bytes as served in fp16: A, B, the gate MLP and alpha."""
         return sum(p.numel() for p in self.parameters()) * bytes_per_param
 
+    @torch.no_grad()
+    def served(self, dtype: torch.dtype) -> ServedEC:
+        """A snapshot in `dtype` for a serving path: the same function, without a cast or a module call per step."""
+        gate = None
+        if self.gate is not None:
+            gate = tuple(t.detach().to(dtype) for t in (self.gate[0].weight, self.gate[0].bias, self.gate[2].weight,
+                                                        self.gate[2].bias))
+        return ServedEC(self.A.detach().to(dtype), (self.alpha * self.B).detach().to(dtype), gate)
+
+
+@dataclass(frozen=True)
+class ServedEC:
+    """An EC as the CPU serving path runs it: ec(x) = alpha * B (gamma(A x) ⊙ A x), its tensors cast once."""
+
+    A: torch.Tensor  # [r, in]
+    alpha_B: torch.Tensor  # [out, r]
+    gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # W1 [h, r], b1, W2 [r, h], b2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.linear(x, self.A)  # [..., r]
+        if self.gate is not None:
+            w1, b1, w2, b2 = self.gate
+            u = u * (1 + torch.tanh(F.linear(F.silu(F.linear(u, w1, b1)), w2, b2)))  # gamma(u) ⊙ u
+        return F.linear(u, self.alpha_B)
+
 
 class SpearLinear(LinearMethod):
     """The record's codes are held packed at `bits` a weight (record.pack_codes: the artifact's layout), with its
@@ -159,6 +185,7 @@ class SpearLinear(LinearMethod):
         self.cpu_w4: PackedCPUW4 | None = None  # once use_cpu_kernels() ran: the CPU int4 kernel's packing
         self.cpu_nibbles: PackedNibbles | None = None  # and the codes the CPU prefill path dequantizes
         self.cpu_scratch: Scratch | None = None  # into this buffer, shared by a model's layers
+        self.cpu_ec: ServedEC | None = None  # and the EC, in float32
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -204,6 +231,7 @@ class SpearLinear(LinearMethod):
         except SpearError:
             return False
         self.cpu_scratch = scratch
+        self.cpu_ec = None if self.ec is None else self.ec.served(torch.float32)
         return True
 
     def release_for_serving(self) -> None:
@@ -239,7 +267,7 @@ class SpearLinear(LinearMethod):
                 y = cpu_w4_linear(x, self.cpu_w4, self.bias)
             else:
                 y = scratch_linear(x, self.cpu_nibbles, self.cpu_scratch, self.bias)
-            return y if self.ec is None else y + self.ec(x)
+            return y if self.cpu_ec is None else y + self.cpu_ec(x.float()).to(y.dtype)
         weight = self.weight_hat if self.weight_hat is not None else self.qweight.dequantize(x.dtype)
         y = F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.ec is not None:
