@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def main() -> None:
     if not export.is_dir():
         subprocess.run([sys.executable, "-m", "spear.cli", "export-vllm", args.artifact, "--out", str(export)], check=True)
     spear_port, vllm_port = free_port(), free_port()
-    vllm_log = open(Path(args.json).with_suffix(".vllm.log"), "w")
+    vllm_log = tempfile.NamedTemporaryFile("w", prefix="vllm-", suffix=".log", delete=False)  # its cause, if it fails
     servers = {
         "spear": subprocess.Popen([sys.executable, "-m", "spear.cli", "serve", args.artifact, "--device", "cpu",
                                    "--port", str(spear_port), *args.spear_args.split()],
@@ -136,7 +137,7 @@ def main() -> None:
         "vllm": subprocess.Popen([str(Path(args.vllm_python).parent / "spear-vllm"), "serve", str(export), "--port",
                                   str(vllm_port), "--dtype", args.vllm_dtype, "--max-model-len", "2048",
                                   *(["--enforce-eager"] if args.vllm_eager else [])],
-                                 stdout=subprocess.DEVNULL, stderr=vllm_log,
+                                 stdout=vllm_log, stderr=subprocess.STDOUT,
                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}),
     }
     urls = {"spear": f"http://127.0.0.1:{spear_port}", "vllm": f"http://127.0.0.1:{vllm_port}"}
@@ -154,6 +155,7 @@ def main() -> None:
                 for batch in args.batches:
                     asyncio.run(measure(urls[name], models[name], batch, 4))
             except ServerFailed as e:  # e.g. vllm-cpu's AVX2 build has no W4A16 GEMM (cpu_gemm_wna16)
+                time.sleep(5)  # the worker's traceback reaches the log after the error event
                 cause = [line for line in Path(vllm_log.name).read_text().splitlines() if "Error:" in line]
                 results["failed"] = {name: f"{e}: {cause[-1].split('] ')[-1] if cause else ''}"}
                 print(f"{name} failed: {results['failed'][name]}", flush=True)
