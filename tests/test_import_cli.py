@@ -14,8 +14,8 @@ from spear.cli import main
 from spear.models import load_float_model
 from spear.models.layerwise import quantizable_linears
 from spear.record import QuantConfig, rtn_quantize
-from spear.quant.formats import AWQ_SHIFT_OF_COLUMN
-from test_import_formats import act_order_g_idx, pack_gptq, pack_words
+from spear.quant.formats import AWQ_SHIFT_OF_COLUMN, GGUF_BITS
+from test_import_formats import act_order_g_idx, assert_bitwise_equal, pack_gptq, pack_words, random_gguf_blocks
 
 EVAL_ARGS = ["--seqlen", "64", "--max-windows", "2", "--device", "cpu", "--json"]
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True,
@@ -228,8 +228,9 @@ def test_awq_import_compensates_against_its_base(tmp_path, capsys):
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 256
 
 
-def write_gguf(path, kind: str, down_kind: str | None = None):
-    """A one-layer Llama GGUF whose linears are `kind` (Q4_K: random superblocks; else gguf.quants.quantize)."""
+def write_gguf(path, kind: str, kinds: dict[str, str] | None = None):
+    """A one-layer Llama GGUF whose linears are `kind`, or kinds[name] for those `kinds` names (attn_q, ffn_down,
+    ...): gguf.quants.quantize where gguf writes the type, else random blocks (zeros for a type we do not decode)."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from tokenizers import pre_tokenizers
@@ -254,11 +255,12 @@ def write_gguf(path, kind: str, down_kind: str | None = None):
     w.add_eos_token_id(2)
 
     def linear(rows, cols, k):
-        if k == "Q4_K":
-            b = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-            b[..., 0:4] = (rng.standard_normal((rows, cols // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
-            return b.reshape(rows, -1)
-        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, T[k])
+        if k in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+            return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, T[k])
+        if k in GGUF_BITS:
+            return random_gguf_blocks(k, rows, cols, rng)
+        n, size = gguf.GGML_QUANT_SIZES[T[k]]
+        return np.zeros((rows, cols // n * size), np.uint8)
 
     # fp16 values, as an F16 embedding (the artifact stores every float tensor at 16 bits)
     w.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float16).astype(np.float32))
@@ -270,7 +272,7 @@ def write_gguf(path, kind: str, down_kind: str | None = None):
               "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
               "ffn_down": (HIDDEN, FFN)}
     for name, (rows, cols) in shapes.items():
-        k = down_kind if name == "ffn_down" and down_kind else kind
+        k = (kinds or {}).get(name, kind)
         w.add_tensor(f"blk.0.{name}.weight", linear(rows, cols, k), raw_dtype=T[k])
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -287,7 +289,8 @@ def test_gguf_import_matches_transformers_reading(kind, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "import", src, "--out", tmp_path / "art")
     assert rc == 0, err
     config = json.loads((tmp_path / "art" / "config.json").read_text())
-    assert config["quant"]["gguf_types"] == [kind] and config["quant"]["group_size"] == 32
+    assert config["quant"]["gguf_types"] == {kind: 7} and config["quant"]["group_size"] == 32
+    assert config["quant"]["bits"] == 4 and config["quant"]["sym"] == (kind == "Q4_0")
 
 
 def test_gguf_import_evaluates_as_the_gguf(tmp_path, capsys):
@@ -300,10 +303,72 @@ def test_gguf_import_evaluates_as_the_gguf(tmp_path, capsys):
     assert json.loads(out_art)["ppl"] == json.loads(out_gguf)["ppl"]
 
 
-def test_gguf_with_a_linear_of_another_type_is_refused(tmp_path, capsys):
-    src = write_gguf(tmp_path / "mixed.gguf", "Q4_0", down_kind="Q8_0")
+# a Q4_K_M-like mix: 4-bit Q4_K beside 5-, 6- and 8-bit layers
+MIXED = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q5_1", "attn_output": "Q4_K", "ffn_gate": "Q5_K",
+         "ffn_up": "Q8_0", "ffn_down": "Q6_K"}
+
+
+def test_mixed_type_gguf_imports_each_layer_at_its_bits_and_evaluates_as_the_gguf(tmp_path, capsys):
+    """Every linear at its own type's bits, dequantizing to transformers' reading of the file (gguf.quants, q/k rows
+    un-permuted) bit for bit, loaded back from the artifact; the summary names the type mix and the bytes; the
+    artifact's perplexity is the GGUF's own."""
+    src = write_gguf(tmp_path / "mixed.gguf", "Q4_K", MIXED)
     rc, _, err = run_cli(capsys, "import", src, "--out", tmp_path / "art")
-    assert_clean_error(rc, err, "blk.0.ffn_down.weight is Q8_0")
+    assert rc == 0, err
+    summary = next(line for line in err.splitlines() if line.startswith("imported"))
+    assert summary.startswith("imported 7 gguf linears (Q4_K ×2, ") and "Q6_K ×1" in summary, summary
+    assert "bytes in the checkpoint" in summary and "(4-bit ×2, 5-bit ×3, 6-bit ×1, 8-bit ×1)" in summary, summary
+    config = json.loads((tmp_path / "art" / "config.json").read_text())
+    assert config["quant"]["gguf_types"] == {"Q4_K": 2, "Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q8_0": 1, "Q6_K": 1}
+    assert config["quant"]["bits"] is None and config["quant"]["group_size"] is None
+
+    reference = quantizable_linears(load_float_model(str(src), torch.device("cpu"), torch.float32).model)
+    imported = quantizable_linears(load_artifact(tmp_path / "art", torch.device("cpu"), torch.float32).model)
+    for name, linear in imported.items():
+        kind = MIXED[{"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                      "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[name.split(".")[-1]]]
+        assert linear.bits == GGUF_BITS[kind], name
+        assert_bitwise_equal(linear.qweight.dequantize(), reference[name].weight.float())
+
+    _, out_art, _ = run_cli(capsys, "eval", tmp_path / "art", *EVAL_ARGS)
+    _, out_gguf, _ = run_cli(capsys, "eval", src, *EVAL_ARGS)
+    assert json.loads(out_art)["ppl"] == json.loads(out_gguf)["ppl"]
+
+
+def test_mixed_type_artifact_serves_on_cpu_through_the_dense_path(tmp_path, capsys):
+    """The engine (what `spear serve` runs) on CPU: no 5/6/8-bit or offset layer takes the int4 kernel, each serves
+    dense from its record, and greedy decoding is transformers' generate on the artifact."""
+    from spear.api import load
+    from spear.layer import SpearLinear
+    from spear.runtime.engine import EngineConfig, build_engine
+    from spear.runtime.requests import SamplingParams
+
+    src = write_gguf(tmp_path / "mixed.gguf", "Q4_K", MIXED)
+    assert run_cli(capsys, "import", src, "--out", tmp_path / "art")[0] == 0
+    served = load(str(tmp_path / "art"), torch.device("cpu"), torch.float32, serving=True)
+    engine = build_engine(served.model, served.tokenizer, EngineConfig(max_model_len=128, num_kv_blocks=16))
+    linears = [m for m in served.model.modules() if isinstance(m, SpearLinear)]
+    assert len(linears) == 7 and all(m.cpu_w4 is None and m.weight_hat is not None for m in linears)
+    ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request("a", ids, SamplingParams(max_tokens=8, temperature=0))
+    got = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            got += out.new_token_ids
+    dense = load(str(tmp_path / "art"), torch.device("cpu"), torch.float32)
+    expected = dense.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert got == expected[0, len(ids):].tolist()
+
+
+def test_gguf_with_a_type_we_do_not_decode_is_refused_naming_its_type_mix(tmp_path, capsys, monkeypatch):
+    """One line, exit 2, before transformers reads the file, naming every linear type, not just the first."""
+    from spear.quant import importer
+
+    monkeypatch.setattr(importer, "load_float_model", lambda *a, **k: pytest.fail("read the file before refusing"))
+    src = write_gguf(tmp_path / "iq.gguf", "Q4_K", {"attn_k": "Q3_K", "ffn_up": "IQ4_NL", "ffn_down": "Q6_K"})
+    rc, _, err = run_cli(capsys, "import", src, "--out", tmp_path / "art")
+    assert_clean_error(rc, err, "its linears are Q4_K ×4, Q3_K ×1, IQ4_NL ×1, Q6_K ×1;")
+    assert "not IQ4_NL, Q3_K" in err
     assert not (tmp_path / "art").exists()
 
 

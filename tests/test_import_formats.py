@@ -17,7 +17,8 @@ from torch import nn
 from spear.errors import SpearError
 from spear.kernels.pack import pack_w4
 from spear.quant.formats import (
-    AWQ_SHIFT_OF_COLUMN, awq_record, compressed_tensors_record, gguf_record, gptq_record, unpack_int32,
+    AWQ_SHIFT_OF_COLUMN, GGUF_BITS, GGUF_BLOCK_BYTES, GGUF_BLOCK_WEIGHTS, awq_record, compressed_tensors_record,
+    gguf_record, gptq_record, unpack_int32,
 )
 from spear.record import QuantizedWeight
 
@@ -171,38 +172,71 @@ def test_compressed_tensors_scales_outside_fp16_stay_float32():
     assert torch.equal(record.dequantize(), (codes - 8).float() * value)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_gguf_q4_0_q4_1_against_gguf_quants(kind):
+GGUF_FP16_BYTES = {"Q6_K": slice(208, 210), "Q4_1": slice(0, 4), "Q5_1": slice(0, 4), "Q4_K": slice(0, 4),
+                   "Q5_K": slice(0, 4)}  # where d (and m or dmin) sit; d alone at bytes 0:2 otherwise
+
+
+def random_gguf_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Raw bytes [rows, row bytes] of a `kind` tensor: random codes, sub-scales and high bits, small finite fp16
+    d (m, dmin): any such bytes are valid blocks of the layout gguf.quants dequantizes."""
+    n, size = GGUF_BLOCK_WEIGHTS[kind], GGUF_BLOCK_BYTES[kind]
+    blocks = rng.integers(0, 256, (rows, cols // n, size), dtype=np.uint8)
+    fp16 = GGUF_FP16_BYTES.get(kind, slice(0, 2))
+    halves = (fp16.stop - fp16.start) // 2
+    blocks[..., fp16] = (rng.standard_normal((rows, cols // n, halves)) * 0.01).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The same float32 bits, the sign of zero included."""
+    assert a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", list(GGUF_BITS))
+def test_gguf_random_blocks_against_gguf_quants(kind):
+    """Every type from random blocks (gguf writes no K-quants): the record dequantizes to gguf.quants' float32 bit
+    for bit, at the type's bits, and keeps it through the artifact's packing at those bits."""
+    from gguf import GGMLQuantizationType, quants
+
+    n_in = 512
+    data = random_gguf_blocks(kind, OUT, n_in, np.random.default_rng(5))
+    record = gguf_record("t", kind, data, OUT, n_in)
+    reference = torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[kind]))
+    assert_bitwise_equal(record.dequantize(), reference)
+    assert record.bits == GGUF_BITS[kind] and int(record.codes.max()) < 2 ** record.bits
+    assert record.group_size == (16 if kind == "Q6_K" else 32)
+    assert (record.offsets is not None) == (kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
+    stored = QuantizedWeight.from_tensors(record.tensors("m"), "m", record.bits, n_in)
+    assert_bitwise_equal(stored.dequantize(), reference)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_gguf_quantized_weights_against_gguf_quants(kind):
+    """The types gguf.quants also quantizes, from real weights."""
     from gguf import GGMLQuantizationType, quants
 
     qtype = GGMLQuantizationType[kind]
     weight = np.random.default_rng(4).standard_normal((OUT, IN)).astype(np.float32)
     data = quants.quantize(weight, qtype)
     record = gguf_record("t", kind, data, OUT, IN)
-    assert torch.equal(record.dequantize(), torch.from_numpy(quants.dequantize(data, qtype)))
-    assert record.group_size == 32 and (record.offsets is not None) == (kind == "Q4_1")
+    assert_bitwise_equal(record.dequantize(), torch.from_numpy(quants.dequantize(data, qtype)))
+    assert record.group_size == 32 and (record.offsets is not None) == kind.endswith("_1")
 
 
-def test_gguf_q4_k_against_gguf_quants():
-    """Q4_K from random superblocks (gguf writes no Q4_K): any bytes with finite fp16 d, dmin are a valid block."""
-    from gguf import GGMLQuantizationType, quants
-
-    rng = np.random.default_rng(5)
-    n_in = 512
-    blocks = rng.integers(0, 256, (OUT, n_in // 256, 144), dtype=np.uint8)
-    blocks[..., 0:4] = (rng.standard_normal((OUT, n_in // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
-    data = blocks.reshape(OUT, -1)
-    record = gguf_record("t", "Q4_K", data, OUT, n_in)
-    reference = torch.from_numpy(quants.dequantize(data, GGMLQuantizationType.Q4_K))
-    assert torch.equal(record.dequantize(), reference)
-    assert record.scales.dtype == torch.float32  # d · sc has up to 17 significant bits
+def test_gguf_scales_are_fp16_or_exact_float32():
+    """Q6_K's d · sc (11 × 8 significant bits, sc signed) stay float32, exact; one-level types keep fp16 d."""
+    rng = np.random.default_rng(6)
+    assert gguf_record("t", "Q6_K", random_gguf_blocks("Q6_K", OUT, 256, rng), OUT, 256).scales.dtype == torch.float32
+    assert gguf_record("t", "Q8_0", random_gguf_blocks("Q8_0", OUT, 256, rng), OUT, 256).scales.dtype == torch.float16
 
 
 def test_gguf_refuses_other_types_and_bad_sizes():
-    with pytest.raises(SpearError, match="Q6_K"):
-        gguf_record("blk.0.ffn_down.weight", "Q6_K", np.zeros((OUT, 210), np.uint8), OUT, 256)
+    with pytest.raises(SpearError, match="Q3_K"):
+        gguf_record("blk.0.ffn_down.weight", "Q3_K", np.zeros((OUT, 110), np.uint8), OUT, 256)
     with pytest.raises(SpearError, match="malformed GGUF"):
         gguf_record("t", "Q4_0", np.zeros((OUT, 17), np.uint8), OUT, 32)
+    with pytest.raises(SpearError, match="malformed GGUF"):
+        gguf_record("t", "Q6_K", np.zeros((OUT, 210), np.uint8), OUT, 128)
 
 
 def test_malformed_tensors_are_one_clear_error():

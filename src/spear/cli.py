@@ -133,10 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default=None)
     _add_quant_args(q)
 
-    im = sub.add_parser("import", help="a pre-quantized 4-bit checkpoint (GPTQ, AWQ, compressed-tensors, GGUF) "
+    im = sub.add_parser("import", help="a pre-quantized checkpoint (GPTQ, AWQ, compressed-tensors, GGUF) "
                                        "as an artifact directory, without re-quantizing")
     im.add_argument("checkpoint", help="HF directory with a quantization_config (gptq, awq, compressed-tensors "
-                                       "pack-quantized) or a .gguf file (Q4_0, Q4_1, Q4_K)")
+                                       "pack-quantized) or a .gguf file (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, "
+                                       "Q8_0 linears, mixed as in Q4_K_M: each at its own bits)")
     im.add_argument("--out", required=True, help="artifact directory to write")
     im.add_argument("--base", default=None,
                     help="the float model it was quantized from (HF directory, .gguf or 'smollm2'): the reference "

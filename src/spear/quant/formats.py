@@ -1,4 +1,4 @@
-"""Decode the 4-bit weights of other formats into our record, without re-quantizing.
+"""Decode the quantized weights of other formats into our record, without re-quantizing.
 
 Each decoder takes one linear layer's stored tensors and returns a QuantizedWeight that
 dequantizes to the format's own weights bit for bit (spear.record: the product
@@ -15,10 +15,18 @@ dequantizes to the format's own weights bit for bit (spear.record: the product
         bits 4j, stored as v + 8 for the signed v in [-8, 7]), weight_scale [out, groups], weight_zero_point
         (asymmetric: packed along out, [out/8, groups], or unpacked int8 [out, groups]), weight_shape,
         optional weight_g_idx. W = (v - zp) * s = (q - (zp + 8)) * s.
-  GGUF  Q4_0 (32-weight blocks: fp16 d, 16 bytes; W = d (q - 8)), Q4_1 (fp16 d, m; W = d q + m), Q4_K
-        (256-weight superblocks: fp16 d, dmin, 12 bytes of 6-bit sub-scales sc and mins mn for 8 blocks of 32,
-        128 bytes of codes; W = (d sc) q - dmin mn), as gguf.quants dequantizes them in float32.
-        Q4_1 and Q4_K keep their minimum as the record's offsets; Q4_K's d sc (17 significant bits) stays float32.
+  GGUF  the types of llama.cpp's legacy and K-quants, each at its own bits, as gguf.quants dequantizes them in
+        float32 (its dequantize_blocks is the specification of each layout below; d, dmin, m are fp16):
+        Q4_0 (32-weight blocks: d, 16 bytes of nibbles; W = d (q - 8)), Q4_1 (d, m; W = d q + m),
+        Q5_0 (d, 4 bytes of fifth bits, 16 of nibbles; W = d (q - 16)), Q5_1 (d, m, the same codes; W = d q + m),
+        Q8_0 (d, 32 int8 x; W = d x, kept as q = x + 128, z = 128);
+        Q4_K (256-weight superblocks: d, dmin, 12 bytes of 6-bit sub-scales sc and mins mn for 8 blocks of 32,
+        128 bytes of nibbles; W = (d sc) q - dmin mn), Q5_K (Q4_K with 32 bytes of fifth bits),
+        Q6_K (128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales sc of blocks of 16, then d;
+        W = (d sc) (q - 32)). Nibble byte b of a run of r bytes holds weight b of the run's 2r in its low half,
+        weight b + r in its high half (r = 16; Q4_K, Q5_K: 32; Q6_K: 64). The minimums of Q4_1, Q5_1, Q4_K and
+        Q5_K are the record's offsets; the K-quants' d sc (at most 19 significant bits, exact in float32) stay
+        float32 where they are not fp16 values.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise SpearError(f"malformed checkpoint: {name} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def _record(codes, scales, zeros, g_idx=None, offsets=None) -> QuantizedWeight:
+def _record(codes, scales, zeros, g_idx=None, offsets=None, bits: int = BITS) -> QuantizedWeight:
     """Codes [out, in], per-group scales / zeros / offsets [out, groups]; g_idx kept only where it is not j // g."""
     in_f, groups = codes.shape[1], scales.shape[1]
     if g_idx is not None:
@@ -61,7 +69,7 @@ def _record(codes, scales, zeros, g_idx=None, offsets=None) -> QuantizedWeight:
         codes=codes.contiguous(),
         scales=fp16_if_exact(scales).contiguous(),
         zeros=zeros.to(torch.uint8).contiguous(),
-        bits=BITS,
+        bits=bits,
         group_size=in_f // groups,  # nominal where g_idx says otherwise
         g_idx=None if g_idx is None else g_idx.contiguous(),
         offsets=None if offsets is None else fp16_if_exact(offsets).contiguous(),
@@ -121,8 +129,9 @@ def compressed_tensors_record(name: str, t: dict[str, torch.Tensor], out_f: int,
 
 # --- GGUF blocks --------------------------------------------------------------------------
 
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
-GGUF_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+GGUF_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34}
+GGUF_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
 def _fp16(raw: np.ndarray) -> torch.Tensor:
@@ -130,15 +139,28 @@ def _fp16(raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].copy())
 
 
-def _nibbles_32(qs: np.ndarray) -> torch.Tensor:
-    """[..., 16] bytes → 32 codes: byte b's low nibble is weight b, its high nibble weight b + 16."""
-    q = torch.from_numpy(qs.copy())
-    return torch.cat([q & 0xF, q >> 4], dim=-1)
+def _bytes(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+def _nibbles(qs: np.ndarray, n: int) -> torch.Tensor:
+    """[..., k n / 2] bytes → codes [..., k, n]: in each chunk of n / 2 bytes, byte b's low nibble is weight b of
+    the chunk's n, its high nibble weight b + n / 2."""
+    q = _bytes(qs).reshape(*qs.shape[:-1], -1, 1, n // 2)
+    return torch.cat([q & 0xF, q >> 4], dim=-2).flatten(-2)
+
+
+def _high_bits(qh: np.ndarray, count: int, width: int) -> torch.Tensor:
+    """[..., 32 m] bytes → high parts [..., m count, 32]: each run of 32 bytes holds `count` parts of `width` bits
+    a byte, part j (bits j·width and up) of byte l for weight l of chunk j."""
+    h = _bytes(qh).reshape(*qh.shape[:-1], -1, 1, 32)
+    shifts = torch.arange(0, count * width, width, dtype=torch.uint8).reshape(count, 1)
+    return ((h >> shifts) & ((1 << width) - 1)).flatten(-3, -2)
 
 
 def _q4k_scales_mins(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """12 bytes → 8 six-bit sub-scales and 8 six-bit mins (the layout of gguf.quants.Q4_K.get_scale_min)."""
-    b = torch.from_numpy(raw.copy()).to(torch.int32)
+    b = _bytes(raw).to(torch.int32)
     d, m, md = b[..., 0:4], b[..., 4:8], b[..., 8:12]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
@@ -146,27 +168,44 @@ def _q4k_scales_mins(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gguf_record(name: str, kind: str, data: np.ndarray, out_f: int, in_f: int) -> QuantizedWeight:
-    """One GGUF tensor of type Q4_0, Q4_1 or Q4_K, its raw bytes [out, row bytes], in the file's row order."""
-    if kind not in GGUF_BLOCK_BYTES:
-        raise SpearError(f"{name} is {kind}; spear import takes GGUF Q4_0, Q4_1 and Q4_K linears")
-    n = GGUF_BLOCK_WEIGHTS[kind]
+    """One GGUF tensor of a type of GGUF_BITS, its raw bytes [out, row bytes], in the file's row order, as a record
+    of the type's bits."""
+    if kind not in GGUF_BITS:
+        raise SpearError(f"{name} is {kind}; spear import takes GGUF {', '.join(GGUF_BITS)} linears")
+    n, size = GGUF_BLOCK_WEIGHTS[kind], GGUF_BLOCK_BYTES[kind]
     if in_f % n:
         raise SpearError(f"malformed GGUF: {name} has {in_f} inputs, not a multiple of {kind}'s {n}-weight blocks")
-    if data.shape != (out_f, in_f // n * GGUF_BLOCK_BYTES[kind]):
+    if data.shape != (out_f, in_f // n * size):
         raise SpearError(f"malformed GGUF: {name} holds {data.shape} bytes, a {out_f}×{in_f} {kind} needs "
-                         f"{(out_f, in_f // n * GGUF_BLOCK_BYTES[kind])}")
-    blocks = data.reshape(out_f, in_f // n, GGUF_BLOCK_BYTES[kind])  # [out, blocks, bytes]
+                         f"{(out_f, in_f // n * size)}")
+    blocks = data.reshape(out_f, in_f // n, size)  # [out, blocks, bytes]
+    bits = GGUF_BITS[kind]
+    if kind == "Q6_K":
+        q = _nibbles(blocks[..., 0:128], 128).reshape(out_f, -1, 8, 32) | (_high_bits(blocks[..., 128:192], 4, 2) << 4)
+        sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).copy())  # [out, blocks, 16]
+        scales = (_fp16(blocks[..., 208:210]).float()[..., None] * sc.float()).reshape(out_f, -1)  # exact: 11 × 8 bits
+        return _record(q.reshape(out_f, in_f), scales, torch.full(scales.shape, 32), bits=bits)
     d = _fp16(blocks[..., 0:2])
-    if kind == "Q4_0":
-        codes = _nibbles_32(blocks[..., 2:18])
-        return _record(codes.reshape(out_f, in_f), d, torch.full(d.shape, 8))
-    if kind == "Q4_1":
-        codes = _nibbles_32(blocks[..., 4:20])
-        return _record(codes.reshape(out_f, in_f), d, torch.zeros(d.shape), offsets=_fp16(blocks[..., 2:4]).float())
+    if kind == "Q8_0":
+        x = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:34]).view(np.int8).copy())  # [out, blocks, 32]
+        codes = (x.to(torch.int16) + 128).to(torch.uint8).reshape(out_f, in_f)
+        return _record(codes, d, torch.full(d.shape, 128), bits=bits)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        start = 2 if kind.endswith("_0") else 4  # Q4_1, Q5_1: m follows d
+        codes = _nibbles(blocks[..., -16:], 32)[..., 0, :]  # [out, blocks, 32]
+        if bits == 5:  # a little-endian uint32 of fifth bits, bit i for weight i
+            qh = _bytes(blocks[..., start:start + 4]).to(torch.int64)
+            qh = (qh << torch.arange(0, 32, 8)).sum(-1, keepdim=True)
+            codes = codes | (((qh >> torch.arange(32)) & 1) << 4).to(torch.uint8)
+        codes = codes.reshape(out_f, in_f)
+        if start == 2:
+            return _record(codes, d, torch.full(d.shape, 2 ** (bits - 1)), bits=bits)
+        return _record(codes, d, torch.zeros(d.shape), offsets=_fp16(blocks[..., 2:4]).float(), bits=bits)
     dmin = _fp16(blocks[..., 2:4])
     sc, mn = _q4k_scales_mins(blocks[..., 4:16])  # [out, blocks, 8]
-    q = torch.from_numpy(blocks[..., 16:144].copy()).reshape(out_f, -1, 4, 1, 32)  # 4 chunks of 32 bytes
-    codes = torch.cat([q & 0xF, q >> 4], dim=3)  # chunk c: low nibbles are sub-block 2c, high ones 2c + 1
+    codes = _nibbles(blocks[..., -128:], 64).reshape(out_f, -1, 8, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    if kind == "Q5_K":
+        codes = codes | (_high_bits(blocks[..., 16:48], 8, 1) << 4)  # sub-block j: bit j of the 32 bytes
     scales = (d.float()[..., None] * sc.float()).reshape(out_f, -1)  # exact: 11 × 6 significant bits
     offsets = -(dmin.float()[..., None] * mn.float()).reshape(out_f, -1)
-    return _record(codes.reshape(out_f, in_f), scales, torch.zeros(scales.shape), offsets=offsets)
+    return _record(codes.reshape(out_f, in_f), scales, torch.zeros(scales.shape), offsets=offsets, bits=bits)

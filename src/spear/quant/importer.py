@@ -1,11 +1,13 @@
-"""`spear import`: a pre-quantized 4-bit checkpoint becomes our W4 artifact, without re-quantizing.
+"""`spear import`: a pre-quantized checkpoint becomes our artifact, without re-quantizing.
 
 The format is read from the checkpoint itself, as vLLM and transformers do: an HF directory's
 `quantization_config.quant_method` (gptq, awq, compressed-tensors with format pack-quantized), or a
-GGUF file (Q4_0, Q4_1, Q4_K linears). Every linear of the decoder layers must be 4-bit; the other
-tensors (embeddings, norms, biases, lm_head) are taken as stored. The decoders (spear.quant.formats)
-reproduce each format's dequantized weights bit for bit; a GGUF import also checks every layer
-against transformers' own reading of the file (gguf.quants) before anything is written.
+GGUF file. Every linear of the decoder layers of an HF directory must be 4-bit; a GGUF's linears may mix
+the types of spear.quant.formats.GGUF_BITS (a Q4_K_M file is Q4_K with Q6_K and Q5_0 / Q8_0 layers by design),
+each becoming a record of its type's bits; a file with any other type among its linears is refused, naming its
+whole type mix, before any work. The other tensors (embeddings, norms, biases, lm_head) are taken as stored.
+The decoders (spear.quant.formats) reproduce each format's dequantized weights bit for bit; a GGUF import also
+checks every layer against transformers' own reading of the file (gguf.quants) before anything is written.
 
 The float model the checkpoint was quantized from is not in it: `base` names it (an HF directory
 or GGUF), the teacher of `spear compensate`; without it the artifact evaluates and serves but
@@ -24,6 +26,8 @@ reads them from the checkpoint rather than from flags.
 from __future__ import annotations
 
 import json
+import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +42,7 @@ from spear.export.vllm import SPEAR_KEY, SPEAR_KEY_VERSION
 from spear.layer import ErrorCompensator
 from spear.models.layerwise import quantizable_linears
 from spear.models.loading import load_float_model, resolve_model_path
-from spear.quant.formats import awq_record, compressed_tensors_record, gguf_record, gptq_record
+from spear.quant.formats import GGUF_BITS, awq_record, compressed_tensors_record, gguf_record, gptq_record
 from spear.quant.pipeline import replace_with_quantized
 from spear.record import QuantizedWeight
 
@@ -52,16 +56,30 @@ STORED = {
 
 
 def import_checkpoint(src: str, out_dir: str | Path, base: str | None = None) -> Path:
-    """Write the artifact of the pre-quantized checkpoint `src` (HF directory or GGUF file) to `out_dir`."""
+    """Write the artifact of the pre-quantized checkpoint `src` (HF directory or GGUF file) to `out_dir`, and print
+    what it imported (import_summary) on stderr."""
     path = resolve_model_path(src)
     if base is not None:
         resolve_model_path(base)
     if path.is_file():
-        model, tokenizer, quant = _read_gguf(path, src)
+        model, tokenizer, quant, records, source_bytes = _read_gguf(path, src)
     else:
-        model, tokenizer, quant = _read_hf_dir(path, src)
+        model, tokenizer, quant, records, source_bytes = _read_hf_dir(path, src)
+    types = quant.get("gguf_types", {f"{quant['bits']}-bit": len(records)})
     info = ArtifactInfo(base_model=base, quant=quant, extra={"imported_from": src})
-    return save_artifact(model, tokenizer, out_dir, info)
+    out = save_artifact(model, tokenizer, out_dir, info)
+    print(import_summary(quant["method"], types, records, source_bytes), file=sys.stderr)
+    return out
+
+
+def import_summary(method: str, types: dict[str, int], records: dict[str, QuantizedWeight], source_bytes: int) -> str:
+    """One line: the linears' stored types (GGUF: Q4_K, Q6_K, ...; else "4-bit"), most common first, and their bytes
+    in the checkpoint; the records' bit widths and bytes (QuantizedWeight.nbytes_packed)."""
+    mix = ", ".join(f"{t} ×{n}" for t, n in types.items())
+    bits = ", ".join(f"{b}-bit ×{n}" for b, n in sorted(Counter(r.bits for r in records.values()).items()))
+    record_bytes = sum(r.nbytes_packed() for r in records.values())
+    return (f"imported {len(records)} {method} linears ({mix}): {source_bytes:,} bytes in the checkpoint, "
+            f"{record_bytes:,} as records ({bits})")
 
 
 # --- HF directories: GPTQ, AWQ, compressed-tensors -------------------------------------------
@@ -97,6 +115,7 @@ def _read_hf_dir(path: Path, src: str):
         else:
             records[name] = compressed_tensors_record(name, tensors, out_f, in_f)
     stored = {f"{n}.{k}" for n in records for k in STORED[fmt]}
+    source_bytes = sum(t.numel() * t.element_size() for k, t in tensors.items() if k in stored)
     _load_float_tensors(model, {k: v for k, v in tensors.items() if k not in stored}, records, src)
     for name, record in records.items():
         replace_with_quantized(model, name, record)
@@ -106,7 +125,8 @@ def _read_hf_dir(path: Path, src: str):
     except (OSError, ValueError) as e:
         raise SpearError(f"cannot load the tokenizer of {src}: {first_line(e)}") from None
     group = _common_group_size(records) if fmt == "compressed-tensors" else group_size
-    return model, tokenizer, {"method": fmt, "bits": bits, "group_size": group, "sym": sym, "imported": True}
+    quant = {"method": fmt, "bits": bits, "group_size": group, "sym": sym, "imported": True}
+    return model, tokenizer, quant, records, source_bytes
 
 
 def _hf_quant_args(qc: dict, src: str) -> tuple[str, int, int, bool | None, bool]:
@@ -224,15 +244,19 @@ def _read_gguf(path: Path, src: str):
     import gguf
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise SpearError(f"cannot read the GGUF {src}: {first_line(e)}") from None
+    _check_gguf_types(reader, src)
     lm = load_float_model(str(path), torch.device("cpu"), torch.float32)  # transformers' reading: the reference
     model = lm.model
-    reader = gguf.GGUFReader(path)
     field = reader.fields.get("general.architecture")
     arch = "" if field is None else bytes(field.parts[-1]).decode()
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
     hf_names = get_gguf_hf_weights_map(model, processor)
     linears = quantizable_linears(model)
-    kinds, records = set(), {}
+    kinds, records, source_bytes = Counter(), {}, 0
     for tensor in reader.tensors:
         name = hf_names.get(tensor.name, "").removesuffix(".weight")
         if name not in linears:
@@ -243,15 +267,29 @@ def _read_gguf(path: Path, src: str):
         if not torch.equal(record.dequantize(), linear.weight.float()):
             raise SpearError(f"{tensor.name} ({kind}) does not dequantize to transformers' reading of {src}")
         records[name] = record
-        kinds.add(kind)
+        kinds[kind] += 1
+        source_bytes += int(tensor.n_bytes)
     missing = [n for n in linears if n not in records]
     if missing:
-        raise SpearError(f"{src} has no 4-bit tensor for {missing[0]}")
+        raise SpearError(f"{src} has no quantized tensor for {missing[0]}")
     for name, record in records.items():
         replace_with_quantized(model, name, record)
-    group = _common_group_size(records)
-    return model, lm.tokenizer, {"method": "gguf", "gguf_types": sorted(kinds), "bits": 4, "group_size": group,
-                                 "sym": kinds == {"Q4_0"}, "imported": True}
+    bits = {r.bits for r in records.values()}
+    quant = {"method": "gguf", "gguf_types": dict(kinds.most_common()), "bits": bits.pop() if len(bits) == 1 else None,
+             "group_size": _common_group_size(records), "sym": all(r.offsets is None for r in records.values()),
+             "imported": True}
+    return model, lm.tokenizer, quant, records, source_bytes
+
+
+def _check_gguf_types(reader, src: str) -> None:
+    """Refuse, before any work, a GGUF whose decoder linears (its 2-D blk.* tensors) hold a type without a decoder,
+    naming the whole type mix."""
+    kinds = Counter(t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    unknown = sorted(k for k in kinds if k not in GGUF_BITS)
+    if unknown:
+        mix = ", ".join(f"{k} ×{n}" for k, n in kinds.most_common())
+        raise SpearError(f"{src}: its linears are {mix}; spear import decodes {', '.join(GGUF_BITS)}, not "
+                         f"{', '.join(unknown)} (llama-quantize makes such files, e.g. Q4_K_M)")
 
 
 def _row_order(processor, gguf_name: str, rows: int, hf_names: dict) -> torch.Tensor:

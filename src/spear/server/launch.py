@@ -136,6 +136,7 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
     from spear.server.async_engine import AsyncEngine
 
     sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
+    threads = torch.get_num_threads()
     try:
         lm = api.load(spec, device, serving=True)
         if lm.model.device.type == "cpu":
@@ -162,6 +163,7 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
         EngineServer(uvicorn_config(app, config.host, config.http, log_level="info"), async_engine).run(sockets=[sock])
     finally:
         sock.close()
+        torch.set_num_threads(threads)  # the process's own again (serve() called from Python)
 
 
 def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
