@@ -38,7 +38,10 @@ def _backends_by_split(tokenizer) -> dict[bool, object] | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    backends = {split: Tokenizer.from_str(backend.to_str()) for split in (False, True)}
+    try:
+        backends = {split: Tokenizer.from_str(backend.to_str()) for split in (False, True)}
+    except Exception:  # a component that does not serialize (a custom Python pre-tokenizer): the locked path
+        return None
     for split, b in backends.items():
         b.encode_special_tokens = split
     return backends
