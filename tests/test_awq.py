@@ -8,7 +8,7 @@ from torch import nn
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.models.layerwise import (
-    capture_first_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer,
+    capture_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer,
 )
 from spear.quant.awq import awq_scale_layer, fold_scale, scale_groups
 from spear.quant.pipeline import QuantSettings, quantize_model
@@ -71,7 +71,7 @@ def test_searched_scales_preserve_the_float_model():
     norm_before = decoder_layers(model)[0].input_layernorm.weight.clone()
     with torch.no_grad():
         ref = model(test).logits
-        inputs = capture_first_layer_inputs(model, list(calib.split(8)))
+        inputs = capture_layer_inputs(model, list(calib.split(8)))
         for layer in decoder_layers(model):
             awq_scale_layer(layer, inputs, QuantConfig(bits=3), n_grid=10, clip=False)
             inputs = run_layer(layer, inputs)
@@ -91,7 +91,7 @@ def test_awq_layer_error_at_most_rtn(group_size, clip):
     model = llama_with_outliers(kv_heads=4)
     calib, _ = calib_and_test()
     cfg = QuantConfig(bits=3, group_size=group_size)
-    inputs = capture_first_layer_inputs(model, list(calib.split(8)))
+    inputs = capture_layer_inputs(model, list(calib.split(8)))
     layer = decoder_layers(model)[0]
     ref = torch.cat(run_layer(layer, inputs).hidden)
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from spear.models.layerwise import capture_first_layer_inputs, decoder_layers, quantizable_linears, run_layer
+from spear.models.layerwise import capture_layer_inputs, decoder_layers, quantizable_linears, run_layer
 
 
 def test_smollm2_continues_capital_of_france(smollm2):
@@ -17,7 +17,7 @@ def test_layerwise_walk_reproduces_the_model(tiny_model_dir):
 
     model = load_float_model(str(tiny_model_dir), torch.device("cpu"), torch.float32).model
     ids = [torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (1, 16))]
-    inputs = capture_first_layer_inputs(model, ids)
+    inputs = capture_layer_inputs(model, ids)
     for layer in decoder_layers(model):
         inputs = run_layer(layer, inputs)
     with torch.no_grad():

@@ -11,7 +11,7 @@ from test_awq import calib_and_test, llama_with_outliers
 
 from spear.cli import main
 from spear.layer import SpearLinear
-from spear.models.layerwise import capture_first_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer
+from spear.models.layerwise import capture_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer
 from spear.quant.omniquant import ClippedFakeQuant, train_layer_clipping
 from spear.quant.pipeline import QuantSettings, quantize_model
 from spear.record import QuantConfig, rtn_quantize
@@ -45,7 +45,7 @@ def test_training_lowers_the_layer_error_below_rtn():
     model = llama_with_outliers(kv_heads=2)
     calib, _ = calib_and_test()
     cfg = QuantConfig(bits=3, group_size=-1)
-    inputs = capture_first_layer_inputs(model, list(calib.split(8)))
+    inputs = capture_layer_inputs(model, list(calib.split(8)))
     layer = decoder_layers(model)[0]
     ref = run_layer(layer, inputs).hidden
     rtn, lwc = copy.deepcopy(layer), copy.deepcopy(layer)

@@ -11,6 +11,7 @@ import torch
 from spear.artifact import ArtifactInfo, is_artifact, load_artifact, save_artifact
 from spear.errors import SpearError
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
+from spear.models.layerwise import check_walkable
 from spear.models.loading import LoadedModel, checkpoint_dir, load_float_model, load_tokenizer, resolve_model_path
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 
@@ -55,6 +56,7 @@ def quantize(
     check_shapes(lm.model, settings.quant)
     ids = None
     if settings.method != "rtn":
+        check_walkable(lm.model, calib.seq_len)
         ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(spec))
         info.calibration = calibration_record(calib, ids)
     quantize_model(lm.model, settings, ids)
@@ -86,6 +88,7 @@ def compensate_artifact(
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
     student = load_artifact(artifact_dir, device)
     teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
+    check_walkable(teacher.model, calib.seq_len)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
     report = compensate(student.model, teacher.model, ids, cfg, rescaled=config["quant"].get("method") == "awq")
     info = ArtifactInfo(config["base_model"], config["quant"], calibration_record(calib, ids),

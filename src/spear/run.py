@@ -23,6 +23,7 @@ from spear.compensate.cka import SensitivityConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
 from spear.eval import perplexity
+from spear.models.layerwise import check_walkable
 from spear.models.loading import load_float_model
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 from spear.util import versions
@@ -105,6 +106,8 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
     t0 = time.perf_counter()
     lm = load_float_model(config.model, device)
     check_shapes(lm.model, config.settings.quant)
+    if config.settings.method != "rtn" or config.compensate is not None:  # they walk the decoder layers
+        check_walkable(lm.model, config.calib.seq_len)
     report = RunReport(config.model, {"method": config.settings.method, **config.settings.quant.to_dict()},
                        str(next(lm.model.parameters()).device))
     report.seconds["load"] = time.perf_counter() - t0

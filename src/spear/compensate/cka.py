@@ -25,7 +25,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.errors import SpearError
-from spear.models.layerwise import LayerInputs, capture_first_layer_inputs, decoder_layers, layer_linears, run_layer
+from spear.models.layerwise import (
+    LayerInputs, capture_layer_inputs, check_replay, decoder_layers, final_norm, layer_linears, run_layer,
+)
 
 
 def linear_cka(X: torch.Tensor, Y: torch.Tensor) -> float:
@@ -109,15 +111,6 @@ class SensitivityTable:
         plt.close(fig)
 
 
-def final_norm(model: nn.Module) -> nn.Module:
-    """The norm applied after the last decoder layer (its output is `last_hidden_state`)."""
-    for attr in ("norm", "final_layernorm", "ln_f"):
-        module = getattr(model.base_model, attr, None)
-        if isinstance(module, nn.Module):
-            return module
-    raise SpearError(f"cannot find the final norm of {type(model).__name__}: unsupported architecture")
-
-
 @torch.no_grad()
 def module_sensitivity(
     model: nn.Module,
@@ -141,14 +134,11 @@ def module_sensitivity(
     ids = calib_ids[: cfg.num_sequences, : cfg.seq_len]
     batches = list(ids.split(cfg.batch_size))
     norm = final_norm(model)
-    inputs = [capture_first_layer_inputs(model, batches)]  # inputs[i]: float inputs of layer i
+    inputs = [capture_layer_inputs(model, batches)]  # inputs[i]: float inputs of layer i
     for layer in layers:
         inputs.append(run_layer(layer, inputs[-1]))
+    check_replay(model, batches, inputs[-1])
     H_fp = _final_hidden(norm, inputs[-1])
-    full = [model.base_model(input_ids=b.to(model.device), use_cache=False).last_hidden_state for b in batches]
-    full = torch.cat([h.reshape(-1, h.shape[-1]) for h in full]).float()
-    if torch.linalg.norm(full - H_fp.float()) > 1e-2 * torch.linalg.norm(full):  # O(1) if the replay is wrong
-        raise SpearError(f"layer-by-layer replay does not reproduce {type(model).__name__}: unsupported architecture")
 
     entries = []
     for name in tqdm(names, desc="sensitivity (1 - CKA)", unit="module"):

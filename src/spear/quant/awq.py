@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    LayerInputs, capture_first_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears,
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears,
     run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
@@ -190,7 +190,7 @@ def awq_quantize_model(
     for layer in layers:
         scale_groups(layer)  # fail before any work on an unknown layout
     full_names = {id(m): name for name, m in quantizable_linears(model).items()}
-    inputs = capture_first_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
+    inputs = capture_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
     records = {}
     for layer in tqdm(layers, desc="AWQ", unit="layer"):
         awq_scale_layer(layer, inputs, settings.quant, settings.awq_grid, clip)

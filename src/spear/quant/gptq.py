@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    capture_first_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears, run_layer,
+    capture_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.record import QuantConfig, QuantizedWeight, fit_grid, quantize_to_codes
@@ -140,7 +140,7 @@ def gptq_quantize_model(
     """Quantize every decoder linear in place, layer by layer; each layer sees the outputs
     of the already-quantized layers before it. Returns the records by module name."""
     full_names = {id(m): name for name, m in quantizable_linears(model).items()}
-    inputs = capture_first_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
+    inputs = capture_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
     records = {}
     for layer in tqdm(decoder_layers(model), desc="GPTQ", unit="layer"):
         linears = layer_linears(layer)

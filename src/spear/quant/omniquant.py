@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from spear.models.layerwise import (
-    LayerInputs, capture_first_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer,
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
@@ -136,7 +136,7 @@ def omniquant_quantize_model(model: nn.Module, settings: QuantSettings, calib_id
     """Quantize every decoder linear in place, layer by layer: learn each layer's clipping (LWC), then round.
     Returns the records by module name."""
     full_names = {id(m): name for name, m in quantizable_linears(model).items()}
-    fp_inputs = capture_first_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
+    fp_inputs = capture_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
     q_inputs = fp_inputs
     records = {}
     for layer in tqdm(decoder_layers(model), desc="OmniQuant LWC", unit="layer"):
