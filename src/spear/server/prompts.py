@@ -47,6 +47,14 @@ def _backends_by_split(tokenizer) -> dict[bool, object] | None:
     return backends
 
 
+def _text_chars(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Characters of text the request asks to tokenize: a completion's prompt string (0 for token ids), or every chat
+    message's content and name."""
+    if isinstance(req, CompletionRequest):
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    return sum(len(m.content) + len(m.name or "") for m in req.messages)
+
+
 class PromptEncoder:
     def __init__(self, tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
@@ -62,13 +70,11 @@ class PromptEncoder:
     @staticmethod
     def is_long(req: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether tokenizing `req` may take more than a moment (then it belongs on a worker thread)."""
-        if isinstance(req, CompletionRequest):
-            return isinstance(req.prompt, str) and len(req.prompt) > SHORT_PROMPT_CHARS
-        return sum(len(m.content) + len(m.name or "") for m in req.messages) > SHORT_PROMPT_CHARS
+        return _text_chars(req) > SHORT_PROMPT_CHARS
 
     def completion(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
-            self._not_surely_too_long(len(req.prompt), "prompt")
+            self._not_surely_too_long(_text_chars(req), "prompt")
             return self._within_context(lambda: self._encode(req.prompt, self.max_model_len, add_special_tokens=True),
                                         "prompt")
         bad = [t for t in req.prompt if not 0 <= t < self.vocab]
@@ -80,7 +86,7 @@ class PromptEncoder:
 
     def chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        self._not_surely_too_long(sum(len(m["content"]) + len(m.get("name", "")) for m in messages), "messages")
+        self._not_surely_too_long(_text_chars(req), "messages")
         if not any(self._spells_special(m.get("name", "")) or self._spells_special(m["content"]) for m in messages):
             text = self._render(messages)
             return self._within_context(lambda: self._encode(text, self.max_model_len, add_special_tokens=False),
