@@ -51,9 +51,11 @@ from common import write_json  # noqa: E402
 
 GB = 1e9
 POLL_S = 0.05
+GPU_POLL_S = 0.25  # nvidia-smi takes ~20 ms a query
 
 # LlamaConfig fields of each shape. 0.5b: Qwen2.5-0.5B's shape (its q/k/v biases left out), 1.2b: Llama-3.2-1B's
-# (its llama3 RoPE scaling left out); both tie lm_head to the embeddings. tiny (the test's) does not.
+# (its llama3 RoPE scaling left out); both tie lm_head to the embeddings. 8b: Llama-3-8B's. tiny (the test's) and 8b
+# do not tie.
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False),
@@ -63,6 +65,9 @@ SHAPES = {
     "1.2b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True,
                  rope_theta=5e5, rms_norm_eps=1e-5),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
+               rope_theta=5e5, rms_norm_eps=1e-5),
 }
 DEFAULT_MODEL = "smollm2"
 
@@ -175,10 +180,11 @@ def default_tokenizer_dir() -> Path:
     return _gguf_as_hf_dir(resolve_model_path(DEFAULT_MODEL))
 
 
-def build_checkpoint(shape: str, out: Path, tokenizer_dir: Path, shard_mb: float = 500, seed: int = 0) -> Path:
+def build_checkpoint(shape: str, out: Path, tokenizer_dir: Path, shard_mb: float = 500, seed: int = 0,
+                     device: str = "cpu") -> Path:
     """A random-weight Llama HF directory of `shape` at `out`: config, fp16 safetensors shards of at most
-    `shard_mb` MB with their index, the tokenizer files of `tokenizer_dir`. Each tensor is drawn, written with its
-    shard and dropped: the memory used is one shard."""
+    `shard_mb` MB with their index, the tokenizer files of `tokenizer_dir`. Each tensor is drawn (on `device`: a
+    GPU draws an 8B model's 16 GB in seconds), written with its shard and dropped: the memory used is one shard."""
     from safetensors.torch import save_file
 
     config = llama_config(shape, tokenizer_dir)
@@ -194,7 +200,7 @@ def build_checkpoint(shape: str, out: Path, tokenizer_dir: Path, shard_mb: float
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     weight_map = {}
     for k, names in enumerate(shards):
         file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -216,8 +222,8 @@ def build_checkpoint(shape: str, out: Path, tokenizer_dir: Path, shard_mb: float
 def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float16)
-    w = torch.randn(shape, generator=gen, dtype=torch.float16).mul_(0.02)
-    return w.masked_fill_(w == 0, 0.02)  # no exact zeros (an fp16 draw below 3e-8 rounds to one)
+    w = torch.randn(shape, generator=gen, dtype=torch.float16, device=gen.device).mul_(0.02)
+    return w.masked_fill_(w == 0, 0.02).cpu()  # no exact zeros (an fp16 draw below 3e-8 rounds to one)
 
 
 def dir_bytes(path: Path) -> int:
@@ -256,10 +262,24 @@ def rss_split(pid: int) -> dict[str, int]:
     return fields
 
 
-class Watch:
-    """A child process started in its own session, its tree's RSS sampled every POLL_S on a thread."""
+def gpu_used_bytes() -> int | None:
+    """Memory in use on the first GPU (nvidia-smi), None where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 and out.stdout.strip() else None
 
-    def __init__(self, cmd: list[str], log: Path):
+
+class Watch:
+    """A child process started in its own session, its tree's RSS sampled every POLL_S on a thread; with `gpu`, the
+    GPU's memory in use too (every GPU_POLL_S, less what was in use before the start: the process's own)."""
+
+    def __init__(self, cmd: list[str], log: Path, gpu: bool = False):
+        self.gpu_base = gpu_used_bytes() if gpu else None
+        self.gpu_peak = 0
+        self._next_gpu = 0.0
         self.out, self.err = open(log.with_suffix(".out"), "w"), open(log.with_suffix(".err"), "w")
         self.start = time.perf_counter()
         self.popen = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, start_new_session=True)
@@ -273,6 +293,9 @@ class Watch:
     def _sample(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, tree_rss(self.proc))
+            if self.gpu_base is not None and time.perf_counter() >= self._next_gpu:
+                self.gpu_peak = max(self.gpu_peak, (gpu_used_bytes() or 0) - self.gpu_base)
+                self._next_gpu = time.perf_counter() + GPU_POLL_S
             self._stop.wait(POLL_S)
 
     def rss(self) -> int:
@@ -314,6 +337,8 @@ class Watch:
         row = {"rc": rc, "wall_s": round((self.end or time.perf_counter()) - self.start, 2),
                "peak_rss_bytes": max(self.peak, maxrss), "polled_peak_rss_bytes": self.peak,
                "kernel_maxrss_bytes": maxrss}
+        if self.gpu_base is not None:
+            row["peak_gpu_bytes"] = self.gpu_peak
         if rc != 0:
             row["error"] = last_line(Path(self.err.name))
         return row
@@ -328,9 +353,9 @@ def spear(*args: str) -> list[str]:
     return [sys.executable, "-m", "spear.cli", *args]
 
 
-def measure(cmd: list[str], log: Path, timeout: float) -> dict:
-    """Run `cmd` to its end (killed after `timeout` s): its wall time and peak RSS."""
-    watch = Watch(cmd, log)
+def measure(cmd: list[str], log: Path, timeout: float, gpu: bool = False) -> dict:
+    """Run `cmd` to its end (killed after `timeout` s): its wall time and peak RSS (and GPU memory, with `gpu`)."""
+    watch = Watch(cmd, log, gpu)
     if not watch.wait(timeout):
         watch.stop(signal.SIGKILL)
         row = watch.result()
@@ -346,12 +371,12 @@ def free_port() -> int:
 
 
 def measure_serve(artifact: Path, config: dict, log: Path, timeout: float, settle_s: float, tokens: int,
-                  serve_args: list[str]) -> dict:
+                  serve_args: list[str], gpu: bool = False) -> dict:
     """`spear serve`: seconds to /health, idle RSS, RSS after one completion of `tokens` tokens, the KV cache's
     bytes."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    watch = Watch(spear("serve", str(artifact), "--port", str(port), *serve_args), log)
+    watch = Watch(spear("serve", str(artifact), "--port", str(port), *serve_args), log, gpu)
     extra = {}
     try:
         deadline = time.perf_counter() + timeout
@@ -363,6 +388,8 @@ def measure_serve(artifact: Path, config: dict, log: Path, timeout: float, settl
             extra["ready_s"] = round(time.perf_counter() - watch.start, 2)
             time.sleep(settle_s)
             extra["idle_rss_bytes"] = watch.rss()
+            if gpu:
+                extra["idle_gpu_bytes"] = (gpu_used_bytes() or 0) - watch.gpu_base
             extra |= served_kv(config, log.with_suffix(".out"))
             extra |= {f"idle_{k.lower()}_bytes": v for k, v in rss_split(watch.popen.pid).items()}
             body = {"prompt": "The history of", "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
@@ -417,7 +444,8 @@ def measure_load(artifact: Path, log: Path, timeout: float, device: str) -> dict
 
 # ---- one shape, its steps -------------------------------------------------------------------------------------
 
-def prepare(shape: str, workdir: Path, shard_mb: float) -> tuple[str, dict, dict]:
+def prepare(shape: str, workdir: Path, shard_mb: float, build_device: str = "cpu",
+            tokenizer_dir: Path | None = None) -> tuple[str, dict, dict]:
     """The model spec the steps are given, its HF config as a dict, and what the row records of it."""
     if shape == DEFAULT_MODEL:
         from spear.models.loading import resolve_model_path
@@ -430,7 +458,7 @@ def prepare(shape: str, workdir: Path, shard_mb: float) -> tuple[str, dict, dict
     info = {}
     if not (ckpt / "model.safetensors.index.json").is_file():
         start = time.perf_counter()
-        build_checkpoint(shape, ckpt, default_tokenizer_dir(), shard_mb)
+        build_checkpoint(shape, ckpt, tokenizer_dir or default_tokenizer_dir(), shard_mb, device=build_device)
         info["build_s"] = round(time.perf_counter() - start, 1)
     config = json.loads((ckpt / "config.json").read_text())
     return str(ckpt.resolve()), config, info | {"checkpoint": str(ckpt), "checkpoint_bytes": dir_bytes(ckpt),
@@ -443,7 +471,9 @@ def run_step(step: str, spec: str, config: dict, folder: Path, args) -> dict:
     log = folder / "logs" / step
     log.parent.mkdir(parents=True, exist_ok=True)
     rtn, comp, device = folder / "rtn", folder / "compensated", ["--device", args.device]
-    needs = {"compensate": rtn, "eval": rtn, "serve": rtn, "load": rtn, "export": comp if comp.is_dir() else rtn}
+    gpu = args.device.startswith("cuda")
+    served = comp if args.serve_compensated and (comp / "config.json").is_file() else rtn
+    needs = {"compensate": rtn, "eval": rtn, "serve": served, "load": served, "export": comp if comp.is_dir() else rtn}
     if step in needs and not (needs[step] / "config.json").is_file():
         return {"step": step, "skipped": f"needs {needs[step].name}: run quantize_rtn first"}
     if step.startswith("quantize"):
@@ -453,7 +483,8 @@ def run_step(step: str, spec: str, config: dict, folder: Path, args) -> dict:
         out = comp
         shutil.rmtree(comp, ignore_errors=True)
         shutil.copytree(rtn, comp)
-        cmd = spear("compensate", str(comp), *STEP_ARGS[step], *device)
+        flags = shlex.split(args.compensate_args) if args.compensate_args else STEP_ARGS[step]
+        cmd = spear("compensate", str(comp), *flags, *device)
     elif step == "eval":
         cmd = spear("eval", str(rtn), *STEP_ARGS[step], *device)
     elif step == "export":
@@ -461,20 +492,34 @@ def run_step(step: str, spec: str, config: dict, folder: Path, args) -> dict:
         cmd = spear("export-vllm", str(needs[step]), "--out", str(out))
     elif step == "serve":
         serve_args = [*device, *shlex.split(args.serve_args)]
-        row = measure_serve(rtn, config, log, args.timeout, args.settle_s, args.tokens, serve_args)
-        return {"step": step, "command": " ".join(["spear serve", str(rtn), *serve_args]), **row}
+        row = measure_serve(served, config, log, args.timeout, args.settle_s, args.tokens, serve_args, gpu)
+        return {"step": step, "command": " ".join(["spear serve", str(served), *serve_args]), **row}
     elif step == "load":
-        return {"step": step, "command": f"spear.api.load({rtn})", **measure_load(rtn, log, args.timeout, args.device)}
+        return {"step": step, "command": f"spear.api.load({served})",
+                **measure_load(served, log, args.timeout, args.device)}
     else:
         raise ValueError(step)
-    row = {"step": step, "command": " ".join(["spear", *cmd[3:]]), **measure(cmd, log, args.timeout)}
+    row = {"step": step, "command": " ".join(["spear", *cmd[3:]]), **measure(cmd, log, args.timeout, gpu)}
     if step == "export":
         row["export_bytes"] = dir_bytes(out)
+    if step == "compensate" and row["rc"] == 0:
+        row |= compensation_record(out)
     elif step != "eval":
         row["artifact_bytes"] = dir_bytes(out)
     elif row["rc"] == 0:
         row["ppl"] = json.loads(last_line(log.with_suffix(".out")))["ppl"]
     return row
+
+
+def compensation_record(artifact: Path) -> dict:
+    """What `spear compensate` wrote of its run into the artifact's config.json: seconds per stage, the plan's
+    modules and EC bytes, and the calibration's steps, precision and KL."""
+    summary = json.loads((artifact / "config.json").read_text()).get("compensation") or {}
+    calib = summary.get("calibration") or {}
+    return {"stage_s": {k: round(v, 2) for k, v in summary.get("seconds", {}).items()},
+            "ec_modules": summary.get("modules"), "ec_memory_pct": summary.get("ec_memory_pct"),
+            "calibration": {k: calib.get(k) for k in ("steps", "precision", "initial_train_kl", "final_train_kl",
+                                                      "initial_heldout_kl", "final_heldout_kl", "seconds")}}
 
 
 def targets(record: dict, rows: dict[str, dict], folder: Path) -> list[dict]:
@@ -498,7 +543,9 @@ def targets(record: dict, rows: dict[str, dict], folder: Path) -> list[dict]:
 def run_shape(shape: str, args) -> dict:
     folder = Path(args.workdir) / shape
     folder.mkdir(parents=True, exist_ok=True)
-    spec, config, info = prepare(shape, Path(args.workdir), args.shard_mb)
+    build_device = "cuda" if args.device.startswith("cuda") else "cpu"
+    tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else None
+    spec, config, info = prepare(shape, Path(args.workdir), args.shard_mb, build_device, tokenizer_dir)
     record = {"shape": shape, **info, "params": param_count(config), "served_bytes": served_bytes(config),
               "layer_fp32_bytes": 4 * layer_param_count(config), "steps": []}
     rows = {}
@@ -527,7 +574,10 @@ def table(shapes: list[dict]) -> str:
                 continue
             notes = [f"{k.removesuffix('_bytes')} {row[k] / GB:.3f} GB" for k in
                      ("artifact_bytes", "export_bytes", "idle_rss_bytes", "after_rss_bytes", "kv_bytes") if k in row]
-            notes += [f"{k} {row[k]}" for k in ("ppl", "ready_s", "generate_s", "load_s", "read_gb_s") if k in row]
+            notes += [f"{k.removesuffix('_bytes')} {row[k] / GB:.2f} GB" for k in ("peak_gpu_bytes", "idle_gpu_bytes")
+                      if k in row]
+            notes += [f"{k} {row[k]}" for k in ("ppl", "ready_s", "generate_s", "load_s", "read_gb_s", "stage_s")
+                      if k in row]
             notes += [f"error: {row['error']}"] if "error" in row else []
             lines.append(f"{rec['shape']:<8} {row['step']:<14} {str(row['rc']):>4} {row['wall_s']:>8.1f} "
                          f"{row['peak_rss_bytes'] / GB:>8.2f}  {', '.join(notes)}")
@@ -554,6 +604,12 @@ def main() -> None:
     p.add_argument("--settle-s", type=float, default=5, help="serve: seconds after /health before the idle RSS")
     p.add_argument("--tokens", type=int, default=64, help="serve: tokens of the one completion")
     p.add_argument("--serve-args", default="", help='serve: more options, as "--max-num-seqs 4 --max-model-len 1024"')
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="tokenizer files for the random checkpoints (default: the default model's, from its GGUF)")
+    p.add_argument("--serve-compensated", action="store_true",
+                   help="serve and load the compensated artifact where compensate wrote one (default: the W4 one)")
+    p.add_argument("--compensate-args", default="",
+                   help=f'compensate: its flags instead of "{" ".join(STEP_ARGS["compensate"])}"')
     args = p.parse_args()
     # the checkout as the run starts: its commit (the provenance's, written at the end) and its tracked files that
     # differ from it, what else the figures ran

@@ -187,6 +187,59 @@ def test_low_precision_student_is_trained_in_float32_and_restored():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_bfloat16_student_trains_from_float32_masters_and_is_restored_exactly():
+    teacher, student = quantized_pair()
+    head = student.get_output_embeddings()
+    before = frozen_tensors(student)
+    dtypes = {k: v.dtype for k, v in student.state_dict().items()}
+    seen = {}
+
+    def spy(module, args):  # what the body and the head compute in, during training
+        held = module.A if isinstance(module, ErrorCompensator) else module.weight
+        seen.setdefault(type(module).__name__, (args[0].dtype, held.dtype))
+
+    handles = [student.model.layers[0].mlp.down_proj.register_forward_pre_hook(spy),
+               student.model.layers[0].mlp.down_proj.ec.register_forward_pre_hook(spy)]
+    result = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, steps=10, precision="bfloat16"))
+    for h in handles:
+        h.remove()
+    assert result.precision == "bfloat16"
+    assert seen["SpearLinear"] == (torch.bfloat16, torch.bfloat16)
+    assert seen["ErrorCompensator"][1] == torch.float32  # the masters; the EC computes in the input's dtype
+    assert result.final_train_kl < result.initial_train_kl
+    assert student.get_output_embeddings() is head
+    assert {k: v.dtype for k, v in student.state_dict().items()} == dtypes
+    after = frozen_tensors(student)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(SpearError, match="float32 only"):
+        CalibrateConfig(precision="bfloat16", norm_lr=1e-3)
+    with pytest.raises(SpearError, match="unknown calibration precision"):
+        CalibrateConfig(precision="fp8")
+
+
+def test_auto_precision_is_float32_off_cuda_and_for_small_students():
+    from spear.compensate.calibrate import training_precision
+
+    _, student = quantized_pair()
+    assert training_precision(student, CalibrateConfig()) == "float32"
+    assert training_precision(student, CalibrateConfig(precision="bfloat16")) == "bfloat16"
+
+
+def test_checkpointed_layers_recompute_and_train_alike():
+    calls, states = {}, {}
+    for checkpointed in (False, True):
+        teacher, student = quantized_pair()
+        count = [0]
+        student.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        result = calibrate_ecs(student, teacher, calib_ids(), replace(FAST, steps=10, checkpoint_layers=checkpointed))
+        calls[checkpointed], states[checkpointed] = count[0], (result.final_train_kl, ec_state_dict(student))
+        assert all("forward" not in vars(layer) for layer in student.model.layers)  # unwrapped on exit
+    assert calls[True] == calls[False] + 10  # one recompute in each training step's backward
+    (kl_plain, plain), (kl_ckpt, ckpt) = states[False], states[True]
+    assert kl_ckpt == pytest.approx(kl_plain, rel=1e-6)
+    assert all(torch.allclose(plain[k], ckpt[k], atol=1e-7) for k in plain)
+
+
 def test_ec_state_roundtrip_and_errors():
     teacher, student = quantized_pair()
     state = ec_state_dict(student)

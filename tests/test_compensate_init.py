@@ -147,12 +147,16 @@ def test_collect_input_stats_shares_inputs():
     assert torch.allclose(stats[f"{attn}.q_proj"].mean_abs, x.abs().mean(0), atol=1e-6)
 
 
-@pytest.mark.parametrize("out_features, in_features", [(48, 32), (32, 48)])  # SVD path; E R_xx Eᵀ eigh path
-def test_whitened_error_factors_equal_qera_init(out_features, in_features):
+@pytest.mark.parametrize("out_features, in_features, gram", [(48, 32, False), (48, 32, True), (32, 48, False)])
+def test_whitened_error_factors_equal_qera_init(out_features, in_features, gram, monkeypatch):
     """One decomposition serves the plan and the init: WhitenedError's spectrum is E_x ‖E x‖² split by direction,
-    and its factors at any kept rank equal qera_init's."""
+    and its factors at any kept rank equal qera_init's, by each route: a tall error's SVD (or, above
+    GRAM_ABOVE_ELEMENTS, its Gram matrix's eigh), a wide one's E R_xx Eᵀ eigh."""
+    from spear.compensate import init as init_module
     from spear.compensate.init import WhitenedError
 
+    if gram:
+        monkeypatch.setattr(init_module, "GRAM_ABOVE_ELEMENTS", 0)
     torch.manual_seed(0)
     W = torch.randn(out_features, in_features)
     W_hat = W + 0.1 * torch.randn(out_features, in_features)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,11 +87,15 @@ def compensate_artifact(
     config = read_artifact_config(artifact_dir)
     if config["base_model"] is None:
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
+    start = time.perf_counter()
     student = load_artifact(artifact_dir, device)
     teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
+    loaded = time.perf_counter()
     check_walkable(teacher.model, calib.seq_len)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
+    sampled = time.perf_counter()
     report = compensate(student.model, teacher.model, ids, cfg, rescaled=config["quant"].get("method") == "awq")
+    report.seconds = {"load": loaded - start, "calibration_ids": sampled - loaded} | report.seconds
     info = ArtifactInfo(config["base_model"], config["quant"], calibration_record(calib, ids),
                         plan=json.loads(report.plan.to_json()), extra={"compensation": report.summary()})
     save_artifact(student.model, student.tokenizer, artifact_dir, info)

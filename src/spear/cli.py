@@ -89,6 +89,11 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                         "(default); concentrate/spread/uniform: the fixed ablation modes")
     p.add_argument("--steps", type=int, default=CalibrateConfig.steps,
                    help=f"KL calibration steps (adaptive; default {CalibrateConfig.steps})")
+    p.add_argument("--calib-precision", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the frozen student's dtype while the ECs train (they and Adam stay float32): auto is "
+                        "bfloat16 on CUDA above 2B parameters, float32 otherwise")
+    p.add_argument("--checkpoint-layers", action="store_true",
+                   help="recompute each decoder layer's activations in the backward (less memory, ~1/3 more time)")
     p.add_argument("--cost", default="bytes", choices=["bytes", "latency"],
                    help="what a rank step costs the planner: bytes (default), or bytes + the decode µs the fused EC "
                         "adds (fit of the H200 kernel benchmark; compensate/cost.py)")
@@ -115,7 +120,8 @@ def _compensate_config(args):
         raise SpearError(f"--no-gate applies to --kind adaptive; {args.kind} has no gate")
     cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed, cost=cost, gate=not args.no_gate)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank),
-                   calibrate=replace(cfg.calibrate, steps=args.steps))
+                   calibrate=replace(cfg.calibrate, steps=args.steps, precision=args.calib_precision,
+                                     checkpoint_layers=args.checkpoint_layers))
 
 
 # `spear bench SUITE`: the script of bench/ that runs it; each writes one JSON with date, commit, device and versions

@@ -40,9 +40,17 @@ Teacher targets (`teacher_mode`):
                       between the two distributions coarsened to {top-k tokens, rest}:
                       a lower bound of the full KL, exact when k = vocab − 1.
 
-Dtype: the frozen student and the ECs run in float32 during calibration (an fp16/bf16
-student is upcast, trained, and every tensor is cast back to its own dtype at the end,
-which is exact for the frozen part). Cheap up to ~1B parameters and keeps Adam stable.
+Precision (`precision`): the ECs and Adam always hold float32. The frozen student runs
+  "float32":  upcast (an fp16/bf16 student), trained, every tensor cast back to its own dtype at the end (exact
+              for the frozen part). Cheap up to ~1B parameters; the default model's figures were all measured so.
+  "bfloat16": its body (embeddings, norms, dense copies) in bfloat16 and its head in float32 (the logits feed the
+              KL); the ECs compute in bfloat16 from their float32 masters (mixed precision). Half the bytes and the
+              tensor cores' full rate: at 8B the student takes 16 GB instead of 32. Not fp16: the KL's gradients
+              (~1e-8 a logit at 4,096 tokens a batch) underflow its range without loss scaling. On exit the body
+              is restored exactly (dense copies dequantized again from the codes, the rest from a host copy).
+  "auto" (default): bfloat16 on CUDA for a student above BF16_ABOVE_PARAMS parameters, else float32.
+`checkpoint_layers` recomputes each decoder layer's activations in the backward instead of keeping them
+(activation checkpointing, about one more forward a step): a step's activations then take one layer's share.
 """
 
 from __future__ import annotations
@@ -60,9 +68,12 @@ from tqdm.auto import tqdm
 from spear.compensate.graphed_step import GraphedStep
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
+from spear.models.layerwise import decoder_layers, set_module
 
 TEACHER_MODES = ("online", "topk")
 SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("auto", "float32", "bfloat16")
+BF16_ABOVE_PARAMS = 2_000_000_000  # "auto": bfloat16 for a CUDA student above this (a 1.2B fp32 student is 5 GB)
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,8 @@ class CalibrateConfig:
     norm_lr: float = 0.0  # > 0: the norm gains train too, at this LR (norm tweaking, zero bytes; no gain measured)
     eval_batch_size: int = 32  # sequences per no-grad forward when scoring (128 on an H200: 1.34 s at 8, 0.40 at 32)
     cuda_graph: bool = True  # on CUDA, replay the training step as a captured graph (module docstring)
+    precision: str = "auto"  # the frozen student's compute dtype while training (module docstring)
+    checkpoint_layers: bool = False  # recompute each decoder layer's activations in the backward (module docstring)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -95,6 +108,10 @@ class CalibrateConfig:
             raise SpearError(f"unknown teacher mode {self.teacher_mode!r}; choose one of {', '.join(TEACHER_MODES)}")
         if self.schedule not in SCHEDULES:
             raise SpearError(f"unknown LR schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            raise SpearError(f"unknown calibration precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.precision == "bfloat16" and self.norm_lr > 0:
+            raise SpearError("norm gains train in float32 only: use precision float32 with norm_lr > 0")
         if not 0 <= self.holdout < 1:
             raise SpearError(f"holdout must be in [0, 1), got {self.holdout}")
         if min(self.steps, self.batch_size, self.eval_batch_size, self.max_holdout, self.eval_every, self.patience,
@@ -117,6 +134,7 @@ class CalibrationResult:
     seconds: float
     history: list[dict] = field(default_factory=list)  # one entry per evaluation
     heldout_sequences: int = 0
+    precision: str = "float32"  # the frozen student's compute dtype (training_precision)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -186,9 +204,11 @@ def _hidden_and_layers(model: nn.Module, ids: torch.Tensor, layers: bool) -> tup
 
 
 def _logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The model's logits from its last hidden states: the head, then the final soft-capping of the families
-    that have one (Gemma 2: cap · tanh(logits / cap)), as the model's own forward computes them."""
-    logits = model.get_output_embeddings()(h)
+    """The model's logits from its last hidden states: the head (in its own dtype: float32 for a bfloat16 student),
+    then the final soft-capping of the families that have one (Gemma 2: cap · tanh(logits / cap)), as the model's
+    own forward computes them."""
+    head = model.get_output_embeddings()
+    logits = head(h.to(head.weight.dtype))
     cap = getattr(model.config, "final_logit_softcapping", None)
     return logits if not cap else cap * torch.tanh(logits / cap)
 
@@ -387,6 +407,88 @@ def _float32(model: nn.Module) -> Iterator[None]:
             m._buffers[name] = m._buffers[name].to(dtype)
 
 
+def training_precision(student: nn.Module, cfg: CalibrateConfig) -> str:
+    """cfg.precision, with "auto" settled by the student's device and size (module docstring)."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    device = next(student.parameters()).device
+    dense = sum(m.weight_hat.numel() for m in student.modules()
+                if isinstance(m, SpearLinear) and m.weight_hat is not None)
+    params = dense + sum(p.numel() for p in student.parameters())
+    return "bfloat16" if device.type == "cuda" and params > BF16_ABOVE_PARAMS else "float32"
+
+
+@contextlib.contextmanager
+def _bfloat16_body(model: nn.Module) -> Iterator[None]:
+    """Run `model` with its body in bfloat16, its head in float32 and its ECs in float32 (module docstring); on
+    exit every tensor is as it was: the dense copies dequantized again from their codes (which is how they were
+    made), the other parameters copied back from the host, the ECs cast back to their dtype."""
+    head_name = next(name for name, m in model.named_modules() if m is model.get_output_embeddings())
+    head = model.get_submodule(head_name)
+    head32 = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+    head32.weight = nn.Parameter(head.weight.detach().float(), requires_grad=False)  # untied from the embeddings
+    if head.bias is not None:
+        head32.bias = nn.Parameter(head.bias.detach().float(), requires_grad=False)
+    ecs = {id(p): (p, p.dtype) for p in ec_parameters(model)}.values()
+    ec_ids = {id(p) for p, _ in ecs}
+    body = [p for p in {id(p): p for p in model.parameters()}.values()
+            if id(p) not in ec_ids and p.is_floating_point() and p.dtype != torch.bfloat16]
+    saved = [(p, p.detach().to("cpu", copy=True)) for p in body]
+    dense = [(m, m.weight_hat.dtype) for m in model.modules() if isinstance(m, SpearLinear) and m.weight_hat is not None]
+    for p in body:
+        p.data = p.data.to(torch.bfloat16)
+    for m, _ in dense:
+        m.weight_hat = m.weight_hat.to(torch.bfloat16)
+    for p, _ in ecs:
+        p.data = p.data.float()
+    set_module(model, head_name, head32)
+    try:
+        yield
+    finally:
+        set_module(model, head_name, head)
+        for p, dtype in ecs:
+            p.grad = None
+            p.data = p.data.to(dtype)
+        for p, host in saved:
+            p.data = host.to(p.device)
+        for m, dtype in dense:
+            m.weight_hat = None  # the bfloat16 copy goes before the exact one is made
+            m.weight_hat = m.qweight.dequantize(dtype)
+
+
+@contextlib.contextmanager
+def _precision(model: nn.Module, precision: str) -> Iterator[None]:
+    with _float32(model) if precision == "float32" else _bfloat16_body(model):
+        yield
+
+
+@contextlib.contextmanager
+def _checkpointed_layers(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """While enabled, each decoder layer's forward under autograd keeps only its inputs and recomputes its
+    activations in the backward (torch.utils.checkpoint, non-reentrant: keyword arguments pass through, and the
+    recompute replays inside a captured CUDA graph); without grad it runs as it is."""
+    if not enabled:
+        yield
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(forward):
+        def run(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        return run
+
+    layers = list(decoder_layers(model))
+    for layer in layers:
+        layer.forward = wrap(layer.forward)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # the instance attribute goes; the class's forward shows again
+
+
 @contextlib.contextmanager
 def _tf32_matmuls() -> Iterator[None]:
     """Let float32 matmuls use TF32 tensor cores on CUDA while training (8x faster on Hopper; the KL
@@ -464,7 +566,8 @@ def calibrate_ecs(
     held, train = perm[:n_held], perm[n_held:]
     batch_size = min(cfg.batch_size, len(train))
 
-    with _float32(student), _tf32_matmuls():
+    precision = training_precision(student, cfg)
+    with _precision(student, precision), _checkpointed_layers(student, cfg.checkpoint_layers), _tf32_matmuls():
         groups = _param_groups(student, cfg)
         device = groups[0]["params"][0].device
         ids = calib_ids.to(device)
@@ -535,4 +638,5 @@ def calibrate_ecs(
         seconds=time.perf_counter() - start_time,
         history=history,
         heldout_sequences=n_held,
+        precision=precision,
     )

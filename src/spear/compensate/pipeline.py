@@ -163,6 +163,8 @@ def compensate(
             A, B = rescalings[entry.name].to_student(A, B)
         attach_ec(layer, A, B, entry.gate_hidden)
     seconds["init"] = time.perf_counter() - t
+    # the statistics (at 8B: ~65 GB of float64 R_xx), spectra and dense views go before training needs the memory
+    del stats, errors, w_hat, spectra
 
     calibration = None
     if cfg.trained and plan.entries:
