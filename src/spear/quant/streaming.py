@@ -24,7 +24,7 @@ from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.quant.pipeline import QuantSettings, check_shapes
 from spear.record import rtn_quantize
 from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
-from spear.util import atomic_dir
+from spear.util import atomic_dir, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ def rtn_quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings:
                 writer.add(full, stored_tensor(full, tensor, spear_linears))
                 in_layers.add(full)
             layers[i] = layer.to("meta")  # the float (and quantized) tensors of this layer go
+            release_freed_memory()  # and leave the process, or the heap keeps every layer's floats
         for name in model.state_dict():
             if name not in in_layers and name not in tied:
                 writer.add(name, stored_tensor(name, reader.get(source[name]), {}))

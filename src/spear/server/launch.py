@@ -19,6 +19,7 @@ import torch
 import uvicorn
 
 from spear.errors import SpearError
+from spear.util import release_freed_memory
 from spear.server.guard import GuardConfig, raise_open_file_limit, uvicorn_config
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
             engine = leader_engine(lm.model, lm.tokenizer, engine_config, channel, config.tp_reduction)
         tokenizer = lm.tokenizer
         del lm  # under TP the full weights go; the engine holds this rank's shard
+        release_freed_memory()  # what loading freed (records, dense copies) leaves the process
         if config.itl_slo_ms is not None:
             table = serving_table(spec, engine)
             if (warning := slo_warning(table, config.itl_slo_ms, config.max_num_seqs)) is not None:
