@@ -73,7 +73,8 @@ def test_checkpoint_is_sharded_and_loads_in_transformers(tiny_checkpoint):
 
 
 def test_a_measured_step_records_rss_and_exit_status(tiny_checkpoint, tmp_path):
-    args = argparse.Namespace(device="cpu", timeout=300, settle_s=1, tokens=8, serve_args="")
+    args = argparse.Namespace(device="cpu", timeout=300, settle_s=1, tokens=8, serve_args="", compensate_args="",
+                              serve_compensated=False)
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     row = memory.run_step("quantize_rtn", str(tiny_checkpoint), config, tmp_path, args)
     assert row["rc"] == 0, row.get("error")
@@ -101,3 +102,13 @@ def test_the_kv_cache_is_read_from_the_servers_line(tmp_path):
     assert memory.served_kv(SMALL, out)["kv_bytes"] == 4097 * 16 * 256
     out.write_text("serving\n")
     assert memory.served_kv(SMALL, out) == {}
+
+
+def test_compensate_rows_carry_the_stages_and_calibration_the_artifact_recorded(tmp_path):
+    summary = {"modules": 3, "ec_memory_pct": 0.98, "seconds": {"load": 1.234, "calibrate": 5.0},
+               "calibration": {"steps": 100, "precision": "bfloat16", "final_train_kl": 0.1, "history": None}}
+    (tmp_path / "config.json").write_text(json.dumps({"compensation": summary}))
+    row = memory.compensation_record(tmp_path)
+    assert row["stage_s"] == {"load": 1.23, "calibrate": 5.0} and row["ec_modules"] == 3
+    assert row["calibration"]["precision"] == "bfloat16" and row["calibration"]["steps"] == 100
+    assert memory.gpu_used_bytes() is None or memory.gpu_used_bytes() >= 0  # None without nvidia-smi
