@@ -142,9 +142,31 @@ def test_input_statistics_read_at_most_stats_sequences(float_and_quantized, monk
 
     teacher, quantized, ids = float_and_quantized
     seen = []
-    real = pipeline.collect_input_stats
-    monkeypatch.setattr(pipeline, "collect_input_stats", lambda model, calib, *a: seen.append(calib) or real(model, calib, *a))
-    compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05, stats_sequences=5))
-    assert len(seen) == 1 and torch.equal(seen[0], ids[:5])
+    for fn in ("collect_input_stats", "walk_input_stats"):  # the walk: the marginal plan with QERA inits
+        real = getattr(pipeline, fn)
+        monkeypatch.setattr(pipeline, fn, lambda model, calib, *a, real=real: seen.append(calib) or real(model, calib, *a))
+    for kind in ("qera", "lqer"):
+        seen.clear()
+        compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind=kind, budget=0.05, stats_sequences=5))
+        assert len(seen) == 1 and torch.equal(seen[0], ids[:5])
+
+
+def test_spectra_walked_a_layer_at_a_time_give_the_same_plan_and_factors(float_and_quantized, monkeypatch):
+    """The default plan's statistics come from the layer walk (one layer's R_xx held at a time); the whole-model
+    collection gives the same plan and the same EC factors."""
+    import spear.compensate.pipeline as pipeline
+    from spear.compensate.calibrate import ec_state_dict
+
+    teacher, quantized, ids = float_and_quantized
+    runs = []
+    for walk in (True, False):
+        if not walk:  # the walk's generator, replaced by one yielding the whole model's statistics at once
+            monkeypatch.setattr(pipeline, "walk_input_stats", lambda m, c, names: iter([pipeline.collect_input_stats(m, c, names)]))
+        student = copy.deepcopy(quantized)
+        report = compensate(student, teacher, ids, CompensateConfig(kind="qera", budget=0.05))
+        runs.append((report.plan.to_json(), ec_state_dict(student)))
+    (plan_walk, ecs_walk), (plan_whole, ecs_whole) = runs
+    assert plan_walk == plan_whole and ecs_walk.keys() == ecs_whole.keys()
+    assert all(torch.equal(ecs_walk[k], ecs_whole[k]) for k in ecs_walk)
     with pytest.raises(SpearError, match="stats_sequences"):
         CompensateConfig(stats_sequences=0)

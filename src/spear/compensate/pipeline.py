@@ -29,7 +29,7 @@ from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sen
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
 from spear.compensate.cost import BytesCost, CostModel
 from spear.compensate.planner import Plan, PlannerConfig, plan_ecs, quantized_model_bytes
-from spear.compensate.stats import collect_input_stats
+from spear.compensate.stats import InputStats, collect_input_stats, walk_input_stats
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 
@@ -138,12 +138,24 @@ def compensate(
     marginal = planner.allocation == "marginal"
     # 1,024 sequences (524k tokens) for a 1,536² R_xx; all 4,096 took ~30 s on an H200, 4× the time
     stats_ids = calib_ids[: cfg.stats_sequences]
-    stats = collect_input_stats(teacher, stats_ids, list(layers)) if marginal or init_kind != "lorc" else {}
     errors: dict[str, WhitenedError] = {}
-    if marginal:  # every kind is allocated from the same whitened spectra: equal modules and ranks
-        for n, m in tqdm(layers.items(), desc="whitened error spectra", unit="module"):
-            W = teacher_linears[n].weight.to(m.weight_hat.device)
-            errors[n] = WhitenedError.of(W, w_hat[n], stats[n], planner.max_rank)
+
+    def spectra_of(layer_stats: dict[str, InputStats]) -> None:
+        for n, st in layer_stats.items():
+            W = teacher_linears[n].weight.to(layers[n].weight_hat.device)
+            errors[n] = WhitenedError.of(W, w_hat[n], st, planner.max_rank)
+
+    if marginal and init_kind == "qera":
+        # the spectra are all the statistics serve (the inits read them back): a decoder layer at a time, so that
+        # one layer's R_xx are held, not the model's (65 GB in float64 at 8B); the same sums as collect_input_stats
+        stats = {}
+        for layer_stats in walk_input_stats(teacher, stats_ids, list(layers)):
+            spectra_of(layer_stats)
+    else:
+        stats = collect_input_stats(teacher, stats_ids, list(layers)) if marginal or init_kind != "lorc" else {}
+        if marginal:  # every kind is allocated from the same whitened spectra: equal modules and ranks
+            spectra_of(stats)
+    errors = {n: errors[n] for n in layers if n in errors}  # model order, whichever way they came
     seconds["spectra"] = time.perf_counter() - t
     spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
     plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cfg.cost, cfg.seed, planner, spectra)

@@ -9,12 +9,15 @@ Modules that read the same tensor (q, k, v; gate, up) share one InputStats objec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.models.layerwise import quantizable_linears
+from spear.models.layerwise import (
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, quantizable_linears,
+)
 
 
 @dataclass
@@ -63,6 +66,27 @@ def sqrtm_psd(R: torch.Tensor) -> torch.Tensor:
     return (Q * lam.clamp(min=0).sqrt()) @ Q.t()
 
 
+def _stats_hooks(linears: dict[str, nn.Module], stats: dict[str, InputStats],
+                 seen: list[tuple[torch.Tensor, InputStats]]) -> list:
+    """Forward pre-hooks that accumulate each named linear's inputs into `stats`; a module reading a tensor already
+    counted in this batch (`seen`, cleared by the caller after each batch) shares its InputStats."""
+
+    def hook(name: str):
+        def fn(_module, args):
+            x = args[0]
+            for t, st in seen:
+                if t is x:
+                    stats.setdefault(name, st)
+                    return
+            st = stats.setdefault(name, InputStats.zeros(x.shape[-1], x.device))
+            st.update(x)
+            seen.append((x, st))
+
+        return fn
+
+    return [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+
+
 @torch.no_grad()
 def collect_input_stats(
     model: nn.Module, calib_ids: torch.Tensor, names: list[str] | None = None, batch_size: int = 8
@@ -73,21 +97,7 @@ def collect_input_stats(
     names = list(linears) if names is None else names
     stats: dict[str, InputStats] = {}
     seen: list[tuple[torch.Tensor, InputStats]] = []  # this batch's inputs, held so ids stay unique
-
-    def hook(name: str):
-        def fn(_module, args):
-            x = args[0]
-            for t, st in seen:
-                if t is x:  # a module reading an already-counted tensor shares its stats
-                    stats.setdefault(name, st)
-                    return
-            st = stats.setdefault(name, InputStats.zeros(x.shape[-1], x.device))
-            st.update(x)
-            seen.append((x, st))
-
-        return fn
-
-    handles = [linears[n].register_forward_pre_hook(hook(n)) for n in names]
+    handles = _stats_hooks({n: linears[n] for n in names}, stats, seen)
     try:
         for ids in tqdm(calib_ids.split(batch_size), desc="input statistics", unit="batch"):
             model.base_model(input_ids=ids.to(model.device), use_cache=False)
@@ -96,3 +106,32 @@ def collect_input_stats(
         for h in handles:
             h.remove()
     return stats
+
+
+@torch.no_grad()
+def walk_input_stats(
+    model: nn.Module, calib_ids: torch.Tensor, names: list[str], batch_size: int = 8
+) -> Iterator[dict[str, InputStats]]:
+    """collect_input_stats a decoder layer at a time (models.layerwise): yields each layer's statistics of its
+    named linears, dropped when the caller moves on. The walk holds one layer's inputs for every batch and one
+    layer's statistics, not the whole model's: an 8B model's float64 R_xx take ~65 GB together, ~2 GB a layer."""
+    layers = decoder_layers(model)
+    prefix = next(name for name, m in model.named_modules() if m is layers)
+    wanted = set(names)
+    inputs = capture_layer_inputs(model, list(calib_ids.split(batch_size)))
+    for i, layer in enumerate(tqdm(layers, desc="input statistics", unit="layer")):
+        linears = {f"{prefix}.{i}.{rel}": m for rel, m in layer_linears(layer).items()}
+        stats: dict[str, InputStats] = {}
+        seen: list[tuple[torch.Tensor, InputStats]] = []
+        handles = _stats_hooks({n: m for n, m in linears.items() if n in wanted}, stats, seen)
+        outputs = []
+        try:
+            for h, kw in inputs:
+                y = layer(h, **kw)
+                outputs.append(y[0] if isinstance(y, tuple) else y)
+                seen.clear()
+        finally:
+            for handle in handles:
+                handle.remove()
+        inputs = LayerInputs(outputs, inputs.layer_kwargs, i + 1)
+        yield stats
