@@ -139,6 +139,40 @@ def test_commands_refuse_what_cannot_fit_before_loading(tiny_model_dir, tmp_path
     assert "needs about" in capsys.readouterr().err and not (tmp_path / "gptq").exists()
 
 
+def test_compensate_estimates_its_peak_and_refuses_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """memory.compensate_bytes: the student as loaded, the teacher's parameters, and the larger stage; bfloat16
+    training and checkpointed layers estimate less than float32 and whole activations. `spear compensate` refuses
+    a plan that cannot fit with one line, exit 2, the artifact untouched."""
+    from dataclasses import replace
+
+    from spear import memory
+    from spear.artifact import load_bytes, read_artifact_config
+    from spear.cli import main
+    from spear.compensate.calibrate import CalibrateConfig
+
+    art = quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, -1)), tmp_path / "art")
+    config = read_artifact_config(art)
+    from spear import api
+
+    float_params = sum(p.numel() for p in api.load(str(tiny_model_dir), CPU).model.parameters())
+    cal = CalibrateConfig(precision="float32")
+    parts = memory.compensate_bytes(art, config, torch.float32, CPU, 128, 64, cal)
+    assert parts["student"] == load_bytes(art, config, torch.float32, dense=True)
+    assert parts["teacher"] == 4 * float_params and parts["statistics"] > 0
+    bf16 = memory.compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, precision="bfloat16"))
+    ckpt = memory.compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, checkpoint_layers=True))
+    assert bf16["training in bfloat16"] < parts["training in float32"]
+    assert ckpt["training in float32"] < parts["training in float32"]
+
+    before = sorted((f.name, f.stat().st_mtime_ns) for f in art.iterdir())
+    capsys.readouterr()
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10_000)
+    assert main(["compensate", str(art), "--device", "cpu", "--calib-samples", "4", "--calib-len", "32"]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("spear:")]
+    assert len(err) == 1 and "compensating" in err[0] and "--checkpoint-layers" in err[0], err
+    assert sorted((f.name, f.stat().st_mtime_ns) for f in art.iterdir()) == before
+
+
 def test_load_bytes_estimates_what_loading_holds(tiny_model_dir, tmp_path):
     from spear.artifact import load_bytes, read_artifact_config
     from spear.runtime.model import held_bytes

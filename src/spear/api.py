@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,6 +75,24 @@ def _method_options(settings: QuantSettings) -> dict:
     return {}
 
 
+def _check_compensate_memory(path: Path, config: dict, cfg: "CompensateConfig", calib: CalibConfig,
+                             device: torch.device | None) -> None:
+    """Refuse, before loading anything, a compensation whose estimated peak (memory.compensate_bytes) does not fit
+    the device: one line naming the parts and what to change."""
+    from spear.memory import compensate_bytes, gib, require
+    from spear.models.loading import default_device, default_dtype
+
+    device = device or default_device()
+    parts = compensate_bytes(path, config, default_dtype(device), device, calib.seq_len, cfg.stats_sequences,
+                             cfg.calibrate)
+    student, teacher = parts.pop("student"), parts.pop("teacher")
+    stage, peak = max(parts.items(), key=lambda kv: kv[1])
+    detail = f"student {gib(student)} + teacher {gib(teacher)} + {stage} {gib(peak)}"
+    require(student + teacher + peak, device, f"compensating {path} ({detail})",
+            "try --calib-precision bfloat16, --checkpoint-layers, or a device with more memory")
+    print(f"compensate: estimated peak {gib(student + teacher + peak)} ({detail})", file=sys.stderr, flush=True)
+
+
 def compensate_artifact(
     artifact_dir: str | Path,
     cfg: "CompensateConfig",
@@ -87,6 +106,7 @@ def compensate_artifact(
     config = read_artifact_config(artifact_dir)
     if config["base_model"] is None:
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
+    _check_compensate_memory(Path(artifact_dir), config, cfg, calib, device)
     start = time.perf_counter()
     student = load_artifact(artifact_dir, device)
     teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
