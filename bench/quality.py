@@ -6,6 +6,7 @@ per process).
     spear bench quality --model $GGUF --out OUTDIR --suite ablations   # the hard case (W4 RTN per-channel): every ablation
     spear bench quality --model $GGUF --out OUTDIR --suite data        # the hard case: sample count, sampler, gate form
     spear bench quality --model $GGUF --out OUTDIR --suite levers      # BOS-free windows, surprise, latency cost
+    spear bench quality --model $GGUF --out OUTDIR --suite ecbits      # int8 against fp16 EC factors at 1%, two draws
     spear bench quality --model $GGUF --out OUTDIR --suite bases       # SPEAR and QERA on AWQ and OmniQuant (W4 pc)
     spear bench quality --model $GGUF --out OUTDIR --suite norms       # norm gains trained beside the ECs
     spear bench quality --model $GGUF --out OUTDIR --suite short       # more, shorter self-samples, equal tokens
@@ -102,6 +103,11 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             ("lev_surprise02", table, PC + ["--calib-surprise", "0.02", "--only", "+SPEAR"]),
             ("lev_cost_latency", table, PC + ["--cost", "latency", "--only", "+SPEAR"]),
         ],
+        "ecbits": [  # EC factors in int8 against fp16 at the same 1% (issue 51), at 512 × 200, two draws each
+            (f"ecbits_{bits}_seed{seed}", table, PC + ["--calib-samples", "512", "--steps", "200", "--seed", str(seed),
+                                                       "--only", only])
+            for bits, only in (("fp16", "+SPEAR 1%"), ("int8", "int8 factors")) for seed in (0, 1)
+        ],
         "bases": [  # SPEAR and QERA on the other 4-bit per-channel bases (OmniQuant's 10 epochs: over 9 minutes with
             # seven rows beside it, so run it with one other suite at most)
             ("base_awq_w4pc", table, AWQ + ["--budgets", "0.01", "--only", "QERA", "+SPEAR"]),
@@ -142,7 +148,7 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             (f"full_{name}{suffix}", table, setting + FULL + ["--steps", steps, "--only", only])
             for name, setting, steps in (("rtn_w4pc", PC, "1500"), ("gptq_w4pc", G4, "1500"),
                                          ("rtn_w4g64", R64, "1000"), ("gptq_w3g64", G3, "1000"))
-            for suffix, only in (("", "+SPEAR 1%"), ("_gateoff", "gate off (static"))
+            for suffix, only in (("", "+SPEAR 1%"), ("_gateoff", "gate off (static"), ("_int8", "int8 factors"))
         ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
@@ -175,7 +181,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "quality")
     p.add_argument("--suite", nargs="+", default=["tables"],
-                   choices=["tables", "ablations", "data", "levers", "bases", "norms", "short", "steps", "pack",
+                   choices=["tables", "ablations", "data", "levers", "ecbits", "bases", "norms", "short", "steps", "pack",
                             "zeroshot", "full", "quant", "warm"])
     p.add_argument("--rows", nargs="*", default=None, help="run only these rows of the suites (by name)")
     p.add_argument("--time-limit", type=int, default=540,

@@ -170,3 +170,69 @@ def test_spectra_walked_a_layer_at_a_time_give_the_same_plan_and_factors(float_a
     assert all(torch.equal(ecs_walk[k], ecs_whole[k]) for k in ecs_walk)
     with pytest.raises(SpearError, match="stats_sequences"):
         CompensateConfig(stats_sequences=0)
+
+
+def test_int8_rounding_is_idempotent_and_passes_gradients_straight_through():
+    from spear.layer import ErrorCompensator, int8_dequantize, int8_quantize, int8_round
+
+    t = torch.randn(6, 40) * torch.logspace(-3, 1, 6)[:, None]  # rank directions of very different size
+    q, scale = int8_quantize(t, dim=1)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (6,)
+    once = int8_dequantize(q, scale, 1)
+    assert torch.equal(int8_round(once, 1), once)  # what is stored rounds to itself
+    assert ((once - t).abs() <= scale.float()[:, None] / 2 + 1e-6).all()  # half a step at most, each direction
+    leaf = t.clone().requires_grad_()
+    int8_round(leaf, 1).sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(t))
+    from spear.compensate.cost import ec_nbytes
+
+    for bits in (16, 8):
+        ec = ErrorCompensator(96, 64, rank=8, gate_hidden=4, factor_bits=bits)
+        assert ec.nbytes() == ec_nbytes(64, 96, 8, 4, bits)
+    assert ec_nbytes(64, 96, 8, 4, 8) < 0.6 * ec_nbytes(64, 96, 8, 4)
+    with pytest.raises(SpearError, match="16 or 8"):
+        ErrorCompensator(96, 64, rank=8, factor_bits=4)
+
+
+def test_int8_factors_buy_more_rank_train_and_roundtrip(float_and_quantized, tiny_model_dir, tmp_path):
+    """At one budget, 8-bit factors buy more rank than fp16 ones; calibration trains through their rounding; the
+    artifact stores them as int8 with scales (fewer bytes), loads them back to the same logits, and exports them as
+    the fp16 the plugin and the static LoRA read."""
+    from dataclasses import replace
+
+    from spear.artifact import read_ec_tensors
+    from spear.compensate.planner import PlannerConfig
+    from spear.models import load_float_model
+    from spear.shards import ShardReader
+
+    teacher, quantized, ids = float_and_quantized
+    reports, students = {}, {}
+    for bits in (16, 8):
+        students[bits] = copy.deepcopy(quantized)
+        cfg = CompensateConfig(budget=0.1, calibrate=FAST, planner=PlannerConfig(factor_bits=bits))
+        reports[bits] = compensate(students[bits], teacher, ids, cfg)
+    ranks = {bits: sum(e.rank for e in r.plan.entries) for bits, r in reports.items()}
+    assert ranks[8] >= 1.6 * ranks[16], ranks
+    for report in reports.values():
+        assert report.ec_bytes <= 0.1 * report.w4_bytes
+    calibration = reports[8].calibration  # the KL falls while the rounded factors train
+    assert min(h["train_kl"] for h in calibration.history) < calibration.initial_train_kl
+    student = students[8]
+    ec = next(m.ec for m in quantized_layers(student).values() if m.ec is not None)
+    assert ec.factor_bits == 8 and torch.equal(ec.factors()[0], ec.A)  # rounded as stored at the end
+
+    tokenizer = load_float_model(str(tiny_model_dir), torch.device("cpu"), torch.float32).tokenizer
+    save_artifact(student, tokenizer, tmp_path / "art", ArtifactInfo("tiny", {"method": "rtn"},
+                                                                   plan=json.loads(reports[8].plan.to_json())))
+    back = load_artifact(tmp_path / "art", torch.device("cpu"), torch.float32).model
+    with torch.no_grad():
+        assert torch.equal(back(ids[:2]).logits, student(ids[:2]).logits)
+    reader = ShardReader(tmp_path / "art")
+    name = next(n for n in reader.names() if n.endswith(".ec.A"))
+    assert reader.get(name).dtype == torch.int8 and f"{name}_scale" in reader
+    config = json.loads((tmp_path / "art" / "config.json").read_text())
+    assert {m["factor_bits"] for m in config["ec_modules"].values()} == {8}
+    stored = read_ec_tensors(reader, config)
+    own = dict(back.named_parameters())
+    assert all(torch.equal(v, own[k].float()) for k, v in stored.items())
+    assert replace(PlannerConfig(factor_bits=8)).rank_cap == 2 * PlannerConfig().rank_cap

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from spear.errors import SpearError, first_line
-from spear.layer import ErrorCompensator, SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear, int8_dequantize, int8_quantize
 from spear.memory import require
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, default_device, default_dtype, read_tokenizer
@@ -36,6 +36,7 @@ FORMAT = "spear-artifact"
 FORMAT_VERSION = 2  # 2: codes packed at their bits, floats at 16 bits, sharded; 1: one uint8 a code, one file
 READABLE_VERSIONS = (1, 2)
 RECORD_PARTS = ("codes", "scales", "zeros", "g_idx", "offsets")
+INT8_FACTOR_DIMS = {"A": 1, "B": 0}  # an 8-bit EC factor's scales run along its rank directions: A's rows, B's columns
 
 
 @dataclass
@@ -67,12 +68,21 @@ def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: Artifa
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes, metadata={"format": FORMAT})
         tied = tied_parameters(model)
+        int8_ecs = {f"{n}.ec" for n, ec in ecs.items() if ec.factor_bits == 8}
         for name, tensor in model.state_dict().items():
-            if name not in tied:  # tied weights (e.g. lm_head = embed_tokens): stored once
+            module, _, part = name.rpartition(".")
+            if name in tied:  # tied weights (e.g. lm_head = embed_tokens): stored once
+                continue
+            if module in int8_ecs and part in INT8_FACTOR_DIMS:
+                q, scale = int8_quantize(tensor, INT8_FACTOR_DIMS[part])
+                writer.add(name, q)
+                writer.add(f"{name}_scale", scale)
+            else:
                 writer.add(name, stored_tensor(name, tensor, quantized))
         sha256 = writer.close()
         config = artifact_config(model.config, info, {n: (m.bits, m.in_features) for n, m in quantized.items()},
-                                 {n: (ec.rank, ec.gate_hidden) for n, ec in ecs.items()}, tied, sha256)
+                                 {n: (ec.rank, ec.gate_hidden, ec.factor_bits) for n, ec in ecs.items()}, tied,
+                                 sha256)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         tokenizer.save_pretrained(tmp)
     return out_dir
@@ -93,13 +103,34 @@ def stored_tensor(name: str, tensor: torch.Tensor, quantized) -> torch.Tensor:
 @torch.no_grad()
 def round_as_stored(model: nn.Module) -> None:
     """Round, in place, every floating tensor the artifact stores at 16 bits to its stored value (the dtype stays),
-    so that what is evaluated in memory is what the artifact holds and serves. Quantizing and calibrating end
-    with it."""
-    quantized, _ = _spear_modules(model)
+    and 8-bit EC factors to their int8 values, so that what is evaluated in memory is what the artifact holds and
+    serves. Quantizing and calibrating end with it."""
+    quantized, ecs = _spear_modules(model)
     for name, tensor in model.state_dict().items():
         stored = stored_tensor(name, tensor, quantized)
         if stored.dtype != tensor.dtype and tensor.is_floating_point():
             tensor.copy_(stored.to(tensor.dtype))
+    for ec in ecs.values():
+        if ec.factor_bits == 8:
+            for part, dim in INT8_FACTOR_DIMS.items():
+                factor = getattr(ec, part)
+                factor.copy_(int8_dequantize(*int8_quantize(factor, dim), dim).to(factor.dtype))
+
+
+def read_ec_tensors(reader: ShardReader, config: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every EC tensor of the artifact by its state-dict name, in `dtype`: 8-bit factors (stored as int8 and an fp16
+    scale per rank direction) dequantized."""
+    int8 = {f"{n}.ec" for n, meta in config["ec_modules"].items() if meta.get("factor_bits", 16) == 8}
+    out = {}
+    for name in reader.names():
+        module, _, part = name.rpartition(".")
+        if ".ec." not in name or (module in int8 and part.endswith("_scale")):
+            continue
+        if module in int8 and part in INT8_FACTOR_DIMS:
+            out[name] = int8_dequantize(reader.get(name), reader.get(f"{name}_scale"), INT8_FACTOR_DIMS[part]).to(dtype)
+        else:
+            out[name] = reader.get(name, dtype)
+    return out
 
 
 def artifact_config(model_config, info: ArtifactInfo, quantized: dict[str, tuple[int, int]],
@@ -117,7 +148,8 @@ def artifact_config(model_config, info: ArtifactInfo, quantized: dict[str, tuple
         "calibration": info.calibration,
         "plan": info.plan,
         "quantized_modules": {name: {"bits": b, "in_features": k} for name, (b, k) in quantized.items()},
-        "ec_modules": {name: {"rank": r, "gate_hidden": h} for name, (r, h) in ecs.items()},
+        "ec_modules": {name: {"rank": r, "gate_hidden": h} | ({} if bits == 16 else {"factor_bits": bits})
+                       for name, (r, h, bits) in ecs.items()},
         "tied": tied,
         "weights_sha256": sha256,
         "model_config": model_config,
@@ -246,11 +278,14 @@ def _read_weights(model: nn.Module, reader: ShardReader, config: dict, path: Pat
             read |= {f"{name}.{part}" for part in (*RECORD_PARTS, "bias")}
         for name, meta in config["ec_modules"].items():
             layer = model.get_submodule(name)
-            layer.ec = ErrorCompensator(layer.in_features, layer.out_features, meta["rank"], meta["gate_hidden"])
-    except (KeyError, AttributeError, RuntimeError) as e:
+            layer.ec = ErrorCompensator(layer.in_features, layer.out_features, meta["rank"], meta["gate_hidden"],
+                                        factor_bits=meta.get("factor_bits", 16))
+        # ECs train and run their PyTorch path in float32; everything else in the compute dtype
+        rest = read_ec_tensors(reader, config)
+    except (KeyError, AttributeError, RuntimeError, SpearError) as e:
         raise SpearError(f"corrupt artifact {path}: {first_line(e)}") from None
-    # ECs train and run their PyTorch path in float32; everything else in the compute dtype
-    rest = {n: reader.get(n, torch.float32 if ".ec." in n else dtype) for n in reader.names() if n not in read}
+    read |= {n for n in reader.names() if ".ec." in n}
+    rest |= {n: reader.get(n, dtype) for n in reader.names() if n not in read}
     try:
         result = model.load_state_dict(rest, strict=False, assign=True)
     except RuntimeError as e:

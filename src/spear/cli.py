@@ -84,6 +84,9 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: KL-calibrate the ECs without the gate γ (its bytes go to rank): a static EC that "
                         "stock vLLM's LoRA path serves exactly, within a point of the gated one (BENCHMARKS §2)")
     p.add_argument("--rank", type=int, default=None, help="fixed EC rank for every chosen module (multiple of 8)")
+    p.add_argument("--ec-bits", type=int, default=16, choices=[16, 8],
+                   help="bits of the EC factors A and B as stored: 16 (fp16, default) or 8 (int8 with a scale per "
+                        "rank direction: about twice the rank for the same budget)")
     p.add_argument("--placement", default="auto", choices=["auto", "concentrate", "spread", "uniform"],
                    help="auto: rank by marginal gain per byte over every linear, the damage entropy as its prior "
                         "(default); concentrate/spread/uniform: the fixed ablation modes")
@@ -119,7 +122,7 @@ def _compensate_config(args):
     if args.no_gate and args.kind != "adaptive":
         raise SpearError(f"--no-gate applies to --kind adaptive; {args.kind} has no gate")
     cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed, cost=cost, gate=not args.no_gate)
-    return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank),
+    return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank, factor_bits=args.ec_bits),
                    calibrate=replace(cfg.calibrate, steps=args.steps, precision=args.calib_precision,
                                      checkpoint_layers=args.checkpoint_layers))
 

@@ -6,6 +6,11 @@ The EC: A r×in, B out×r, MLP r → h → r with its last layer zero-initialise
 start and the EC begins as the static correction alpha * B A x. Without a gate (gate_hidden 0) the
 EC *is* a static low-rank correction (LoRC / LQER / QERA).
 
+Factors in 8 bits (`factor_bits` 8; EoRA keeps its factors at 3–4 bits): A and B stored as int8 with one fp16 scale
+per rank direction (A's rows, B's columns: a direction's magnitude is its singular value's), ~half the bytes of fp16
+a rank step, so a byte budget buys about twice the rank. The float parameters stay the masters; forward applies
+their int8 rounding (int8_round) with a straight-through gradient, so calibration trains what is stored.
+
 The PyTorch backend (the specification) keeps the dequantized weight as a non-persistent
 buffer in the compute dtype, so forward is one matmul plus the EC branch; the codes, scales
 and zeros stay the source of truth. For inference on CUDA, `use_kernels()` packs the weight
@@ -79,10 +84,35 @@ class LinearMethod(nn.Module, ABC):
         raise NotImplementedError(f"{type(self).__name__} folds no norm")
 
 
+FACTOR_BITS = (16, 8)
+INT8_MAX = 127
+
+
+def int8_quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, scale fp16) with t ≈ q · scale, one scale per slice along `dim` (absmax / 127, rounded to fp16)."""
+    scale = (t.detach().abs().amax(dim=dim, keepdim=True).float() / INT8_MAX).half().clamp(min=torch.finfo(torch.half).tiny)
+    q = torch.round(t.detach().float() / scale.float()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.squeeze(dim)
+
+
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    return q.float() * scale.float().unsqueeze(dim)
+
+
+def int8_round(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t rounded to its int8 form (int8_quantize), in t's dtype, with a straight-through gradient; idempotent."""
+    q, scale = int8_quantize(t, dim)
+    return t + (int8_dequantize(q, scale, dim).to(t.dtype) - t).detach()
+
+
 class ErrorCompensator(nn.Module):
-    def __init__(self, in_features: int, out_features: int, rank: int, gate_hidden: int = 0, alpha: float = 1.0):
+    def __init__(self, in_features: int, out_features: int, rank: int, gate_hidden: int = 0, alpha: float = 1.0,
+                 factor_bits: int = 16):
         super().__init__()
+        if factor_bits not in FACTOR_BITS:
+            raise SpearError(f"EC factors are stored in {' or '.join(map(str, FACTOR_BITS))} bits, not {factor_bits}")
         self.rank = rank
+        self.factor_bits = factor_bits
         self.A = nn.Parameter(torch.zeros(rank, in_features))
         self.B = nn.Parameter(torch.zeros(out_features, rank))
         self.alpha = nn.Parameter(torch.tensor(float(alpha)))
@@ -102,17 +132,30 @@ class ErrorCompensator(nn.Module):
             return torch.ones_like(u)
         return 1 + torch.tanh(self.gate.to(u.dtype)(u))
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) as the EC applies them: the parameters, or in 8 bits their int8 rounding per rank direction
+        (A's rows, B's columns) with a straight-through gradient."""
+        if self.factor_bits == 8:
+            return int8_round(self.A, dim=1), int8_round(self.B, dim=0)
+        return self.A, self.B
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = x @ self.A.to(x.dtype).t()  # [..., r]
+        A, B = self.factors()
+        u = x @ A.to(x.dtype).t()  # [..., r]
         if self.gate is not None:
             u = u * self.gamma(u)  # gamma(u) ⊙ u
         # alpha scales B [out, r], as the packed kernels do, not the output [..., out]: O(out·r) work, forward and
         # backward, instead of O(tokens·out)
-        return u @ (self.alpha * self.B).to(x.dtype).t()
+        return u @ (self.alpha * B).to(x.dtype).t()
 
-    def nbytes(self, bytes_per_param: int = 2) -> int:
-        """Bytes as served in fp16: A, B, the gate MLP and alpha."""
-        return sum(p.numel() for p in self.parameters()) * bytes_per_param
+    def nbytes(self) -> int:
+        """Bytes as stored: A and B in fp16, or in int8 with an fp16 scale per rank direction of each; the gate MLP
+        and alpha in fp16 (compensate.cost.ec_nbytes)."""
+        rest = sum(p.numel() for name, p in self.named_parameters() if name not in ("A", "B"))
+        factors = self.A.numel() + self.B.numel()
+        if self.factor_bits == 8:
+            return factors + 2 * 2 * self.rank + 2 * rest
+        return 2 * (factors + rest)
 
     @torch.no_grad()
     def served(self, dtype: torch.dtype) -> ServedEC:
@@ -121,7 +164,8 @@ class ErrorCompensator(nn.Module):
         if self.gate is not None:
             gate = tuple(t.detach().to(dtype) for t in (self.gate[0].weight, self.gate[0].bias, self.gate[2].weight,
                                                         self.gate[2].bias))
-        return ServedEC(self.A.detach().to(dtype), (self.alpha * self.B).detach().to(dtype), gate)
+        A, B = self.factors()
+        return ServedEC(A.detach().to(dtype), (self.alpha * B).detach().to(dtype), gate)
 
 
 @dataclass(frozen=True)
@@ -293,5 +337,6 @@ class SpearLinear(LinearMethod):
         return w4_decode_add_norm(x, self.packed, self.packed_ec, bias, residual, norm_weight, eps)
 
     def extra_repr(self) -> str:
-        ec = "none" if self.ec is None else f"rank={self.ec.rank}, gate_hidden={self.ec.gate_hidden}"
+        ec = "none" if self.ec is None else (f"rank={self.ec.rank}, gate_hidden={self.ec.gate_hidden}"
+                                             + ("" if self.ec.factor_bits == 16 else f", factor_bits={self.ec.factor_bits}"))
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, ec={ec}"

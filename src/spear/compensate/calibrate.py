@@ -363,7 +363,7 @@ def gate_spread(model: nn.Module, ids: torch.Tensor, batch_size: int = 8) -> dic
     def hook(ec: ErrorCompensator):
         def fn(_module, args):
             x = args[0]
-            g = ec.gamma(x @ ec.A.to(x.dtype).t()).float().flatten(0, -2)  # [T, r]
+            g = ec.gamma(x @ ec.factors()[0].to(x.dtype).t()).float().flatten(0, -2)  # [T, r]
             stds.append(g.std(0).mean().item())
             devs.append((g - 1).abs().mean().item())
 

@@ -3,7 +3,7 @@
 The planner's marginal allocation takes the rank step with the highest gain per unit of cost
 (planner.py); the byte budget is checked apart from the cost. Two cost models:
 
-BytesCost (default): the EC's fp16 bytes (A, B, gate MLP, alpha), ec_nbytes.
+BytesCost (default): the EC's bytes as stored (A and B in fp16 or int8, gate MLP, alpha), ec_nbytes.
 
 LatencyCost: bytes plus the decode time the EC adds, at an exchange rate of `bytes_per_us`:
 
@@ -32,10 +32,13 @@ from spear.errors import SpearError
 ROW_PARALLEL_SUFFIXES = ("o_proj", "down_proj")  # split along their input under TP: they reduce their outputs
 
 
-def ec_nbytes(out_features: int, in_features: int, rank: int, gate_hidden: int, bytes_per_param: int = 2) -> int:
-    """ErrorCompensator(in, out, rank, gate_hidden).nbytes(): A, B, alpha, gate r→h→r with biases."""
+def ec_nbytes(out_features: int, in_features: int, rank: int, gate_hidden: int, factor_bits: int = 16) -> int:
+    """ErrorCompensator(in, out, rank, gate_hidden, factor_bits=...).nbytes(): A and B (fp16, or int8 with an fp16
+    scale per rank direction of each), alpha and the gate r→h→r with biases in fp16."""
     gate = 2 * rank * gate_hidden + gate_hidden + rank if gate_hidden > 0 else 0
-    return (rank * (in_features + out_features) + 1 + gate) * bytes_per_param
+    if factor_bits == 8:
+        return rank * (in_features + out_features) + 2 * 2 * rank + 2 * (1 + gate)
+    return (rank * (in_features + out_features) + 1 + gate) * 2
 
 
 class CostModel(Protocol):
@@ -44,10 +47,12 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True)
 class BytesCost:
-    """Cost = fp16 bytes of the EC."""
+    """Cost = bytes of the EC as stored."""
+
+    factor_bits: int = 16
 
     def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
-        return float(ec_nbytes(out_features, in_features, rank, gate_hidden))
+        return float(ec_nbytes(out_features, in_features, rank, gate_hidden, self.factor_bits))
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class LatencyCost:
     bytes_per_us: float = 2.5e5  # exchange rate: 1 µs of decode is worth 250 kB of EC
     tp: int = 1
     t_reduce_us: float = 0.0  # per row-parallel EC at tp > 1 (p2p epilogue: ~0; NCCL all-reduce: ~47)
+    factor_bits: int = 16  # of the bytes term; the kernels read fp16 factors either way, so the time is fp16's
 
     def __post_init__(self) -> None:
         if min(self.t_fixed_us, self.t_per_mb_us, self.bytes_per_us, self.t_reduce_us) < 0 or self.tp < 1:
@@ -68,8 +74,9 @@ class LatencyCost:
         return self._us(name, ec_nbytes(out_features, in_features, rank, gate_hidden))
 
     def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
-        nbytes = ec_nbytes(out_features, in_features, rank, gate_hidden)
-        return nbytes + self.bytes_per_us * self._us(name, nbytes)
+        nbytes = ec_nbytes(out_features, in_features, rank, gate_hidden, self.factor_bits)
+        read = ec_nbytes(out_features, in_features, rank, gate_hidden)
+        return nbytes + self.bytes_per_us * self._us(name, read)
 
     def _us(self, name: str, nbytes: int) -> float:
         """t_m(r) of the module docstring, from the EC's bytes."""

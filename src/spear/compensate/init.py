@@ -136,8 +136,10 @@ def init_ec(
     return qera_init(E, rank, stats.r_xx_sqrt().to(E.device))
 
 
-def attach_ec(layer: SpearLinear, A: torch.Tensor, B: torch.Tensor, gate_hidden: int = 0) -> ErrorCompensator:
-    """Give `layer` an EC with these factors (gate, if any, starts at gamma ≡ 1); returns the EC."""
+def attach_ec(layer: SpearLinear, A: torch.Tensor, B: torch.Tensor, gate_hidden: int = 0,
+              factor_bits: int = 16) -> ErrorCompensator:
+    """Give `layer` an EC with these factors (gate, if any, starts at gamma ≡ 1), stored in `factor_bits`; returns
+    the EC."""
     rank = A.shape[0]
     if A.shape != (rank, layer.in_features) or B.shape != (layer.out_features, rank):
         raise SpearError(
@@ -145,7 +147,8 @@ def attach_ec(layer: SpearLinear, A: torch.Tensor, B: torch.Tensor, gate_hidden:
             f"{layer.out_features}×{layer.in_features} layer (need r×in and out×r)"
         )
     w = layer.weight_hat
-    ec = ErrorCompensator(layer.in_features, layer.out_features, rank, gate_hidden).to(device=w.device, dtype=w.dtype)
+    ec = ErrorCompensator(layer.in_features, layer.out_features, rank, gate_hidden, factor_bits=factor_bits)
+    ec = ec.to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         ec.A.copy_(A)
         ec.B.copy_(B)

@@ -143,7 +143,7 @@ def compensate(
     def spectra_of(layer_stats: dict[str, InputStats]) -> None:
         for n, st in layer_stats.items():
             W = teacher_linears[n].weight.to(layers[n].weight_hat.device)
-            errors[n] = WhitenedError.of(W, w_hat[n], st, planner.max_rank)
+            errors[n] = WhitenedError.of(W, w_hat[n], st, planner.rank_cap)
 
     if marginal and init_kind == "qera":
         # the spectra are all the statistics serve (the inits read them back): a decoder layer at a time, so that
@@ -158,7 +158,8 @@ def compensate(
     errors = {n: errors[n] for n in layers if n in errors}  # model order, whichever way they came
     seconds["spectra"] = time.perf_counter() - t
     spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
-    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cfg.cost, cfg.seed, planner, spectra)
+    cost = replace(cfg.cost, factor_bits=planner.factor_bits) if hasattr(cfg.cost, "factor_bits") else cfg.cost
+    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * w4_bytes), cost, cfg.seed, planner, spectra)
 
     from spear.artifact import round_as_stored
 
@@ -173,7 +174,7 @@ def compensate(
             A, B = init_ec(init_kind, W, w_hat[entry.name], entry.rank, stats.get(entry.name))
         if entry.name in rescalings:
             A, B = rescalings[entry.name].to_student(A, B)
-        attach_ec(layer, A, B, entry.gate_hidden)
+        attach_ec(layer, A, B, entry.gate_hidden, planner.factor_bits)
     seconds["init"] = time.perf_counter() - t
     # the statistics (at 8B: ~65 GB of float64 R_xx), spectra and dense views go before training needs the memory
     del stats, errors, w_hat, spectra

@@ -63,6 +63,7 @@ class PlannerConfig:
     concentrate_ranks: tuple[int, int] = (16, 128)  # (min, max) rank of a selected module
     spread_ranks: tuple[int, int] = (8, 16)
     gate_hidden: int = 8  # h of the gate MLP r → h → r; 0: no gate (static EC)
+    factor_bits: int = 16  # A and B stored in fp16 or int8 (layer.ErrorCompensator): int8 buys ~2× the rank a byte
     rank: int | None = None  # fixed rank for every selected module (ablations)
     ignore_budget: bool = False  # with `rank`: every module at that rank, whatever the budget
 
@@ -78,6 +79,14 @@ class PlannerConfig:
             raise SpearError("ignore_budget needs a fixed rank")
         if self.max_rank < 1 or self.max_beta < 1:
             raise SpearError(f"max_rank must be ≥ 1 and max_beta ≥ 1, got {self.max_rank} and {self.max_beta}")
+        if self.factor_bits not in (16, 8):
+            raise SpearError(f"EC factors are stored in 16 or 8 bits, not {self.factor_bits}")
+
+    @property
+    def rank_cap(self) -> int:
+        """marginal: the highest rank of one module, max_rank at fp16 factors; in int8, the rank the same bytes
+        buy (2× max_rank)."""
+        return self.max_rank * 16 // self.factor_bits
 
     @property
     def allocation(self) -> str:
@@ -188,7 +197,7 @@ def plan_ecs(
     h = cfg.gate_hidden
 
     def nbytes(name: str, rank: int) -> int:
-        return ec_nbytes(*shapes[name], rank, h)
+        return ec_nbytes(*shapes[name], rank, h, cfg.factor_bits)
 
     def max_rank(name: str) -> int:
         return min(shapes[name]) // RANK_STEP * RANK_STEP
@@ -229,7 +238,7 @@ def _marginal_plan(damage, entropy, tiebreak, shapes, budget_bytes, cost_model, 
     for n in names:
         s2 = spectra[n].double().clamp(min=0)
         total = float(s2.sum())
-        top = min(cfg.max_rank, *shapes[n], len(s2))
+        top = min(cfg.rank_cap, *shapes[n], len(s2))
         gains[n] = [] if total == 0 else (damage[n] ** beta * s2[:top] / total).tolist()
 
     def cost(n: str, r: int) -> float:
@@ -249,13 +258,14 @@ def _marginal_plan(damage, entropy, tiebreak, shapes, budget_bytes, cost_model, 
     while heap:
         _, _, n = heapq.heappop(heap)
         r = ranks[n]
-        extra = ec_nbytes(*shapes[n], r + 1, h) - (ec_nbytes(*shapes[n], r, h) if r else 0)
+        extra = ec_nbytes(*shapes[n], r + 1, h, cfg.factor_bits) - (ec_nbytes(*shapes[n], r, h, cfg.factor_bits) if r else 0)
         if used + extra > budget_bytes:
             continue  # this module stays where it is; cheaper steps elsewhere may still fit
         ranks[n] = r + 1
         used += extra
         push(n)
-    entries = [ModulePlan(n, r, h, ec_nbytes(*shapes[n], r, h), damage[n]) for n, r in ranks.items() if r > 0]
+    entries = [ModulePlan(n, r, h, ec_nbytes(*shapes[n], r, h, cfg.factor_bits), damage[n])
+               for n, r in ranks.items() if r > 0]
     total = sum(e.bytes for e in entries)
     rs = [e.rank for e in entries] or [0]
     us = getattr(cost_model, "microseconds", None)  # a latency-aware cost: report the plan's decode time too

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from spear.artifact import RECORD_PARTS, read_artifact_config, read_record
+from spear.artifact import RECORD_PARTS, read_artifact_config, read_ec_tensors, read_record
 from spear.errors import SpearError, require_module
 from spear.record import QuantizedWeight
 from spear.shards import ShardReader
@@ -66,8 +66,9 @@ def export_vllm(artifact_dir: str | Path, out_dir: str | Path) -> VllmExport:
     model = {}
     for name, record in records.items():
         model |= {f"{name}.{k}": v for k, v in pack_compressed_tensors(record, scheme).items()}
-    ecs = {k: reader.get(k).contiguous() for k in reader.names() if ".ec." in k}
-    owned = set(ecs) | {f"{name}.{part}" for name in records for part in RECORD_PARTS}
+    # 8-bit EC factors as the fp16 the plugin's kernels and the static LoRA read
+    ecs = {k: v.half().contiguous() for k, v in read_ec_tensors(reader, config).items()}
+    owned = {k for k in reader.names() if ".ec." in k} | {f"{name}.{part}" for name in records for part in RECORD_PARTS}
     model |= {k: reader.get(k) for k in reader.names() if k not in owned}
     ec_modules = config["ec_modules"]
     hf_config = _hf_config(config, scheme, ec_modules)

@@ -122,14 +122,15 @@ def unpack_w4(packed: PackedW4) -> torch.Tensor:
 
 
 def pack_ec(ec: ErrorCompensator) -> PackedEC:
-    r, k = ec.A.shape
-    n = ec.B.shape[0]
+    ec_A, ec_B = (t.detach() for t in ec.factors())  # int8 factors dequantized: the kernels read fp16
+    r, k = ec_A.shape
+    n = ec_B.shape[0]
     R = pow2_at_least_16(r)
-    dev = ec.A.device
+    dev = ec_A.device
     A = torch.zeros(R, k, dtype=torch.float16, device=dev)
-    A[:r] = ec.A.detach().half()
+    A[:r] = ec_A.half()
     B = torch.zeros(n, R, dtype=torch.float16, device=dev)
-    B[:, :r] = (ec.alpha.detach().float() * ec.B.detach().float()).half()
+    B[:, :r] = (ec.alpha.detach().float() * ec_B.float()).half()
     h = max(ec.gate_hidden, 1)
     H = pow2_at_least_16(h)
     W1 = torch.zeros(H, R, dtype=torch.float16, device=dev)

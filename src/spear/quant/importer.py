@@ -205,7 +205,8 @@ def _attach_ecs(model: nn.Module, records: dict[str, QuantizedWeight], path: Pat
         tensors = {k.removeprefix(f"{name}.ec."): ecs.pop(k) for k in [k for k in ecs if k.startswith(f"{name}.ec.")]}
         layer = model.get_submodule(name)
         try:
-            layer.ec = ErrorCompensator(layer.in_features, layer.out_features, meta["rank"], meta["gate_hidden"])
+            layer.ec = ErrorCompensator(layer.in_features, layer.out_features, meta["rank"], meta["gate_hidden"],
+                                        factor_bits=meta.get("factor_bits", 16))
             layer.ec.load_state_dict(tensors)
         except (KeyError, TypeError, RuntimeError) as e:
             raise SpearError(f"malformed EC {name} in {file}: {' '.join(str(e).split())}") from None
