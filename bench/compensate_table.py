@@ -59,9 +59,6 @@ class TokenScalarGateEC(ErrorCompensator):
 TOKEN_GATE_ROW = "ablation: per-token scalar gate"
 
 
-INT8_ROW = "ablation: int8 factors (SPEAR, same budget)"  # not "+SPEAR": the suites' --only +SPEAR keep their rows
-
-
 def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, CompensateConfig]]:
     """Every row: the static baselines (same allocator as SPEAR), SPEAR, and its ablations."""
     base = CompensateConfig()
@@ -73,7 +70,6 @@ def rows_to_run(budgets: list[float], spear_budget: float) -> list[tuple[str, Co
     planner, calibrate = spear.planner, spear.calibrate
     rows.append((f"+SPEAR {100 * spear_budget:g}%", spear))
     rows.append(("ablation: gate off (static EC, KL-trained)", replace(spear, gate=False)))
-    rows.append((INT8_ROW, replace(spear, planner=replace(planner, factor_bits=8))))
     rows.append(("ablation: closed form rank 1 on every linear (QERA)",
                  replace(spear, kind="qera", budget=0.99, planner=replace(planner, max_rank=1))))
     rows.append((TOKEN_GATE_ROW, spear))
@@ -119,6 +115,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--only", nargs="*", default=None, help="run only rows whose label contains one of these")
     p.add_argument("--seed", type=int, default=0, help="the compensators' seed (batch order, gate init): a draw")
+    p.add_argument("--ec-bits", type=int, default=16, choices=[16, 8], help="EC factors of every row in fp16 or int8")
     p.add_argument("--json", required=True)
     args = p.parse_args()
 
@@ -141,7 +138,7 @@ def main() -> None:
                                "calibration": {**calibration_record(calib, ids),
                                                "source": "text file" if calib.text_file else "self-sampled"},
                                "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch, "cost": args.cost,
-                               "norm_lr": args.norm_lr, "seed": args.seed,
+                               "norm_lr": args.norm_lr, "seed": args.seed, "ec_bits": args.ec_bits,
                                "rows": rows})
 
     fp = evaluate(lm.model)
@@ -158,7 +155,7 @@ def main() -> None:
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):
             continue
-        cfg = replace(cfg, seed=args.seed, calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch,
+        cfg = replace(cfg, seed=args.seed, planner=replace(cfg.planner, factor_bits=args.ec_bits), calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch,
                                                              norm_lr=args.norm_lr, progress=False),
                       cost=LatencyCost() if args.cost == "latency" else cfg.cost)
         student = copy.deepcopy(quantized)

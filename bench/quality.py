@@ -105,8 +105,8 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
         ],
         "ecbits": [  # EC factors in int8 against fp16 at the same 1% (issue 51), at 512 × 200, two draws each
             (f"ecbits_{bits}_seed{seed}", table, PC + ["--calib-samples", "512", "--steps", "200", "--seed", str(seed),
-                                                       "--only", only])
-            for bits, only in (("fp16", "+SPEAR 1%"), ("int8", "int8 factors")) for seed in (0, 1)
+                                                       "--ec-bits", bits, "--only", "+SPEAR 1%"])
+            for bits in ("16", "8") for seed in (0, 1)
         ],
         "bases": [  # SPEAR and QERA on the other 4-bit per-channel bases (OmniQuant's 10 epochs: over 9 minutes with
             # seven rows beside it, so run it with one other suite at most)
@@ -145,10 +145,11 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
         "full": [  # BENCHMARKS §2's first table: 4096 self-samples, 1500 KL steps per-channel, 1000 g64 (4-6 min a
             # row alone on the H200; two side by side fit a call: 360 s for the g64 pair, 450 s for the pc pair),
             # and the gate's equal-bytes ablation at each setting: a gate-less EC trained with the same KL
-            (f"full_{name}{suffix}", table, setting + FULL + ["--steps", steps, "--only", only])
+            (f"full_{name}{suffix}", table, setting + FULL + ["--steps", steps, *extra])
             for name, setting, steps in (("rtn_w4pc", PC, "1500"), ("gptq_w4pc", G4, "1500"),
                                          ("rtn_w4g64", R64, "1000"), ("gptq_w3g64", G3, "1000"))
-            for suffix, only in (("", "+SPEAR 1%"), ("_gateoff", "gate off (static"), ("_int8", "int8 factors"))
+            for suffix, extra in (("", ["--only", "+SPEAR 1%"]), ("_gateoff", ["--only", "gate off (static"]),
+                                  ("_int8", ["--ec-bits", "8", "--only", "+SPEAR 1%"]))
         ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
