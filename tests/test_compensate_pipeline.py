@@ -236,3 +236,30 @@ def test_int8_factors_buy_more_rank_train_and_roundtrip(float_and_quantized, tin
     own = dict(back.named_parameters())
     assert all(torch.equal(v, own[k].float()) for k, v in stored.items())
     assert replace(PlannerConfig(factor_bits=8)).rank_cap == 2 * PlannerConfig().rank_cap
+
+
+def test_budget_names_its_base(float_and_quantized, tiny_model_dir, tmp_path, capsys):
+    """--budget 1% is a share of the whole 4-bit model; --budget 2%:linears of its quantized linears alone. The
+    report gives the EC bytes against both."""
+    teacher, quantized, ids = float_and_quantized
+    reports = {}
+    for base in ("model", "linears"):
+        cfg = CompensateConfig(kind="qera", budget=0.1, budget_base=base)
+        reports[base] = compensate(copy.deepcopy(quantized), teacher, ids, cfg)
+    model, linears = reports["model"], reports["linears"]
+    assert model.linear_bytes == linears.linear_bytes < model.w4_bytes  # the tiny model's embeddings count too
+    assert model.ec_bytes <= 0.1 * model.w4_bytes and linears.ec_bytes <= 0.1 * linears.linear_bytes
+    assert linears.ec_bytes < model.ec_bytes
+    assert linears.summary()["ec_linears_pct"] == pytest.approx(100 * linears.ec_bytes / linears.linear_bytes)
+    with pytest.raises(SpearError, match="budget base"):
+        CompensateConfig(budget_base="embeddings")
+    art = tmp_path / "art"
+    assert main(["quantize", str(tiny_model_dir), "--bits", "3", "--out", str(art), "--device", "cpu"]) == 0
+    assert main(["compensate", str(art), "--budget", "5%:linears", "--kind", "qera", "--calib-samples", "8",
+                 "--calib-len", "32", "--device", "cpu"]) == 0
+    summary = json.loads((art / "config.json").read_text())["compensation"]
+    assert 0 < summary["ec_linears_pct"] <= 5 and summary["ec_memory_pct"] < summary["ec_linears_pct"]
+    assert "of its 4-bit linears" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compensate", str(art), "--budget", "2%:embeddings"])
+    assert exit_info.value.code == 2 and "budget base" in capsys.readouterr().err

@@ -63,21 +63,29 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
 
 
-def _budget(text: str) -> float:
-    """'1%' or '0.01' → 0.01."""
+def _budget(text: str) -> tuple[float, str]:
+    """'1%' or '0.01' → (0.01, "model"); '2%:linears' → (0.02, "linears") (compensate.pipeline.BUDGET_BASES)."""
+    from spear.compensate.pipeline import BUDGET_BASES
+
+    amount, _, base = text.partition(":")
+    base = base or "model"
+    if base not in BUDGET_BASES:
+        raise argparse.ArgumentTypeError(f"budget base must be {' or '.join(BUDGET_BASES)} (as in 2%:linears), got {base!r}")
     try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        value = float(amount[:-1]) / 100 if amount.endswith("%") else float(amount)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must look like 1% or 0.01, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"budget must look like 1%, 0.01 or 2%:linears, got {text!r}") from None
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"budget must be between 0% and 100%, got {text!r}")
-    return value
+    return value, base
 
 
 def _add_compensate_args(p: argparse.ArgumentParser) -> None:
     from spear.compensate.calibrate import CalibrateConfig
 
-    p.add_argument("--budget", type=_budget, default=0.01, help="EC memory as a share of the W4 model (default 1%%)")
+    p.add_argument("--budget", type=_budget, default=(0.01, "model"),
+                   help="EC memory as a share of the whole W4 model (default 1%%), or with :linears of its quantized "
+                        "linears alone (2%%:linears), the same share whatever the embeddings weigh")
     p.add_argument("--kind", default="adaptive", choices=["adaptive", "lorc", "lqer", "qera"],
                    help="adaptive: SPEAR's gated, KL-calibrated EC (default); lorc/lqer/qera: static closed form")
     p.add_argument("--no-gate", action="store_true",
@@ -121,7 +129,9 @@ def _compensate_config(args):
     cost = LatencyCost(tp=args.tp, t_reduce_us=args.reduce_us) if args.cost == "latency" else BytesCost()
     if args.no_gate and args.kind != "adaptive":
         raise SpearError(f"--no-gate applies to --kind adaptive; {args.kind} has no gate")
-    cfg = CompensateConfig(kind=args.kind, budget=args.budget, seed=args.seed, cost=cost, gate=not args.no_gate)
+    budget, base = args.budget
+    cfg = CompensateConfig(kind=args.kind, budget=budget, budget_base=base, seed=args.seed, cost=cost,
+                           gate=not args.no_gate)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank, factor_bits=args.ec_bits),
                    calibrate=replace(cfg.calibrate, steps=args.steps, precision=args.calib_precision,
                                      checkpoint_layers=args.checkpoint_layers))
@@ -380,8 +390,8 @@ def cmd_compensate(args) -> int:
     report = api.compensate_artifact(args.artifact, _compensate_config(args), calib, device=_device(args))
     s = report.summary()
     print(f"{s['kind']} ECs on {s['modules']} modules ({s['mode']}, entropy {s['entropy']:.3f}), ranks {s['ranks']}, "
-          f"{s['ec_bytes'] / 1e6:.2f} MB = {s['ec_memory_pct']:.2f}% of the W4 model; wrote {args.artifact}",
-          file=sys.stderr)
+          f"{s['ec_bytes'] / 1e6:.2f} MB = {s['ec_memory_pct']:.2f}% of the W4 model, {s['ec_linears_pct']:.2f}% of its "
+          f"4-bit linears; wrote {args.artifact}", file=sys.stderr)
     return 0
 
 

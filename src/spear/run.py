@@ -93,6 +93,7 @@ class RunReport:
             "spear_ppl": spear,
             "gap_closed": None if spear is None else gap_closed(fp, w4, spear),
             "ec_memory_pct": self.ec.get("ec_memory_pct"),
+            "ec_linears_pct": self.ec.get("ec_linears_pct"),
             "versions": versions(),
         }
 
