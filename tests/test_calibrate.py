@@ -218,11 +218,11 @@ def test_bfloat16_student_trains_from_float32_masters_and_is_restored_exactly():
 
 
 def test_auto_precision_is_float32_off_cuda_and_for_small_students():
-    from spear.compensate.calibrate import training_precision
+    from spear.compensate.precision import training_precision
 
     _, student = quantized_pair()
-    assert training_precision(student, CalibrateConfig()) == "float32"
-    assert training_precision(student, CalibrateConfig(precision="bfloat16")) == "bfloat16"
+    assert training_precision(student, CalibrateConfig().precision) == "float32"
+    assert training_precision(student, "bfloat16") == "bfloat16"
 
 
 def test_checkpointed_layers_recompute_and_train_alike():

@@ -63,7 +63,7 @@ def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch
     `calibrate.checkpoint_layers`; the logits of one chunk). Activations count ~12·hidden + 4·intermediate values
     a token a layer (norm inputs, q/k/v, attention output, the MLP's gate, up and product, the ECs' inputs)."""
     from spear.artifact import load_bytes
-    from spear.compensate.calibrate import BF16_ABOVE_PARAMS
+    from spear.compensate.precision import BF16_ABOVE_PARAMS
     from spear.shards import ShardReader
 
     reader, size = ShardReader(path), torch.finfo(dtype).bits // 8

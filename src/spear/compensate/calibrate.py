@@ -40,22 +40,12 @@ Teacher targets (`teacher_mode`):
                       between the two distributions coarsened to {top-k tokens, rest}:
                       a lower bound of the full KL, exact when k = vocab − 1.
 
-Precision (`precision`): the ECs and Adam always hold float32. The frozen student runs
-  "float32":  upcast (an fp16/bf16 student), trained, every tensor cast back to its own dtype at the end (exact
-              for the frozen part). Cheap up to ~1B parameters; the default model's figures were all measured so.
-  "bfloat16": its body (embeddings, norms, dense copies) in bfloat16 and its head in float32 (the logits feed the
-              KL); the ECs compute in bfloat16 from their float32 masters (mixed precision). Half the bytes and the
-              tensor cores' full rate: at 8B the student takes 16 GB instead of 32. Not fp16: the KL's gradients
-              (~1e-8 a logit at 4,096 tokens a batch) underflow its range without loss scaling. On exit the body
-              is restored exactly (dense copies dequantized again from the codes, the rest from a host copy).
-  "auto" (default): bfloat16 on CUDA for a student above BF16_ABOVE_PARAMS parameters, else float32.
-`checkpoint_layers` recomputes each decoder layer's activations in the backward instead of keeping them
-(activation checkpointing, about one more forward a step): a step's activations then take one layer's share.
+Precision: the ECs and Adam hold float32; the frozen student runs in float32 or, above 2B parameters on CUDA, in
+bfloat16, and may recompute each decoder layer's activations in the backward (compensate/precision.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -68,12 +58,10 @@ from tqdm.auto import tqdm
 from spear.compensate.graphed_step import GraphedStep
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
-from spear.models.layerwise import decoder_layers, set_module
+from spear.compensate.precision import PRECISIONS, checkpointed_layers, student_in, tf32_matmuls, training_precision
 
 TEACHER_MODES = ("online", "topk")
 SCHEDULES = ("cosine", "constant")
-PRECISIONS = ("auto", "float32", "bfloat16")
-BF16_ABOVE_PARAMS = 2_000_000_000  # "auto": bfloat16 for a CUDA student above this (a 1.2B fp32 student is 5 GB)
 
 
 @dataclass(frozen=True)
@@ -385,122 +373,6 @@ def gate_spread(model: nn.Module, ids: torch.Tensor, batch_size: int = 8) -> dic
 # --- training -----------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _float32(model: nn.Module) -> Iterator[None]:
-    """Run `model` with every fp16/bf16 parameter and buffer in float32; cast each back on exit (exact)."""
-    low = (torch.float16, torch.bfloat16)
-    params = {id(p): (p, p.dtype) for p in model.parameters() if p.dtype in low}.values()
-    buffers = [
-        (m, name, b.dtype) for m in model.modules() for name, b in m._buffers.items() if b is not None and b.dtype in low
-    ]
-    for p, _ in params:
-        p.data = p.data.float()
-    for m, name, _ in buffers:
-        m._buffers[name] = m._buffers[name].float()
-    try:
-        yield
-    finally:
-        for p, dtype in params:
-            p.grad = None
-            p.data = p.data.to(dtype)
-        for m, name, dtype in buffers:
-            m._buffers[name] = m._buffers[name].to(dtype)
-
-
-def training_precision(student: nn.Module, cfg: CalibrateConfig) -> str:
-    """cfg.precision, with "auto" settled by the student's device and size (module docstring)."""
-    if cfg.precision != "auto":
-        return cfg.precision
-    device = next(student.parameters()).device
-    dense = sum(m.weight_hat.numel() for m in student.modules()
-                if isinstance(m, SpearLinear) and m.weight_hat is not None)
-    params = dense + sum(p.numel() for p in student.parameters())
-    return "bfloat16" if device.type == "cuda" and params > BF16_ABOVE_PARAMS else "float32"
-
-
-@contextlib.contextmanager
-def _bfloat16_body(model: nn.Module) -> Iterator[None]:
-    """Run `model` with its body in bfloat16, its head in float32 and its ECs in float32 (module docstring); on
-    exit every tensor is as it was: the dense copies dequantized again from their codes (which is how they were
-    made), the other parameters copied back from the host, the ECs cast back to their dtype."""
-    head_name = next(name for name, m in model.named_modules() if m is model.get_output_embeddings())
-    head = model.get_submodule(head_name)
-    head32 = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
-    head32.weight = nn.Parameter(head.weight.detach().float(), requires_grad=False)  # untied from the embeddings
-    if head.bias is not None:
-        head32.bias = nn.Parameter(head.bias.detach().float(), requires_grad=False)
-    ecs = {id(p): (p, p.dtype) for p in ec_parameters(model)}.values()
-    ec_ids = {id(p) for p, _ in ecs}
-    body = [p for p in {id(p): p for p in model.parameters()}.values()
-            if id(p) not in ec_ids and p.is_floating_point() and p.dtype != torch.bfloat16]
-    saved = [(p, p.detach().to("cpu", copy=True)) for p in body]
-    dense = [(m, m.weight_hat.dtype) for m in model.modules() if isinstance(m, SpearLinear) and m.weight_hat is not None]
-    for p in body:
-        p.data = p.data.to(torch.bfloat16)
-    for m, _ in dense:
-        m.weight_hat = m.weight_hat.to(torch.bfloat16)
-    for p, _ in ecs:
-        p.data = p.data.float()
-    set_module(model, head_name, head32)
-    try:
-        yield
-    finally:
-        set_module(model, head_name, head)
-        for p, dtype in ecs:
-            p.grad = None
-            p.data = p.data.to(dtype)
-        for p, host in saved:
-            p.data = host.to(p.device)
-        for m, dtype in dense:
-            m.weight_hat = None  # the bfloat16 copy goes before the exact one is made
-            m.weight_hat = m.qweight.dequantize(dtype)
-
-
-@contextlib.contextmanager
-def _precision(model: nn.Module, precision: str) -> Iterator[None]:
-    with _float32(model) if precision == "float32" else _bfloat16_body(model):
-        yield
-
-
-@contextlib.contextmanager
-def _checkpointed_layers(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """While enabled, each decoder layer's forward under autograd keeps only its inputs and recomputes its
-    activations in the backward (torch.utils.checkpoint, non-reentrant: keyword arguments pass through, and the
-    recompute replays inside a captured CUDA graph); without grad it runs as it is."""
-    if not enabled:
-        yield
-        return
-    from torch.utils.checkpoint import checkpoint
-
-    def wrap(forward):
-        def run(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-        return run
-
-    layers = list(decoder_layers(model))
-    for layer in layers:
-        layer.forward = wrap(layer.forward)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward  # the instance attribute goes; the class's forward shows again
-
-
-@contextlib.contextmanager
-def _tf32_matmuls() -> Iterator[None]:
-    """Let float32 matmuls use TF32 tensor cores on CUDA while training (8x faster on Hopper; the KL
-    gradients need no more than TF32's 10-bit mantissa); restore the caller's setting on exit."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-
-
 def _param_groups(student: nn.Module, cfg: CalibrateConfig) -> list[dict]:
     """Freeze everything, then unfreeze the EC parameters that cfg trains; Adam groups by LR."""
     for p in student.parameters():
@@ -566,8 +438,9 @@ def calibrate_ecs(
     held, train = perm[:n_held], perm[n_held:]
     batch_size = min(cfg.batch_size, len(train))
 
-    precision = training_precision(student, cfg)
-    with _precision(student, precision), _checkpointed_layers(student, cfg.checkpoint_layers), _tf32_matmuls():
+    precision = training_precision(student, cfg.precision)
+    with student_in(student, precision, ec_parameters(student)), checkpointed_layers(student, cfg.checkpoint_layers), \
+            tf32_matmuls():
         groups = _param_groups(student, cfg)
         device = groups[0]["params"][0].device
         ids = calib_ids.to(device)
