@@ -140,7 +140,7 @@ def test_commands_refuse_what_cannot_fit_before_loading(tiny_model_dir, tmp_path
 
 
 def test_compensate_estimates_its_peak_and_refuses_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """memory.compensate_bytes: the student as loaded, the teacher's parameters, and the larger stage; bfloat16
+    """compensate_bytes: the student as loaded, the teacher's parameters, and the larger stage; bfloat16
     training and checkpointed layers estimate less than float32 and whole activations. `spear compensate` refuses
     a plan that cannot fit with one line, exit 2, the artifact untouched."""
     from dataclasses import replace
@@ -149,6 +149,7 @@ def test_compensate_estimates_its_peak_and_refuses_before_loading(tiny_model_dir
     from spear.artifact import load_bytes, read_artifact_config
     from spear.cli import main
     from spear.compensate.calibrate import CalibrateConfig
+    from spear.compensate.precision import compensate_bytes
 
     art = quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, -1)), tmp_path / "art")
     config = read_artifact_config(art)
@@ -156,11 +157,11 @@ def test_compensate_estimates_its_peak_and_refuses_before_loading(tiny_model_dir
 
     float_params = sum(p.numel() for p in api.load(str(tiny_model_dir), CPU).model.parameters())
     cal = CalibrateConfig(precision="float32")
-    parts = memory.compensate_bytes(art, config, torch.float32, CPU, 128, 64, cal)
+    parts = compensate_bytes(art, config, torch.float32, CPU, 128, 64, cal)
     assert parts["student"] == load_bytes(art, config, torch.float32, dense=True)
     assert parts["teacher"] == 4 * float_params and parts["statistics"] > 0
-    bf16 = memory.compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, precision="bfloat16"))
-    ckpt = memory.compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, checkpoint_layers=True))
+    bf16 = compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, precision="bfloat16"))
+    ckpt = compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, checkpoint_layers=True))
     assert bf16["training in bfloat16"] < parts["training in float32"]
     assert ckpt["training in float32"] < parts["training in float32"]
 

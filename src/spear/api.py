@@ -79,7 +79,8 @@ def _check_compensate_memory(path: Path, config: dict, cfg: "CompensateConfig", 
                              device: torch.device | None) -> None:
     """Refuse, before loading anything, a compensation whose estimated peak (memory.compensate_bytes) does not fit
     the device: one line naming the parts and what to change."""
-    from spear.memory import compensate_bytes, gib, require
+    from spear.compensate.precision import compensate_bytes
+    from spear.memory import gib, require
     from spear.models.loading import default_device, default_dtype
 
     device = device or default_device()

@@ -1,4 +1,5 @@
-"""The frozen student's dtype and memory while the ECs train (calibrate.py's `precision` and `checkpoint_layers`).
+"""The frozen student's dtype and memory while the ECs train (calibrate.py's `precision` and `checkpoint_layers`),
+and what a whole compensation holds at its peak (compensate_bytes: `spear compensate` checks it before loading).
 
 The ECs and Adam always hold float32. The frozen student runs
   "float32":  upcast (an fp16/bf16 student), trained, every tensor cast back to its own dtype at the end (exact
@@ -16,6 +17,7 @@ checkpointed_layers recomputes each decoder layer's activations in the backward 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -144,3 +146,43 @@ def tf32_matmuls() -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch.device, seq_len: int,
+                     stats_sequences: int, calibrate) -> dict[str, int]:
+    """The peak of `spear compensate` on the artifact at `path`, by part, from its headers and config alone: the
+    student with its dense copies (load_bytes), the float teacher, and the larger of the two stages that follow,
+    the input statistics (one decoder layer's float64 R_xx and the walk's hidden states) and training (the
+    student's extra copy in float32, or the float32 head of a bfloat16 one; a step's activations, by
+    `calibrate.checkpoint_layers`; the logits of one chunk). Activations count ~12·hidden + 4·intermediate values
+    a token a layer (norm inputs, q/k/v, attention output, the MLP's gate, up and product, the ECs' inputs)."""
+    from spear.artifact import load_bytes
+    from spear.shards import ShardReader
+
+    reader, size = ShardReader(path), torch.finfo(dtype).bits // 8
+    quantized = config["quantized_modules"]
+    params = 0
+    for name in reader.names():
+        entry, module = reader.entry(name), name.rpartition(".")[0]
+        if module in quantized:
+            params += entry.shape[0] * quantized[module]["in_features"] if name.endswith(".codes") else 0
+        elif ".ec." not in name:
+            params += entry.numel
+    model = config["model_config"]
+    model = model.get("text_config") or model
+    hidden, layers = model["hidden_size"], model["num_hidden_layers"]
+    inter, vocab = model.get("intermediate_size", 4 * hidden), model["vocab_size"]
+    heads = model.get("num_attention_heads", 1)
+    q_dim = heads * (model.get("head_dim") or hidden // heads)
+    precision = calibrate.precision
+    if precision == "auto":
+        precision = "bfloat16" if device.type == "cuda" and params > BF16_ABOVE_PARAMS else "float32"
+    train_size = 4 if precision == "float32" else 2
+    tokens = calibrate.batch_size * seq_len
+    per_layer = tokens * (12 * hidden + 4 * inter) * train_size
+    activations = per_layer + tokens * hidden * train_size * layers if calibrate.checkpoint_layers else per_layer * layers
+    extra = params * (4 - size) if precision == "float32" else vocab * hidden * 4  # the upcast, or the float32 head
+    training = extra + activations + 4 * calibrate.chunk_tokens * vocab * 4
+    statistics = 8 * (2 * hidden**2 + q_dim**2 + inter**2) + 2 * stats_sequences * seq_len * hidden * size
+    return {"student": load_bytes(path, config, dtype, dense=True), "teacher": params * size,
+            "statistics": statistics, f"training in {precision}": training}
