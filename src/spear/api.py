@@ -77,8 +77,8 @@ def _method_options(settings: QuantSettings) -> dict:
 
 def _check_compensate_memory(path: Path, config: dict, cfg: "CompensateConfig", calib: CalibConfig,
                              device: torch.device | None) -> None:
-    """Refuse, before loading anything, a compensation whose estimated peak (compensate.precision.compensate_bytes) does not fit
-    the device: one line naming the parts and what to change."""
+    """Refuse, before loading anything, a compensation whose estimated peak does not fit the device
+    (compensate.precision.compensate_bytes): one line naming the parts and what to change."""
     from spear.compensate.precision import compensate_bytes
     from spear.memory import gib, require
     from spear.models.loading import default_device, default_dtype
