@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -49,20 +50,26 @@ def versions() -> dict[str, str]:
     return {"spear": spear.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+@functools.cache
+def _libc():
+    """The C library, once: ctypes.util.find_library runs ldconfig in a subprocess each time it is asked."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def release_freed_memory() -> None:
     """Hand the heap's freed pages back to the OS (glibc's malloc_trim; nothing elsewhere). Loading frees many
     large tensors (records once packed, a layer's floats once quantized), and glibc keeps what it freed in the
     process: a 1.2B model served on a CPU sat at 4.1 GB of RSS where its tensors take 3.0 (bench/memory.py)."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        libc = None
+    libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
-

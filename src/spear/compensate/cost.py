@@ -42,17 +42,17 @@ def ec_nbytes(out_features: int, in_features: int, rank: int, gate_hidden: int, 
 
 
 class CostModel(Protocol):
-    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float: ...
+    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int,
+             factor_bits: int = 16) -> float: ...
 
 
 @dataclass(frozen=True)
 class BytesCost:
     """Cost = bytes of the EC as stored."""
 
-    factor_bits: int = 16
-
-    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
-        return float(ec_nbytes(out_features, in_features, rank, gate_hidden, self.factor_bits))
+    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int,
+             factor_bits: int = 16) -> float:
+        return float(ec_nbytes(out_features, in_features, rank, gate_hidden, factor_bits))
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,6 @@ class LatencyCost:
     bytes_per_us: float = 2.5e5  # exchange rate: 1 µs of decode is worth 250 kB of EC
     tp: int = 1
     t_reduce_us: float = 0.0  # per row-parallel EC at tp > 1 (p2p epilogue: ~0; NCCL all-reduce: ~47)
-    factor_bits: int = 16  # of the bytes term; the kernels read fp16 factors either way, so the time is fp16's
 
     def __post_init__(self) -> None:
         if min(self.t_fixed_us, self.t_per_mb_us, self.bytes_per_us, self.t_reduce_us) < 0 or self.tp < 1:
@@ -73,8 +72,10 @@ class LatencyCost:
     def microseconds(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
         return self._us(name, ec_nbytes(out_features, in_features, rank, gate_hidden))
 
-    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int) -> float:
-        nbytes = ec_nbytes(out_features, in_features, rank, gate_hidden, self.factor_bits)
+    def cost(self, name: str, out_features: int, in_features: int, rank: int, gate_hidden: int,
+             factor_bits: int = 16) -> float:
+        """Stored bytes (at `factor_bits`) + the time of the bytes the kernels read: fp16 factors either way."""
+        nbytes = ec_nbytes(out_features, in_features, rank, gate_hidden, factor_bits)
         read = ec_nbytes(out_features, in_features, rank, gate_hidden)
         return nbytes + self.bytes_per_us * self._us(name, read)
 

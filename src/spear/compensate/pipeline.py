@@ -176,9 +176,8 @@ def compensate(
     errors = {n: errors[n] for n in layers if n in errors}  # model order, whichever way they came
     seconds["spectra"] = time.perf_counter() - t
     spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
-    cost = replace(cfg.cost, factor_bits=planner.factor_bits) if hasattr(cfg.cost, "factor_bits") else cfg.cost
     base_bytes = w4_bytes if cfg.budget_base == "model" else linear_bytes
-    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * base_bytes), cost, cfg.seed, planner, spectra)
+    plan = plan_ecs(sensitivity, shapes, int(cfg.budget * base_bytes), cfg.cost, cfg.seed, planner, spectra)
 
     from spear.artifact import round_as_stored
 

@@ -36,6 +36,7 @@ from torch import nn
 from spear.compensate.cka import SensitivityTable
 from spear.compensate.cost import BytesCost, CostModel, ec_nbytes
 from spear.errors import SpearError
+from spear.layer import FACTOR_BITS
 from spear.models.layerwise import quantizable_linears
 from spear.record import QuantizedWeight
 
@@ -79,8 +80,9 @@ class PlannerConfig:
             raise SpearError("ignore_budget needs a fixed rank")
         if self.max_rank < 1 or self.max_beta < 1:
             raise SpearError(f"max_rank must be ≥ 1 and max_beta ≥ 1, got {self.max_rank} and {self.max_beta}")
-        if self.factor_bits not in (16, 8):
-            raise SpearError(f"EC factors are stored in 16 or 8 bits, not {self.factor_bits}")
+        if self.factor_bits not in FACTOR_BITS:
+            bits = " or ".join(map(str, FACTOR_BITS))
+            raise SpearError(f"EC factors are stored in {bits} bits, not {self.factor_bits}")
 
     @property
     def rank_cap(self) -> int:
@@ -211,7 +213,7 @@ def plan_ecs(
     elif cfg.rank is not None and cfg.ignore_budget:
         ranks = {n: cfg.rank for n in names}
     else:
-        kappa = {n: cost_model.cost(n, *shapes[n], RANK_STEP, h) / RANK_STEP for n in names}
+        kappa = {n: cost_model.cost(n, *shapes[n], RANK_STEP, h, cfg.factor_bits) / RANK_STEP for n in names}
         score = {n: damage[n] / kappa[n] for n in names}
         lo, hi = cfg.concentrate_ranks if mode == "concentrate" else cfg.spread_ranks
         if cfg.rank is not None:
@@ -242,7 +244,7 @@ def _marginal_plan(damage, entropy, tiebreak, shapes, budget_bytes, cost_model, 
         gains[n] = [] if total == 0 else (damage[n] ** beta * s2[:top] / total).tolist()
 
     def cost(n: str, r: int) -> float:
-        return cost_model.cost(n, *shapes[n], r, h) if r else 0.0
+        return cost_model.cost(n, *shapes[n], r, h, cfg.factor_bits) if r else 0.0
 
     ranks = {n: 0 for n in names}
     heap = []

@@ -52,15 +52,18 @@ def float32_student(model: nn.Module) -> Iterator[None]:
             m._buffers[name] = m._buffers[name].to(dtype)
 
 
+def auto_precision(device: torch.device, params: int) -> str:
+    """What "auto" means for a student of `params` parameters on `device` (module docstring)."""
+    return "bfloat16" if device.type == "cuda" and params > BF16_ABOVE_PARAMS else "float32"
+
+
 def training_precision(student: nn.Module, precision: str) -> str:
-    """`precision`, with "auto" settled by the student's device and size (module docstring)."""
+    """`precision`, with "auto" settled by the student's device and size."""
     if precision != "auto":
         return precision
-    device = next(student.parameters()).device
     dense = sum(m.weight_hat.numel() for m in student.modules()
                 if isinstance(m, SpearLinear) and m.weight_hat is not None)
-    params = dense + sum(p.numel() for p in student.parameters())
-    return "bfloat16" if device.type == "cuda" and params > BF16_ABOVE_PARAMS else "float32"
+    return auto_precision(next(student.parameters()).device, dense + sum(p.numel() for p in student.parameters()))
 
 
 @contextlib.contextmanager
@@ -174,9 +177,7 @@ def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch
     inter, vocab = model.get("intermediate_size", 4 * hidden), model["vocab_size"]
     heads = model.get("num_attention_heads", 1)
     q_dim = heads * (model.get("head_dim") or hidden // heads)
-    precision = calibrate.precision
-    if precision == "auto":
-        precision = "bfloat16" if device.type == "cuda" and params > BF16_ABOVE_PARAMS else "float32"
+    precision = auto_precision(device, params) if calibrate.precision == "auto" else calibrate.precision
     train_size = 4 if precision == "float32" else 2
     tokens = calibrate.batch_size * seq_len
     per_layer = tokens * (12 * hidden + 4 * inter) * train_size
