@@ -609,7 +609,7 @@ def main() -> None:
     p.add_argument("--serve-compensated", action="store_true",
                    help="serve and load the compensated artifact where compensate wrote one (default: the W4 one)")
     p.add_argument("--compensate-args", default="",
-                   help=f'compensate: its flags instead of "{" ".join(STEP_ARGS["compensate"])}"')
+                   help=f'compensate: its flags instead of "{" ".join(STEP_ARGS["compensate"])}"'.replace("%", "%%"))
     args = p.parse_args()
     # the checkout as the run starts: its commit (the provenance's, written at the end) and its tracked files that
     # differ from it, what else the figures ran
