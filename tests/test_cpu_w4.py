@@ -8,10 +8,14 @@ import torch
 
 from spear.errors import SpearError
 from spear.kernels.cpu_w4 import (
+    Int4OpLayout,
+    PackedNibbles,
     Scratch,
     cpu_w4_linear,
     dequantize_into,
     has_int4_op,
+    int4_op_layout,
+    nibbles_of,
     pack_cpu_w4,
     pack_nibbles,
     scratch_linear,
@@ -123,6 +127,44 @@ def test_scratch_dequantizes_bit_for_bit(n, k, group, gen):
     x = torch.randn(5, k, generator=gen)
     ref = x.double() @ record.dequantize().double().t() + bias.double()
     assert rel_err(scratch_linear(x, packed, scratch, bias), ref) < 1e-5
+
+
+@needs_int4_op
+@pytest.mark.parametrize("n,k,group", SHAPES + [(80, 128, -1), (2048, 64, 32)])  # full blocks and a shorter last one
+def test_the_scratch_reads_the_int4_kernels_codes_bit_for_bit(n, k, group, gen):
+    """A layer served both ways holds its codes once: the scratch path unpacks the int4 op's own packing."""
+    record = random_record(n, k, group, gen)
+    packed = pack_cpu_w4(record)
+    nibbles = nibbles_of(packed, record)
+    assert nibbles.layout == int4_op_layout(n) is not None  # this CPU's layout is one of the known ones
+    assert nibbles.codes.data_ptr() == packed.weight.data_ptr()
+    assert torch.equal(dequantize_into(nibbles, Scratch(n * k)), record.dequantize())
+
+
+def _pack_as(codes: torch.Tensor, layout: Int4OpLayout) -> torch.Tensor:
+    """The int4 op's packing of codes [N, K] as `layout` describes it, written out one byte at a time."""
+    n, k = codes.shape
+    out, b, full = [], layout.block, n - n % layout.block
+    for start in range(0, full, b):
+        for kk in range(k):
+            for j in range(b // 2):
+                lo, hi = (start + j, start + j + b // 2) if layout.halves else (start + 2 * j, start + 2 * j + 1)
+                out.append(int(codes[lo, kk]) | int(codes[hi, kk]) << 4)
+    for kk in range(k):
+        for j in range((n - full) // 2):
+            out.append(int(codes[full + 2 * j, kk]) | int(codes[full + 2 * j + 1, kk]) << 4)
+    return torch.tensor(out, dtype=torch.uint8).view(n, k // 2)
+
+
+@pytest.mark.parametrize("layout", [Int4OpLayout(32, True), Int4OpLayout(64, True), Int4OpLayout(32, False),
+                                    Int4OpLayout(64, False)])
+def test_every_known_int4_op_layout_unpacks(layout, gen):
+    """The layouts of other CPUs (AVX-512's blocks of 64, the scalar loop's pairs), as PyTorch's packing writes them."""
+    record = random_record(144, 8, -1, gen)  # two blocks of 64 and a last one of 16
+    s = record.scales.float()
+    nibbles = PackedNibbles(_pack_as(record.codes, layout), s[..., None], (-record.zeros.float() * s)[..., None], 8,
+                            layout)
+    assert torch.equal(dequantize_into(nibbles, Scratch(144 * 8)), record.dequantize())
 
 
 def test_scratch_refusals(gen):

@@ -40,12 +40,16 @@ def test_served_model_holds_the_packed_bytes_embeddings_norms_and_kv(artifact, c
     assert held["dense"] == 0 and held["codes"] == 0
     scratch = linears[0].cpu_scratch
     assert all(m.cpu_scratch is scratch for m in linears)
-    packed = sum(m.cpu_w4.nbytes() + m.cpu_nibbles.nbytes() for m in linears) + scratch.nbytes()
+    # the scratch path reads the int4 kernel's codes (one copy of them); only its float32 scales are its own
+    assert all(m.cpu_nibbles.codes.data_ptr() == m.cpu_w4.weight.data_ptr() for m in linears)
+    packed = sum(m.cpu_w4.nbytes() + m.cpu_nibbles.scales.nbytes + m.cpu_nibbles.offsets.nbytes
+                 for m in linears) + scratch.nbytes()
     assert held["packed"] == packed
     weights = sum(m.out_features * m.in_features for m in linears)
-    assert packed - scratch.nbytes() <= 1.3 * weights  # about 0.5 + 0.5 bytes a weight, against 4 dense
-    floats = {id(p): p for n, p in hf.named_parameters() if "norm" in n or "embed" in n or "lm_head" in n}
-    assert held["other"] == sum(p.numel() * p.element_size() for p in floats.values()) + model.rope.inv_freq.nbytes
+    assert packed - scratch.nbytes() <= 0.7 * weights  # 0.5 bytes a weight and the scales, against 4 dense
+    tables = {id(t): t for t in (model.embed.weight, model.head.weight)}  # tied: one tensor
+    norms = [p for n, p in hf.named_parameters() if "norm" in n]
+    assert held["other"] == sum(t.nbytes for t in [*tables.values(), *norms]) + model.rope.inv_freq.nbytes
     runner = make_runner(model, EngineConfig(max_num_seqs=2, max_model_len=64, num_kv_blocks=9))
     assert runner.cache.k.nbytes + runner.cache.v.nbytes == 2 * 2 * 9 * 16 * 2 * 16 * 4  # K, V: layers, blocks, ...
 
@@ -70,3 +74,43 @@ def test_cpu_int4_path_matches_the_dense_path(artifact, cpu_w4):
     steps = [4, 1, 1, 1]  # short steps: the int4 kernel
     ref, out = logits(dense, steps), logits(served, steps)
     assert ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 2e-2
+
+
+def _tables(table: torch.Tensor, scale: float | None = None) -> torch.nn.Module:
+    """A model's embedding and tied head over `table`, as the runtime model holds them (model.embed, model.head)."""
+    from spear.runtime.linear import DenseLinear
+
+    holder = torch.nn.Module()
+    holder.embed = torch.nn.Embedding.from_pretrained(table, freeze=True)
+    if scale is not None:  # Gemma's scaled embedding: forward multiplies by its embed_scale
+        holder.embed.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+        holder.embed.forward = lambda ids, e=holder.embed: torch.nn.Embedding.forward(e, ids) * e.embed_scale
+    holder.head = DenseLinear(holder.embed.weight, None)
+    return holder
+
+
+@pytest.mark.parametrize("dtype,scale,magnitude", [(torch.float16, None, 1.0), (torch.float16, 8.0, 1.0),
+                                                   (torch.bfloat16, None, 1e6)])  # 1e6: beyond fp16's range
+def test_tables_held_at_half_give_the_same_numbers_bit_for_bit(dtype, scale, magnitude, monkeypatch):
+    """A checkpoint's fp16 (or bf16) embedding, upcast to float32 on loading, is held at 2 bytes a weight again:
+    lookups and the head's logits (a block of rows at a time through the float32 scratch) are those of the float32
+    tables, bit for bit; a tied head shares the embedding's copy."""
+    from spear.runtime import linear
+
+    monkeypatch.setattr(linear, "HALF_STORED_BLOCK", 128 * 64)  # 128 rows a block: 8 blocks, the last one short
+    gen = torch.Generator().manual_seed(0)
+    table = (torch.randn(1000, 64, generator=gen) * magnitude).to(dtype).float()
+    model = _tables(table, scale)
+    ids, x = torch.randint(0, 1000, (2, 7), generator=gen), torch.randn(3, 5, 64, generator=gen)
+    want_embed, want_logits = model.embed(ids), model.head(x)
+    assert linear.hold_tables_at_half(model) == 1000 * 64 * 2
+    assert model.embed.weight is model.head.weight and model.embed.weight.dtype == dtype
+    assert torch.equal(model.embed(ids), want_embed) and torch.equal(model.head(x), want_logits)
+
+
+def test_tables_that_half_precision_would_round_stay_float32():
+    from spear.runtime.linear import hold_tables_at_half
+
+    model = _tables(torch.randn(300, 64))
+    embed = model.embed
+    assert hold_tables_at_half(model) == 0 and model.embed is embed and model.head.weight.dtype == torch.float32

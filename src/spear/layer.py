@@ -267,11 +267,12 @@ class SpearLinear(LinearMethod):
         through PyTorch's int4 kernel in bfloat16, longer ones dequantize the nibble codes into `scratch` (float32,
         shared by the model's layers, as large as the largest) and run F.linear. Returns False, changing nothing,
         where neither applies (not a 4-bit standard-form record, shapes the int4 op refuses)."""
-        from spear.kernels.cpu_w4 import pack_cpu_w4, pack_nibbles
+        from spear.kernels.cpu_w4 import nibbles_of, pack_cpu_w4
 
         try:
             record = self.qweight
-            self.cpu_w4, self.cpu_nibbles = pack_cpu_w4(record), pack_nibbles(record)
+            self.cpu_w4 = pack_cpu_w4(record)
+            self.cpu_nibbles = nibbles_of(self.cpu_w4, record)  # the same codes, where their layout is known
         except SpearError:
             return False
         self.cpu_scratch = scratch

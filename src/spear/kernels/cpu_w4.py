@@ -25,8 +25,13 @@ scratch: the codes stay nibble-packed, uint8 [N, K / 2] (column j in the low nib
     float32 scratch shared by every layer, then runs F.linear: the prefill path, where the dequantization is
     spread over many rows. The dequantized weight is W_hat bit for bit ((q - z) s has at most 16 significant bits).
 
+    A layer served both ways holds its codes once: `nibbles_of(packed_cpu_w4, record)` gives the scratch path the
+    int4 op's own bytes to unpack (`Int4OpLayout`, found by packing a probe, since it follows the CPU), with the
+    record's float32 scales and offsets, so the prefill weight stays W_hat exactly.
+
     pack_cpu_w4(record, dtype) -> PackedCPUW4       cpu_w4_linear(x, packed, bias)
     pack_nibbles(record) -> PackedNibbles           scratch_linear(x, packed, scratch, bias)   scratch = Scratch(numel)
+    nibbles_of(packed_cpu_w4, record) -> PackedNibbles (over packed_cpu_w4's codes where their layout is known)
 
 bench/cpu_w4.py times both against dense float32 and bfloat16 F.linear.
 """
@@ -74,12 +79,24 @@ class PackedCPUW4:
         return self.weight.nbytes + self.scales_and_zeros.nbytes
 
 
+@dataclass(frozen=True)
+class Int4OpLayout:
+    """Where the int4 op's packing puts code (n, k). Rows go in blocks of `block` (32 on AVX2, 64 on AVX-512), each
+    block k-major: block b's bytes are [K, block / 2]. In a full block, byte j holds rows j (low nibble) and
+    j + block / 2 (high) with `halves`, rows 2j and 2j + 1 without (the op's scalar loop); a last, shorter block
+    always pairs rows 2j and 2j + 1."""
+
+    block: int
+    halves: bool
+
+
 @dataclass
 class PackedNibbles:
     codes: torch.Tensor  # uint8 [N, K / 2]: column j in the low nibble, column j + K / 2 in the high one
     scales: torch.Tensor  # float32 [N, K / g, 1]
     offsets: torch.Tensor  # float32 [N, K / g, 1]: -z s
     group_size: int  # g; K for per-channel
+    layout: Int4OpLayout | None = None  # set: `codes` are the int4 op's packing (shared with a PackedCPUW4), not the above
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -162,17 +179,80 @@ def pack_nibbles(record: QuantizedWeight) -> PackedNibbles:
                          (-record.zeros.cpu().float() * s)[..., None].contiguous(), record.group_size)
 
 
+_LAYOUT_CANDIDATES = (Int4OpLayout(32, True), Int4OpLayout(64, True), Int4OpLayout(32, False), Int4OpLayout(64, False))
+_layouts: dict[int, Int4OpLayout | None] = {}
+
+
+def int4_op_layout(n: int) -> Int4OpLayout | None:
+    """The layout this CPU's int4 op packs an N-row weight in, found once per N by packing a random probe and
+    unpacking it each known way; None if none reproduces it (a PyTorch that packs otherwise)."""
+    if n not in _layouts:
+        probe = torch.randint(0, 16, (n, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+        found = None
+        if packed.dtype == torch.uint8 and packed.shape == (n, 32):
+            for layout in _LAYOUT_CANDIDATES:
+                q = torch.empty(n, 64, dtype=torch.int32)
+                _unpack_int4_op(packed, layout, torch.empty(n * 64, dtype=torch.uint8), q)
+                if torch.equal(q, probe):
+                    found = layout
+                    break
+        _layouts[n] = found
+    return _layouts[n]
+
+
+def _unpack_int4_op(packed: torch.Tensor, layout: Int4OpLayout, codes: torch.Tensor, w: torch.Tensor) -> None:
+    """Write the codes of the int4 op's packing (uint8 [N, K / 2]) into w ([N, K], any dtype) as numbers, through
+    `codes` (uint8, N K elements): the nibbles are split k-major as stored, then transposed by the copy into w (a
+    strided read: faster here than the strided write of splitting straight into [N, K])."""
+    n, k = w.shape
+    flat, full, b = packed.reshape(-1), n - n % layout.block, layout.block
+
+    def split(src: torch.Tensor, into: torch.Tensor) -> None:  # src [..., K, m] -> into [..., 2, K, m]: low, high
+        torch.bitwise_and(src, 15, out=into.select(-3, 0))
+        torch.bitwise_right_shift(src, 4, out=into.select(-3, 1))
+
+    if full:
+        nb = full // b
+        q = codes[: full * k].view(nb, 2, k, b // 2)
+        split(flat[: full * k // 2].view(nb, k, b // 2), q)
+        rows = q.transpose(2, 3)  # [blocks, 2, block / 2, K]: (low, high) of byte j
+        if layout.halves:  # rows j and j + block / 2
+            w[:full].view(nb, 2, b // 2, k).copy_(rows)
+        else:  # rows 2j and 2j + 1
+            w[:full].view(nb, b // 2, 2, k).copy_(rows.transpose(1, 2))
+    if n > full:  # the last, shorter block: rows 2j and 2j + 1
+        m = (n - full) // 2
+        q = codes[full * k : n * k].view(2, k, m)
+        split(flat[full * k // 2 :].view(k, m), q)
+        w[full:].view(m, 2, k).copy_(q.permute(2, 0, 1))
+
+
+def nibbles_of(packed: PackedCPUW4, record: QuantizedWeight) -> PackedNibbles:
+    """The scratch path's view of a layer the int4 op packed: its codes shared with `packed` where their layout is
+    known (int4_op_layout), else packed again (pack_nibbles: the codes held twice)."""
+    layout = int4_op_layout(record.shape[0])
+    if layout is None or packed.weight.dtype != torch.uint8:
+        return pack_nibbles(record)
+    s = record.scales.cpu().float()
+    return PackedNibbles(packed.weight, s[..., None].contiguous(), (-record.zeros.cpu().float() * s)[..., None].contiguous(),
+                         record.group_size, layout)
+
+
 def dequantize_into(packed: PackedNibbles, scratch: Scratch) -> torch.Tensor:
     """W_hat [N, K] float32 in the scratch (valid until the next call): unpack, then (q - z) s as q s + (-z s)."""
     n, k = packed.shape
     if n * k > scratch.weight.numel():
         raise SpearError(f"the CPU scratch holds {scratch.weight.numel()} weights, a {n}×{k} layer needs more: size "
                          f"it for the largest layer")
-    q = scratch.codes[: n * k].view(n, k)
-    torch.bitwise_and(packed.codes, 15, out=q[:, : k // 2])
-    torch.bitwise_right_shift(packed.codes, 4, out=q[:, k // 2 :])
     w = scratch.weight[: n * k].view(n, -1, packed.group_size)  # [N, K / g, g]
-    w.copy_(q.view_as(w))
+    if packed.layout is not None:
+        _unpack_int4_op(packed.codes, packed.layout, scratch.codes, w.view(n, k))
+    else:
+        q = scratch.codes[: n * k].view(n, k)
+        torch.bitwise_and(packed.codes, 15, out=q[:, : k // 2])
+        torch.bitwise_right_shift(packed.codes, 4, out=q[:, k // 2 :])
+        w.copy_(q.view_as(w))
     return w.mul_(packed.scales).add_(packed.offsets).view(n, k)  # two passes: faster than one addcmul here
 
 

@@ -166,3 +166,101 @@ class FusedLinear(LinearMethod):
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
+
+
+# ---- float tables held at half their bytes on a CPU ---------------------------------------------------------------
+
+HALF_STORED_BLOCK = 1 << 20  # weights of the float32 scratch a HalfStoredLinear multiplies through (4 MiB: cache-sized)
+
+
+def exact_half(weight: torch.Tensor) -> torch.dtype | None:
+    """fp16 or bf16 where every value of the float32 `weight` is one of theirs (a checkpoint stored in it, upcast on
+    loading), else None; checked a block of rows at a time, without a whole copy."""
+    for dtype in (torch.float16, torch.bfloat16):
+        if all(torch.equal(rows.to(dtype).float(), rows) for rows in weight.detach().split(4096)):
+            return dtype
+    return None
+
+
+def to_half(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`, converted a block of rows at a time (no whole float32 temporary)."""
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    for start in range(0, weight.shape[0], 4096):
+        out[start : start + 4096].copy_(weight.detach()[start : start + 4096])
+    return out
+
+
+class HalfStoredLinear(LinearMethod):
+    """y = x Wᵀ + b in float32 with W held in fp16 or bf16 where that holds it exactly (exact_half): W is upcast a
+    block of HALF_STORED_BLOCK weights at a time into one float32 scratch and multiplied there, so the products and
+    their sums are float32's (the same logits bit for bit as the float32 weight, tested) at half the held bytes.
+    The LM head on a CPU: 1.05 GB of 1.2B Llama's 128k-vocabulary model in float32. Streaming 2 bytes a weight
+    through a cache-sized scratch costs no time at one row (bench/cpu_w4.py --head)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        rows = max(1, min(weight.shape[0], HALF_STORED_BLOCK // weight.shape[1]))
+        self.scratch = torch.empty(rows, weight.shape[1], dtype=torch.float32, device=weight.device)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()
+        out = x2.new_empty(x2.shape[0], self.out_features)
+        step = self.scratch.shape[0]
+        for start in range(0, self.out_features, step):
+            block = self.scratch[: min(step, self.out_features - start)]
+            block.copy_(self.weight[start : start + block.shape[0]])
+            out[:, start : start + block.shape[0]] = nn.functional.linear(x2, block)
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, held={self.weight.dtype}, computed=float32"
+
+
+class HalfStoredEmbedding(nn.Module):
+    """An embedding lookup from a table held in fp16 or bf16 (exactly: exact_half), returned in float32, times the
+    module's `embed_scale` where it had one (Gemma's scaled embedding, applied in float32 as there)."""
+
+    def __init__(self, weight: nn.Parameter, embed_scale: torch.Tensor | None):
+        super().__init__()
+        self.weight = weight
+        self.embed_scale = embed_scale
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.embedding(tokens, self.weight).float()
+        return x if self.embed_scale is None else x * self.embed_scale.float()
+
+
+def hold_tables_at_half(model: nn.Module) -> int:
+    """Give a float32 CPU model's embedding table and LM head (`model.embed`, `model.head`) fp16 or bf16 copies where
+    that holds every value exactly, computing in float32 as before (HalfStoredEmbedding, HalfStoredLinear; a tied
+    head shares the embedding's copy). The transformers modules they came from keep their float32 tensors, freed
+    with that model (`spear serve` drops it once the engine is built). Returns the bytes the copies save."""
+    embed, head = model.embed, model.head
+    halves: dict[int, nn.Parameter | None] = {}
+
+    def half_of(param: nn.Parameter) -> nn.Parameter | None:
+        if id(param) not in halves:
+            dtype = None if param.dtype != torch.float32 or param.is_cuda else exact_half(param)
+            halves[id(param)] = None if dtype is None else nn.Parameter(to_half(param, dtype), requires_grad=False)
+        return halves[id(param)]
+
+    plain = type(embed) is nn.Embedding or hasattr(embed, "embed_scale")
+    if plain and getattr(embed, "max_norm", None) is None and (weight := half_of(embed.weight)) is not None:
+        model.embed = HalfStoredEmbedding(weight, getattr(embed, "embed_scale", None))
+    if type(head) is DenseLinear and (weight := half_of(head.weight)) is not None:
+        model.head = HalfStoredLinear(weight, head.bias)
+    return sum(p.numel() * 2 for p in halves.values() if p is not None)

@@ -37,7 +37,7 @@ from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 from spear.layer import LinearMethod, SpearLinear
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
-from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear, SplitLinear
+from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear, SplitLinear, hold_tables_at_half
 
 # The fusions kernels.options switches (options.OPTIONS):
 # - fuse_swiglu: silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode
@@ -336,10 +336,11 @@ class Transformer(nn.Module):
         self.norm = norm
         self.head = head
         self.rope = RotaryEmbedding(args).to(embed.weight.device)
+        self._dtype = embed.weight.dtype  # what it computes in, whatever its tables are held in (hold_tables_at_half)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
@@ -476,6 +477,8 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
             m.use_cpu_kernels(scratch)
     for m in linears:
         m.release_for_serving()
+    if isinstance(model, Transformer) and model.device.type == "cpu" and model.dtype == torch.float32:
+        hold_tables_at_half(model)  # the embedding and LM head at 2 bytes a weight where that is exact
     if isinstance(model, Transformer) and model.embed.weight.device.type == "cuda":
         # float linears too (on CPU each runs alone through F.linear)
         if fuse:
