@@ -18,7 +18,9 @@ from spear.kernels.cpu_w4 import (
     nibbles_of,
     pack_cpu_w4,
     pack_nibbles,
+    scratch_for,
     scratch_linear,
+    scratch_rows,
 )
 from spear.record import QuantizedWeight
 
@@ -167,11 +169,27 @@ def test_every_known_int4_op_layout_unpacks(layout, gen):
     assert torch.equal(dequantize_into(nibbles, Scratch(144 * 8)), record.dequantize())
 
 
+@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=needs_int4_op)])
+def test_a_layer_larger_than_the_scratch_runs_a_block_of_rows_at_a_time(shared, gen):
+    """208 rows through a scratch of 64 rows: blocks of 64, 64, 64 and 16 rows (the int4 packing's last, shorter
+    block among them), the same output as the whole layer's dequantized weight, bias included."""
+    n, k = 208, 96
+    record = random_record(n, k, 32, gen)
+    packed = nibbles_of(pack_cpu_w4(record), record) if shared else pack_nibbles(record)
+    scratch = Scratch(64 * k + 5)
+    assert scratch_rows(packed, scratch) == 64
+    bias, x = torch.randn(n, generator=gen), torch.randn(40, k, generator=gen)
+    want = torch.nn.functional.linear(x, record.dequantize(), bias)
+    assert torch.allclose(scratch_linear(x, packed, scratch, bias), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(dequantize_into(packed, scratch, 192, 208), record.dequantize()[192:])
+    assert scratch_for([(n, k), (64, 40000)]).weight.numel() == 64 * 40000  # 64 rows of the widest layer at least
+
+
 def test_scratch_refusals(gen):
     with pytest.raises(SpearError, match="even in size"):
         pack_nibbles(random_record(16, 65, -1, gen))
     packed = pack_nibbles(random_record(16, 64, -1, gen))
-    with pytest.raises(SpearError, match="largest layer"):
+    with pytest.raises(SpearError, match="largest block"):
         dequantize_into(packed, Scratch(16 * 64 - 1))
 
 

@@ -264,9 +264,9 @@ class SpearLinear(LinearMethod):
 
     def use_cpu_kernels(self, scratch: Scratch) -> bool:
         """Serve on a CPU without a float copy of the weight (kernels.cpu_w4): steps of up to CPU_W4_MAX_ROWS rows
-        through PyTorch's int4 kernel in bfloat16, longer ones dequantize the nibble codes into `scratch` (float32,
-        shared by the model's layers, as large as the largest) and run F.linear. Returns False, changing nothing,
-        where neither applies (not a 4-bit standard-form record, shapes the int4 op refuses)."""
+        through PyTorch's int4 kernel in bfloat16, longer ones dequantize the same codes into `scratch` (float32,
+        shared by the model's layers: kernels.cpu_w4.scratch_for) a block of rows at a time and run F.linear.
+        Returns False, changing nothing, where neither applies (not a 4-bit standard-form record, shapes the int4 op refuses)."""
         from spear.kernels.cpu_w4 import nibbles_of, pack_cpu_w4
 
         try:

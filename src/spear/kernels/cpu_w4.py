@@ -30,7 +30,7 @@ scratch: the codes stay nibble-packed, uint8 [N, K / 2] (column j in the low nib
     record's float32 scales and offsets, so the prefill weight stays W_hat exactly.
 
     pack_cpu_w4(record, dtype) -> PackedCPUW4       cpu_w4_linear(x, packed, bias)
-    pack_nibbles(record) -> PackedNibbles           scratch_linear(x, packed, scratch, bias)   scratch = Scratch(numel)
+    pack_nibbles(record) -> PackedNibbles           scratch_linear(x, packed, scratch, bias)   scratch = scratch_for(shapes)
     nibbles_of(packed_cpu_w4, record) -> PackedNibbles (over packed_cpu_w4's codes where their layout is known)
 
 bench/cpu_w4.py times both against dense float32 and bfloat16 F.linear.
@@ -239,25 +239,66 @@ def nibbles_of(packed: PackedCPUW4, record: QuantizedWeight) -> PackedNibbles:
                          record.group_size, layout)
 
 
-def dequantize_into(packed: PackedNibbles, scratch: Scratch) -> torch.Tensor:
-    """W_hat [N, K] float32 in the scratch (valid until the next call): unpack, then (q - z) s as q s + (-z s)."""
+def dequantize_into(packed: PackedNibbles, scratch: Scratch, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """W_hat[start:stop] [rows, K] float32 in the scratch (valid until the next call): unpack, then (q - z) s as
+    q s + (-z s). With the int4 op's layout, `start` is a multiple of its row block and `stop` one too, or N."""
     n, k = packed.shape
-    if n * k > scratch.weight.numel():
-        raise SpearError(f"the CPU scratch holds {scratch.weight.numel()} weights, a {n}×{k} layer needs more: size "
-                         f"it for the largest layer")
-    w = scratch.weight[: n * k].view(n, -1, packed.group_size)  # [N, K / g, g]
+    stop = n if stop is None else stop
+    rows = stop - start
+    if rows * k > scratch.weight.numel():
+        raise SpearError(f"the CPU scratch holds {scratch.weight.numel()} weights, {rows} rows of a {n}×{k} layer "
+                         f"need more: size it for the largest block (scratch_rows)")
+    w = scratch.weight[: rows * k].view(rows, -1, packed.group_size)  # [rows, K / g, g]
     if packed.layout is not None:
-        _unpack_int4_op(packed.codes, packed.layout, scratch.codes, w.view(n, k))
+        if start % packed.layout.block or (stop % packed.layout.block and stop != n):
+            raise SpearError(f"rows {start}:{stop} are not whole blocks of {packed.layout.block} of the int4 packing")
+        codes = packed.codes.reshape(-1)[start * k // 2 : stop * k // 2].view(rows, k // 2)
+        _unpack_int4_op(codes, packed.layout, scratch.codes, w.view(rows, k))
     else:
-        q = scratch.codes[: n * k].view(n, k)
-        torch.bitwise_and(packed.codes, 15, out=q[:, : k // 2])
-        torch.bitwise_right_shift(packed.codes, 4, out=q[:, k // 2 :])
+        q, codes = scratch.codes[: rows * k].view(rows, k), packed.codes[start:stop]
+        torch.bitwise_and(codes, 15, out=q[:, : k // 2])
+        torch.bitwise_right_shift(codes, 4, out=q[:, k // 2 :])
         w.copy_(q.view_as(w))
-    return w.mul_(packed.scales).add_(packed.offsets).view(n, k)  # two passes: faster than one addcmul here
+    # two passes: faster than one addcmul here
+    return w.mul_(packed.scales[start:stop]).add_(packed.offsets[start:stop]).view(rows, k)
+
+
+# The scratch holds this many weights (float32: 8 MiB) or 64 rows of the widest layer, whichever is more; a larger
+# layer is dequantized and multiplied a block of rows at a time (each output column is the same sum either way). A
+# scratch sized for the largest layer was 84 MB of a 1.2B model's idle 2.16 GB.
+SCRATCH_WEIGHTS = 1 << 21
+SCRATCH_ROW_ALIGN = 64  # blocks of rows start at multiples of this: whole blocks of the int4 op's packing (32 or 64)
+
+
+def scratch_for(shapes: list[tuple[int, int]]) -> Scratch:
+    """The scratch shared by layers of these (N, K) shapes."""
+    return Scratch(max(SCRATCH_WEIGHTS, *(SCRATCH_ROW_ALIGN * k for _, k in shapes)))
+
+
+def scratch_rows(packed: PackedNibbles, scratch: Scratch) -> int:
+    """Rows of this layer a block of the scratch holds: all of them, or a multiple of SCRATCH_ROW_ALIGN."""
+    n, k = packed.shape
+    fit = scratch.weight.numel() // k
+    return n if fit >= n else fit // SCRATCH_ROW_ALIGN * SCRATCH_ROW_ALIGN
 
 
 def scratch_linear(x: torch.Tensor, packed: PackedNibbles, scratch: Scratch,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [..., N] = x W_hatᵀ + bias in float32, the layer dequantized into the shared scratch; returned in x.dtype."""
-    w = dequantize_into(packed, scratch)
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    """y [..., N] = x W_hatᵀ + bias in float32, the layer dequantized into the shared scratch a block of rows at a
+    time (scratch_rows); returned in x.dtype."""
+    n, k = packed.shape
+    x2 = x.reshape(-1, k).float()
+    step = scratch_rows(packed, scratch)
+    if step == 0:
+        raise SpearError(f"the CPU scratch holds {scratch.weight.numel()} weights, fewer than {SCRATCH_ROW_ALIGN} rows "
+                         f"of a {n}×{k} layer: size it with scratch_for")
+    b = None if bias is None else bias.float()
+    if step >= n:
+        y = F.linear(x2, dequantize_into(packed, scratch), b)
+    else:
+        y = x2.new_empty(x2.shape[0], n)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            y[:, start:stop] = F.linear(x2, dequantize_into(packed, scratch, start, stop),
+                                        None if b is None else b[start:stop])
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)

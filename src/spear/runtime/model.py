@@ -470,9 +470,9 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
     if linears and linears[0].scales.is_cuda and linears[0].dtype == torch.float16:
         packed = [m for m in linears if m.use_kernels(drop_dense=True)]  # each released as soon as it is packed
     elif linears and not linears[0].scales.is_cuda and options.OPTIONS.cpu_w4:
-        from spear.kernels.cpu_w4 import Scratch
+        from spear.kernels.cpu_w4 import scratch_for
 
-        scratch = Scratch(max(m.out_features * m.in_features for m in linears))
+        scratch = scratch_for([(m.out_features, m.in_features) for m in linears])
         for m in linears:
             m.use_cpu_kernels(scratch)
     for m in linears:
