@@ -143,6 +143,16 @@ def test_the_scratch_reads_the_int4_kernels_codes_bit_for_bit(n, k, group, gen):
     assert torch.equal(dequantize_into(nibbles, Scratch(n * k)), record.dequantize())
 
 
+@needs_int4_op
+@pytest.mark.parametrize("n", [256, 272, 608, 1040])  # one piece; a piece and a short block; several, a short one
+def test_packing_a_piece_of_rows_at_a_time_is_the_whole_packing(n, gen):
+    from spear.kernels import cpu_w4
+
+    codes = random_record(n, 64, -1, gen).codes
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    assert torch.equal(cpu_w4._int4pack(codes), whole)
+
+
 def _pack_as(codes: torch.Tensor, layout: Int4OpLayout) -> torch.Tensor:
     """The int4 op's packing of codes [N, K] as `layout` describes it, written out one byte at a time."""
     n, k = codes.shape

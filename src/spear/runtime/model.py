@@ -475,6 +475,7 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
         scratch = scratch_for([(m.out_features, m.in_features) for m in linears])
         for m in linears:
             m.use_cpu_kernels(scratch)
+            m.release_for_serving()  # each released as soon as it is packed, as on CUDA
     for m in linears:
         m.release_for_serving()
     if isinstance(model, Transformer) and model.device.type == "cpu" and model.dtype == torch.float32:
