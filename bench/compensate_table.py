@@ -116,6 +116,8 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None, help="run only rows whose label contains one of these")
     p.add_argument("--seed", type=int, default=0, help="the compensators' seed (batch order, gate init): a draw")
     p.add_argument("--ec-bits", type=int, default=16, choices=[16, 8], help="EC factors of every row in fp16 or int8")
+    p.add_argument("--refit-rounds", type=int, default=0,
+                   help="joint fitting of RTN codes and the ECs before calibration, this many rounds (every row)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
 
@@ -139,6 +141,7 @@ def main() -> None:
                                                "source": "text file" if calib.text_file else "self-sampled"},
                                "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch, "cost": args.cost,
                                "norm_lr": args.norm_lr, "seed": args.seed, "ec_bits": args.ec_bits,
+                               "refit_rounds": args.refit_rounds,
                                "rows": rows})
 
     fp = evaluate(lm.model)
@@ -155,13 +158,15 @@ def main() -> None:
     for label, cfg in rows_to_run(args.budgets, args.spear_budget):
         if args.only and not any(key in label for key in args.only):
             continue
-        cfg = replace(cfg, seed=args.seed, planner=replace(cfg.planner, factor_bits=args.ec_bits), calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch,
+        cfg = replace(cfg, seed=args.seed, refit_rounds=args.refit_rounds if cfg.kind in ("adaptive", "qera") else 0,
+                      planner=replace(cfg.planner, factor_bits=args.ec_bits), calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch,
                                                              norm_lr=args.norm_lr, progress=False),
                       cost=LatencyCost() if args.cost == "latency" else cfg.cost)
         student = copy.deepcopy(quantized)
         t = time.perf_counter()
         ec_init.ErrorCompensator = TokenScalarGateEC if label == TOKEN_GATE_ROW else ErrorCompensator
-        report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity, rescaled=rescaled)
+        report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity, rescaled=rescaled,
+                            rtn=settings.quant if args.method == "rtn" else None)
         ppl = evaluate(student)
         gates = gate_spread(student, ids[:8])
         row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,
@@ -169,6 +174,7 @@ def main() -> None:
                "calibration": None if report.calibration is None else report.calibration.to_dict(),
                "gate": gates,
                "modules": len(report.plan.entries), "ranks": sorted({e.rank for e in report.plan.entries}),
+               "refit": report.refit,
                "gap_closed": {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in datasets},
                "seconds": time.perf_counter() - t}
         rows.append(row)

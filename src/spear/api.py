@@ -16,6 +16,7 @@ from spear.data.calibration import CalibConfig, calibration_ids, calibration_rec
 from spear.models.layerwise import check_walkable
 from spear.models.loading import LoadedModel, checkpoint_dir, load_float_model, load_tokenizer, resolve_model_path
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
+from spear.record import QuantConfig
 
 if TYPE_CHECKING:
     from spear.compensate.pipeline import CompensateConfig, CompensateReport
@@ -115,7 +116,9 @@ def compensate_artifact(
     check_walkable(teacher.model, calib.seq_len)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
     sampled = time.perf_counter()
-    report = compensate(student.model, teacher.model, ids, cfg, rescaled=config["quant"].get("method") == "awq")
+    method = config["quant"].get("method")
+    rtn = QuantConfig.from_dict(config["quant"]) if method == "rtn" else None
+    report = compensate(student.model, teacher.model, ids, cfg, rescaled=method == "awq", rtn=rtn)
     report.seconds = {"load": loaded - start, "calibration_ids": sampled - loaded} | report.seconds
     info = ArtifactInfo(config["base_model"], config["quant"], calibration_record(calib, ids),
                         plan=json.loads(report.plan.to_json()), extra={"compensation": report.summary()})

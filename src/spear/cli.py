@@ -100,6 +100,9 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                         "(default); concentrate/spread/uniform: the fixed ablation modes")
     p.add_argument("--steps", type=int, default=CalibrateConfig.steps,
                    help=f"KL calibration steps (adaptive; default {CalibrateConfig.steps})")
+    p.add_argument("--refit-rounds", type=int, default=0,
+                   help="joint fitting (RTN artifacts): re-round the codes with the EC's low-rank part in place and "
+                        "refit it, this many rounds, before calibration (default 0; compensate/refit.py)")
     p.add_argument("--calib-precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the frozen student's dtype while the ECs train (they and Adam stay float32): auto is "
                         "bfloat16 on CUDA above 2B parameters, float32 otherwise")
@@ -131,7 +134,7 @@ def _compensate_config(args):
         raise SpearError(f"--no-gate applies to --kind adaptive; {args.kind} has no gate")
     budget, base = args.budget
     cfg = CompensateConfig(kind=args.kind, budget=budget, budget_base=base, seed=args.seed, cost=cost,
-                           gate=not args.no_gate)
+                           gate=not args.no_gate, refit_rounds=args.refit_rounds)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank, factor_bits=args.ec_bits),
                    calibrate=replace(cfg.calibrate, steps=args.steps, precision=args.calib_precision,
                                      checkpoint_layers=args.checkpoint_layers))

@@ -244,6 +244,21 @@ class SpearLinear(LinearMethod):
         """The dequantized weight, so code that reads `.weight` (dtype, device, shape) keeps working."""
         return self.weight_hat if self.weight_hat is not None else self.qweight.dequantize(self.dtype)
 
+    def set_record(self, qweight: QuantizedWeight) -> None:
+        """Hold `qweight` (same shape and bits) instead of the current record, its dense copy too where one is held:
+        codes re-rounded in place (compensate.refit)."""
+        if qweight.shape != (self.out_features, self.in_features) or qweight.bits != self.bits:
+            raise SpearError(f"a {qweight.bits}-bit {tuple(qweight.shape)} record cannot replace this "
+                             f"{self.bits}-bit {self.out_features}×{self.in_features} one")
+        device = self.scales.device
+        self.codes = pack_codes(qweight.codes, qweight.bits).to(device)
+        self.scales, self.zeros = qweight.scales.to(device), qweight.zeros.to(device)
+        self.g_idx = None if qweight.g_idx is None else qweight.g_idx.to(device)
+        self.offsets = None if qweight.offsets is None else qweight.offsets.to(device)
+        self.group_size = self.in_features // qweight.scales.shape[1]
+        if self.weight_hat is not None:
+            self.weight_hat = qweight.dequantize(self.dtype).to(device)
+
     def use_kernels(self, drop_dense: bool = False) -> bool:
         """Pack for the Triton kernels (inference: the EC is snapshotted, so call it after calibration).
 

@@ -125,7 +125,9 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
 
     plan = None
     if config.compensate is not None:
-        result = compensate(lm.model, float_model, ids, config.compensate, rescaled=config.settings.method == "awq")
+        rtn = config.settings.quant if config.settings.method == "rtn" else None
+        result = compensate(lm.model, float_model, ids, config.compensate, rescaled=config.settings.method == "awq",
+                            rtn=rtn)
         del float_model
         plan = json.loads(result.plan.to_json())
         report.ec = result.summary()

@@ -29,9 +29,11 @@ from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sen
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
 from spear.compensate.cost import BytesCost, CostModel
 from spear.compensate.planner import Plan, PlannerConfig, plan_ecs, quantized_model_bytes
+from spear.compensate.refit import refit_module, refit_summary
 from spear.compensate.stats import InputStats, collect_input_stats, walk_input_stats
 from spear.errors import SpearError
 from spear.layer import SpearLinear
+from spear.record import QuantConfig
 
 KINDS = ("adaptive", "lorc", "lqer", "qera")
 # What a budget is a share of: the whole 4-bit model (the paper's 1%), or only its quantized linears. A model whose
@@ -51,6 +53,7 @@ class CompensateConfig:
     calibrate: CalibrateConfig = CalibrateConfig()
     gate: bool = True  # adaptive only: False trains a gate-less EC with the same KL loss (its bytes go to rank)
     stats_sequences: int = 1024  # input statistics (R_xx, E|x|) from at most the first this many calibration sequences
+    refit_rounds: int = 0  # joint fitting: re-round RTN codes with the EC in place, this many times (compensate.refit)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,6 +67,10 @@ class CompensateConfig:
             raise SpearError(f"only the adaptive EC has a gate to turn off; {self.kind} has none")
         if self.stats_sequences < 1:
             raise SpearError(f"stats_sequences must be positive, got {self.stats_sequences}")
+        if self.refit_rounds < 0:
+            raise SpearError(f"refit rounds must be 0 or more, got {self.refit_rounds}")
+        if self.refit_rounds and self.kind in ("lorc", "lqer"):
+            raise SpearError(f"joint fitting refits QERA's factors; the {self.kind} EC has its own: use qera or adaptive")
 
     @property
     def gated(self) -> bool:
@@ -84,6 +91,7 @@ class CompensateReport:
     ec_bytes: int
     seconds: dict = field(default_factory=dict)
     linear_bytes: int = 0  # the quantized linears' share of w4_bytes
+    refit: dict | None = None  # joint fitting's whitened residual by round (refit_summary), where it ran
 
     @property
     def ec_memory_pct(self) -> float:
@@ -113,7 +121,7 @@ class CompensateReport:
             "modules": len(self.plan.entries),
             "ranks": sorted({e.rank for e in self.plan.entries}), "w4_bytes": self.w4_bytes, "ec_bytes": self.ec_bytes,
             "ec_memory_pct": self.ec_memory_pct, "linear_bytes": self.linear_bytes,
-            "ec_linears_pct": self.ec_linears_pct, "seconds": self.seconds,
+            "ec_linears_pct": self.ec_linears_pct, "seconds": self.seconds, "refit": self.refit,
             "calibration": None if self.calibration is None else self.calibration.to_dict() | {"history": None},
         }
 
@@ -129,13 +137,18 @@ def compensate(
     cfg: CompensateConfig = CompensateConfig(),
     sensitivity: SensitivityTable | None = None,
     rescaled: bool = False,
+    rtn: QuantConfig | None = None,
 ) -> CompensateReport:
     """Attach ECs to `student` (quantized, in place) and, for trained kinds, calibrate them against
     the float `teacher`. A sensitivity table computed earlier (same model and quantization) can be reused.
-    `rescaled`: the student is AWQ's, with per-channel scales folded in (compensate.basis reads them back)."""
+    `rescaled`: the student is AWQ's, with per-channel scales folded in (compensate.basis reads them back).
+    `rtn`: the student's codes are RTN's under this config, which joint fitting (cfg.refit_rounds) re-rounds."""
     layers = quantized_layers(student)
     if not layers:
         raise SpearError("the model has no quantized layers: quantize it first")
+    if cfg.refit_rounds and rtn is None:
+        raise SpearError("joint fitting re-rounds the codes by RTN: this model was not quantized by SPEAR's RTN "
+                         "(GPTQ, AWQ and imported codes keep their own rounding); drop --refit-rounds")
     teacher_linears = dict(teacher.named_modules())
     records = {n: m.qweight for n, m in layers.items()}
     w4_bytes = quantized_model_bytes(student, records)
@@ -183,10 +196,25 @@ def compensate(
 
     t = time.perf_counter()
     names = [e.name for e in plan.entries]
+    refits = {}
+    if cfg.refit_rounds:
+        ranks = {e.name: e.rank for e in plan.entries}
+        walked = walk_input_stats(teacher, stats_ids, names) if not stats else [stats]
+        for layer_stats in walked:
+            for n, st in layer_stats.items():
+                if n in ranks:
+                    W = teacher_linears[n].weight.to(layers[n].weight_hat.device)
+                    refits[n] = refit_module(W, w_hat[n], st, ranks[n], rtn, cfg.refit_rounds)
+                    if refits[n].record is not None:
+                        layers[n].set_record(refits[n].record)
+        seconds["refit"] = time.perf_counter() - t
+        t = time.perf_counter()
     for entry in plan.entries:
         layer = layers[entry.name]
         W = teacher_linears[entry.name].weight.to(layer.weight_hat.device)
-        if init_kind == "qera" and entry.name in errors:  # the SVD the plan already computed
+        if entry.name in refits:
+            A, B = refits[entry.name].A, refits[entry.name].B
+        elif init_kind == "qera" and entry.name in errors:  # the SVD the plan already computed
             A, B = errors[entry.name].factors(W, w_hat[entry.name], entry.rank)
         else:
             A, B = init_ec(init_kind, W, w_hat[entry.name], entry.rank, stats.get(entry.name))
@@ -205,4 +233,5 @@ def compensate(
     round_as_stored(student)  # the ECs as the artifact stores them (fp16): what is evaluated is what is served
     ec_bytes = sum(layers[n].ec.nbytes() for n in names)
     kind = "adaptive, no gate" if cfg.trained and not cfg.gated else cfg.kind
-    return CompensateReport(kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds, linear_bytes)
+    refit = None if not refits else refit_summary(refits)
+    return CompensateReport(kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds, linear_bytes, refit)

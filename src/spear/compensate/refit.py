@@ -1,0 +1,68 @@
+"""Joint fitting of the codes and the EC (issue 51, item 4): where SPEAR rounds the weights itself (RTN), the codes
+are re-rounded with the EC's low-rank part in place, and the EC refitted to what is left, as LoftQ alternates, in
+QERA's whitened norm:
+
+    Ŵ_0 = RTN(W),  (A_t, B_t) = QERA_r(W − Ŵ_t),  Ŵ_{t+1} = RTN(W − B_t A_t)
+    residual_t = min_{rank r} E_x ‖(W − Ŵ_t − BA) x‖² = Σ_{i>r} σ²_i(W − Ŵ_t)  (σ_i of (W − Ŵ_t) R_xx^{1/2})
+
+B A takes the error's largest directions; the codes then round W with them removed, whose rows span a smaller range
+on a per-channel grid, so the next error is smaller. The round with the least residual is kept (SmolLM2, rank 8-32:
+each round lowered it, by 5-18% in all after three). The adaptive EC then trains from that init as before
+(its gate starts at gamma ≡ 1, where its correction is B A). Imported checkpoints keep their codes: their
+rounding is not ours to redo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spear.compensate.init import WhitenedError
+from spear.compensate.stats import InputStats
+from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
+
+
+@dataclass
+class Refit:
+    """One module's outcome: the kept round's record (None: round 0, the codes as they were), its QERA factors,
+    and the whitened residual of every round."""
+
+    record: QuantizedWeight | None
+    A: torch.Tensor
+    B: torch.Tensor
+    residuals: list[float]
+
+    @property
+    def kept(self) -> int:
+        return min(range(len(self.residuals)), key=self.residuals.__getitem__)
+
+
+def refit_module(W: torch.Tensor, w_hat: torch.Tensor, stats: InputStats, rank: int, quant: QuantConfig,
+                 rounds: int) -> Refit:
+    """`rounds` alternations from the codes `w_hat` (W's RTN rounding under `quant`); the round of least residual."""
+    W = W.detach().float()
+    best = None
+    residuals = []
+    record, current = None, w_hat.detach().float()
+    for t in range(rounds + 1):
+        if t:
+            record = rtn_quantize(W - (B.double() @ A.double()).float(), quant)
+            current = record.dequantize(torch.float32).to(W.device)
+        error = WhitenedError.of(W, current, stats, rank)
+        A, B = error.factors(W, current, rank)
+        residuals.append(error.spectrum[rank:].sum().item())
+        if best is None or residuals[-1] < best[0]:
+            best = (residuals[-1], record, A, B)
+    _, record, A, B = best
+    return Refit(record, A, B, residuals)
+
+
+def refit_summary(refits: dict[str, Refit]) -> dict:
+    """The modules' whitened residuals summed by round, relative to round 0's, and how many modules kept each round."""
+    rounds = len(next(iter(refits.values())).residuals)
+    total = [sum(r.residuals[t] for r in refits.values()) for t in range(rounds)]
+    kept = [sum(r.kept == t for r in refits.values()) for t in range(rounds)]
+    best = sum(r.residuals[r.kept] for r in refits.values())
+    return {"rounds": rounds - 1, "residual_by_round": [x / total[0] for x in total], "residual_kept": best / total[0],
+            "modules_by_kept_round": kept}

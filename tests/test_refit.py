@@ -1,0 +1,69 @@
+"""Joint fitting (compensate.refit): RTN codes re-rounded with the EC's low-rank part in place, the EC refitted."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from spear.compensate.init import WhitenedError
+from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers
+from spear.compensate.refit import refit_module
+from spear.compensate.stats import collect_input_stats
+from spear.errors import SpearError
+from spear.quant.pipeline import QuantSettings, quantize_model
+from spear.record import QuantConfig, rtn_quantize
+
+CFG = QuantConfig(bits=3)
+
+
+@pytest.fixture(scope="module")
+def float_and_quantized():
+    teacher = make_tiny_llama(hidden=64, layers=2)
+    student = copy.deepcopy(teacher)
+    quantize_model(student, QuantSettings("rtn", CFG))
+    ids = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(0))
+    return teacher, student, ids
+
+
+def test_refit_keeps_the_round_of_least_whitened_residual(float_and_quantized):
+    """Each round's residual is Σ_{i>r} σ²_i of the whitened error it leaves; the kept round's codes are RTN of
+    W − B A of the round before, and its factors are QERA's of what those codes leave."""
+    teacher, _, ids = float_and_quantized
+    name = "model.layers.0.mlp.down_proj"
+    stats = collect_input_stats(teacher, ids, [name])[name]
+    W = teacher.get_submodule(name).weight.detach()
+    w_hat = rtn_quantize(W, CFG).dequantize()
+    none = refit_module(W, w_hat, stats, 4, CFG, 0)
+    A0, B0 = WhitenedError.of(W, w_hat, stats, 4).factors(W, w_hat, 4)
+    assert none.record is None and torch.equal(none.A, A0) and torch.equal(none.B, B0)
+    refit = refit_module(W, w_hat, stats, 4, CFG, 3)
+    assert len(refit.residuals) == 4 and refit.residuals[:1] == none.residuals
+    assert refit.residuals[refit.kept] == min(refit.residuals) < refit.residuals[0]  # the alternation helped here
+    kept = refit.record.dequantize()
+    error = WhitenedError.of(W, kept, stats, 4)
+    assert error.spectrum[4:].sum().item() == pytest.approx(refit.residuals[refit.kept], rel=1e-9)
+    assert torch.allclose(refit.A, error.factors(W, kept, 4)[0])
+
+
+def test_compensate_refits_the_planned_modules_codes_only(float_and_quantized):
+    teacher, quantized, ids = float_and_quantized
+    student = copy.deepcopy(quantized)
+    report = compensate(student, teacher, ids, CompensateConfig(kind="qera", budget=0.05, refit_rounds=2), rtn=CFG)
+    planned = {e.name for e in report.plan.entries}
+    before, after = quantized_layers(quantized), quantized_layers(student)
+    changed = {n for n in after if not torch.equal(after[n].codes, before[n].codes)}
+    assert changed and changed <= planned  # modules without an EC keep RTN's codes
+    for n in changed:  # the dense copy follows the record
+        assert torch.equal(after[n].weight_hat, after[n].qweight.dequantize(after[n].dtype))
+    assert report.refit["rounds"] == 2 and report.refit["residual_kept"] < 1.0
+    assert sum(report.refit["modules_by_kept_round"]) == len(planned)
+    assert report.summary()["refit"] == report.refit and "refit" in report.seconds
+
+
+def test_refit_is_refused_where_the_codes_are_not_rtns(float_and_quantized):
+    teacher, quantized, ids = float_and_quantized
+    with pytest.raises(SpearError, match="not quantized by SPEAR's RTN"):
+        compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", refit_rounds=1))
+    with pytest.raises(SpearError, match="refits QERA's factors"):
+        CompensateConfig(kind="lorc", refit_rounds=1)
