@@ -540,7 +540,8 @@ def targets(record: dict, rows: dict[str, dict], folder: Path) -> list[dict]:
              "pass": bool(v >= lim if "≥" in name else v <= lim)} for name, v, lim in out]
 
 
-def run_shape(shape: str, args) -> dict:
+def run_shape(shape: str, args, saved=lambda record: None) -> dict:
+    """One shape's steps; `saved(record)` after each, so that a run cut short keeps what it measured."""
     folder = Path(args.workdir) / shape
     folder.mkdir(parents=True, exist_ok=True)
     build_device = "cuda" if args.device.startswith("cuda") else "cpu"
@@ -554,6 +555,7 @@ def run_shape(shape: str, args) -> dict:
         rows[step] = run_step(step, spec, config, folder, args)
         record["steps"].append(rows[step])
         print(f"[{shape}] {step}: {_brief(rows[step])}", file=sys.stderr, flush=True)
+        saved(record)
     record["targets"] = targets(record, rows, folder)
     return record
 
@@ -616,9 +618,12 @@ def main() -> None:
     os.environ.setdefault("SPEAR_COMMIT", git("rev-parse", "HEAD").strip())
     dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
     records = []
+    def save(partial: dict | None = None) -> None:
+        write_json(args.json, {"args": vars(args), "modified_files": dirty, "shapes": records + [partial] * bool(partial)})
+
     for shape in args.shape:
-        records.append(run_shape(shape, args))
-        write_json(args.json, {"args": vars(args), "modified_files": dirty, "shapes": records})
+        records.append(run_shape(shape, args, save))
+        save()
     print(table(records))
 
 
