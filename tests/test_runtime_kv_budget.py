@@ -137,6 +137,46 @@ def test_half_precision_kv_cache_on_cpu(tiny_model_dir, dtype):
     assert run(small, requests) == got and small.num_preemptions > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_model_over_a_half_precision_kv_cache(tiny, dtype):
+    """--kv-cache-dtype on a CPU: the same budget holds twice the blocks, K and V are stored rounded and read back in
+    float32, and the logits stay within the rounding of the cached keys and values."""
+    from types import SimpleNamespace
+
+    from spear.runtime.engine import kv_cache_dtype
+    from spear.runtime.kv_cache import Batch, Chunk
+
+    model = build_runtime_model(tiny.model)
+    budget = EngineConfig(max_model_len=64, kv_cache_memory=20 * BLOCK_BYTES)
+    assert kv_cache_blocks(model, budget) == 20
+    half = EngineConfig(max_model_len=64, kv_cache_memory=20 * BLOCK_BYTES, kv_cache_dtype=dtype)
+    assert kv_cache_blocks(model, half) == 40 and kv_block_bytes(model, 16, dtype) == BLOCK_BYTES // 2
+    runners = {"full": make_runner(model, budget), "half": make_runner(model, half)}
+    assert runners["half"].cache.k.dtype == dtype and runners["full"].cache.k.dtype == torch.float32
+    ids = prompt(40)
+    logits = {}
+    for name, runner in runners.items():
+        with torch.inference_mode():
+            prefill = model(Batch.build([Chunk(ids[:39], 0, [1, 2, 3])], 16, CPU), runner.cache)
+            decode = model(Batch.build([Chunk(ids[39:], 39, [1, 2, 3])], 16, CPU), runner.cache)
+        logits[name] = torch.cat([prefill, decode])
+    assert logits["half"].dtype == torch.float32
+    err = ((logits["half"] - logits["full"]).norm(dim=-1) / logits["full"].norm(dim=-1)).max()
+    assert 0 < err < 2e-2  # the cache is rounded, and no more than that
+    with pytest.raises(SpearError, match="in the model's dtype"):
+        kv_cache_dtype(SimpleNamespace(dtype=torch.float32, device=torch.device("cuda")), half)
+
+
+def test_cli_kv_cache_dtype_is_checked(capsys):
+    from spear.server.launch import ServeConfig
+
+    with pytest.raises(SpearError, match="--kv-cache-dtype must be one of"):
+        ServeConfig(kv_cache_dtype="int8")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "smollm2", "--kv-cache-dtype", "fp8"])
+    assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
 def test_preemptions_counted_in_metrics(tiny):
     engine = build_engine(tiny.model, tiny.tokenizer, EngineConfig(max_model_len=128, num_kv_blocks=9))
     async_engine = AsyncEngine(engine)

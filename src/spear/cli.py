@@ -217,7 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences decoded together at most (as many as the KV cache holds)")
     s.add_argument("--kv-cache-memory", default=None,
                    help="the KV cache's size: bytes or a size such as 2GiB, 512MiB, 1.5GB (default: on a GPU "
-                        "--gpu-memory-utilization of its memory less the weights', on a CPU 1GiB)")
+                        "--gpu-memory-utilization of its memory less the weights', on a CPU 512MiB)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's dtype: auto, the model's (default); on a CPU bfloat16 or float16 hold twice "
+                        "the tokens in the same memory, read back in float32")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory for the weights, activations and KV cache (default 0.9)")
     s.add_argument("--tp", type=int, default=1,
@@ -435,7 +438,7 @@ def cmd_serve(args) -> int:
     config = ServeConfig(args.host, args.port, args.max_waiting, args.chunk_tokens, args.itl_slo_ms,
                          args.max_model_len, args.max_num_seqs, args.tp, args.tp_reduction, not args.no_overlap, http,
                          None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory),
-                         args.gpu_memory_utilization, tuple(args.served_model_name))
+                         args.gpu_memory_utilization, tuple(args.served_model_name), args.kv_cache_dtype)
     serve(args.model, config, device=_device(args))
     return 0
 

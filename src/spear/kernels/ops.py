@@ -179,9 +179,9 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       inv_freq: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                       slots: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
     """Rotate q [T, H, D] and k [T, KV, D]; store k and v at `slots` in the pools [N, block_size, KV, D]
-    (slot = block * block_size + offset); return the rotated q."""
-    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, rope_ref(k, positions, inv_freq, gain))
-    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+    (slot = block * block_size + offset), in the pools' dtype; return the rotated q."""
+    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, rope_ref(k, positions, inv_freq, gain).to(k_pool.dtype))
+    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(v_pool.dtype))
     return rope_ref(q, positions, inv_freq, gain)
 
 
@@ -259,10 +259,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     `window`, seq_len - window .. seq_len - 1).
 
     q [B, H, D]; pools [N, block_size, KV, D]; block_tables [B, W]; seq_lens [B] -> [B, H, D].
-    Query head h reads KV head h // (H // KV) (GQA).
+    Query head h reads KV head h // (H // KV) (GQA). Pools in another dtype than q's are read back in q's.
     """
-    k = k_pool[block_tables].flatten(1, 2).transpose(1, 2)  # [B, KV, W * block_size, D], in position order
-    v = v_pool[block_tables].flatten(1, 2).transpose(1, 2)
+    k = k_pool[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, KV, W * block_size, D], position order
+    v = v_pool[block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     key_pos = torch.arange(k.shape[2], device=q.device)
     mask = key_pos < seq_lens[:, None]
     if window is not None:

@@ -63,9 +63,13 @@ class EngineConfig:
     block_size: int = 16
     # The KV cache's size (kv_cache_blocks): num_kv_blocks blocks if given; else kv_cache_memory bytes if given; else
     # on CUDA gpu_memory_utilization × the device's memory less what is in use after the weights and a warm-up step
-    # (vLLM's --gpu-memory-utilization), on a CPU CPU_KV_CACHE_MEMORY. Its dtype is the model's.
+    # (vLLM's --gpu-memory-utilization), on a CPU CPU_KV_CACHE_MEMORY.
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
+    # The KV cache's dtype (kv_cache_dtype): None, the model's; on a CPU bfloat16 or float16 too (half the bytes a
+    # token: twice the tokens in the same memory; attention reads the cache back in the model's dtype). CUDA's
+    # attention kernels read the cache in the model's dtype only.
+    kv_cache_dtype: torch.dtype | None = None
     gpu_memory_utilization: float = 0.9
     policy: SchedulerPolicy = field(default_factory=StaticChunkPolicy)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA only)
@@ -178,10 +182,24 @@ def context_len(model: Transformer, config: EngineConfig) -> int:
     return min(config.max_model_len or DEFAULT_MAX_MODEL_LEN, model.args.max_seq_len)
 
 
-def kv_block_bytes(model: Transformer, block_size: int) -> int:
-    """Bytes of one KV-cache block: K and V of `block_size` tokens in every layer, in the model's dtype."""
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kv_cache_dtype(model: Transformer, config: EngineConfig) -> torch.dtype:
+    """The KV cache's dtype: config.kv_cache_dtype, or the model's; SpearError where the attention cannot read it."""
+    dtype = config.kv_cache_dtype or model.dtype
+    if dtype not in KV_CACHE_DTYPES:
+        raise SpearError(f"the KV cache holds float32, bfloat16 or float16, not {dtype}")
+    if dtype != model.dtype and model.device.type == "cuda":
+        raise SpearError(f"on CUDA the attention kernels read the KV cache in the model's dtype "
+                         f"({str(model.dtype).removeprefix('torch.')}): drop --kv-cache-dtype or pass auto")
+    return dtype
+
+
+def kv_block_bytes(model: Transformer, block_size: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one KV-cache block: K and V of `block_size` tokens in every layer, in `dtype` (None: the model's)."""
     args = model.args
-    return 2 * args.n_layers * block_size * args.n_kv_heads * args.head_dim * model.dtype.itemsize
+    return 2 * args.n_layers * block_size * args.n_kv_heads * args.head_dim * (dtype or model.dtype).itemsize
 
 
 def kv_cache_blocks(model: Transformer, config: EngineConfig) -> int:
@@ -197,7 +215,7 @@ def kv_cache_blocks(model: Transformer, config: EngineConfig) -> int:
     else:
         budget = CPU_KV_CACHE_MEMORY
     most = config.max_num_seqs * cdiv(max_len, config.block_size) + 1
-    return min(most, max(budget, 0) // kv_block_bytes(model, config.block_size))
+    return min(most, max(budget, 0) // kv_block_bytes(model, config.block_size, kv_cache_dtype(model, config)))
 
 
 def _cuda_kv_budget(model: Transformer, config: EngineConfig, max_len: int) -> int:
@@ -218,16 +236,16 @@ def _cuda_kv_budget(model: Transformer, config: EngineConfig, max_len: int) -> i
 def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     """The KV cache and model runner that `config` asks for; SpearError if the cache cannot hold one sequence of the
     full context."""
-    max_len = context_len(model, config)
+    max_len, dtype = context_len(model, config), kv_cache_dtype(model, config)
     blocks, per_seq = kv_cache_blocks(model, config), cdiv(max_len, config.block_size)
     if blocks - 1 < per_seq:
-        block_bytes = kv_block_bytes(model, config.block_size)
+        block_bytes = kv_block_bytes(model, config.block_size, dtype)
         holds = max(blocks - 1, 0) * config.block_size
         raise SpearError(f"the KV cache budget of {_size(blocks * block_bytes)} holds {holds} tokens; one sequence of "
                          f"{max_len} tokens needs {_size((per_seq + 1) * block_bytes)}: raise --kv-cache-memory (or "
                          f"--gpu-memory-utilization) or lower --max-model-len")
     args = model.args
-    cache = KVCache(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.head_dim, model.dtype, model.device)
+    cache = KVCache(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.head_dim, dtype, model.device)
     mixed = config.mixed_graph_tokens
     if mixed is None:
         graphs = config.cuda_graphs and model.device.type == "cuda"

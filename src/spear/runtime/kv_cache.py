@@ -258,8 +258,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
         return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, scale, tiles=batch.tiles,
                                       tile_rows=batch.tile_rows, window=window)
-    k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2)  # [Bp, KV, M * block_size, D]
-    v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2)
+    k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2).to(q.dtype)  # [Bp, KV, M * block_size, D]
+    v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2).to(q.dtype)
     qp = q[batch.padded_index].transpose(1, 2)  # [Bp, H, S, D]
     with sdpa_kernel(PREFILL_SDPA_BACKENDS):
         mask = batch.mask if window is None else batch.window_mask(window)

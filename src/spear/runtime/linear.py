@@ -170,7 +170,7 @@ class FusedLinear(LinearMethod):
 
 # ---- float tables held at half their bytes on a CPU ---------------------------------------------------------------
 
-HALF_STORED_BLOCK = 1 << 20  # weights of the float32 scratch a HalfStoredLinear multiplies through (4 MiB: cache-sized)
+HALF_STORED_BLOCK = 1 << 21  # weights of the float32 scratch a HalfStoredLinear multiplies through (8 MiB)
 
 
 def exact_half(weight: torch.Tensor) -> torch.dtype | None:
@@ -190,41 +190,33 @@ def to_half(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-class HalfStoredLinear(LinearMethod):
+class HalfStoredLinear(DenseLinear):
     """y = x Wᵀ + b in float32 with W held in fp16 or bf16 where that holds it exactly (exact_half): W is upcast a
     block of HALF_STORED_BLOCK weights at a time into one float32 scratch and multiplied there, so the products and
     their sums are float32's (the same logits bit for bit as the float32 weight, tested) at half the held bytes.
-    The LM head on a CPU: 1.05 GB of 1.2B Llama's 128k-vocabulary model in float32. Streaming 2 bytes a weight
-    through a cache-sized scratch costs no time at one row (bench/cpu_w4.py --head)."""
+    The LM head on a CPU: 1.05 GB of 1.2B Llama's 128k-vocabulary model in float32. Time against F.linear on the
+    float32 weight: bench/cpu_head.py."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        rows = max(1, min(weight.shape[0], HALF_STORED_BLOCK // weight.shape[1]))
+        super().__init__(weight, bias)
+        # blocks of a multiple of 64 rows: a gemv groups rows from the first, and a block starting off that grid
+        # summed its rows in another order (blocks of 1,170 rows moved logits by 1e-6; multiples of 64: none)
+        rows = min(weight.shape[0], max(64, HALF_STORED_BLOCK // weight.shape[1] // 64 * 64))
         self.scratch = torch.empty(rows, weight.shape[1], dtype=torch.float32, device=weight.device)
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
         out = x2.new_empty(x2.shape[0], self.out_features)
-        step = self.scratch.shape[0]
+        step, bias = self.scratch.shape[0], None if self.bias is None else self.bias.float()
         for start in range(0, self.out_features, step):
-            block = self.scratch[: min(step, self.out_features - start)]
-            block.copy_(self.weight[start : start + block.shape[0]])
-            out[:, start : start + block.shape[0]] = nn.functional.linear(x2, block)
-        if self.bias is not None:
-            out += self.bias.float()
+            stop = min(start + step, self.out_features)
+            block = self.scratch[: stop - start]
+            block.copy_(self.weight[start:stop])
+            out[:, start:stop] = nn.functional.linear(x2, block, None if bias is None else bias[start:stop])
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+    def stack_key(self) -> tuple | None:
+        return None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, held={self.weight.dtype}, computed=float32"

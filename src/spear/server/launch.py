@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 # The default prefill chunk. On a CPU a step of 512 prompt tokens stalls every running stream for seconds (3–8 s
 # for SmolLM2-135M on 2 cores, beside 0.07 s a decode step); 128 bounds it near 1 s (bench/server_reliability.py)
 CHUNK_TOKENS = {"cuda": 512, "cpu": 128}
+KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (EngineConfig.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.9
     # the names requests may give as `model`, responses giving the first (none: served_model_names' default)
     served_model_name: tuple[str, ...] = ()
+    kv_cache_dtype: str = "auto"  # "auto" (the model's), or on a CPU "bfloat16" / "float16" (EngineConfig)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -70,6 +72,8 @@ class ServeConfig:
             raise SpearError("--served-model-name has an empty name")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise SpearError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory} bytes")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise SpearError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise SpearError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         from spear.runtime.tp import Reduction
@@ -222,6 +226,7 @@ def _engine_config(config: ServeConfig, device: torch.device) -> EngineConfig:
     chunk_tokens = config.chunk_tokens or CHUNK_TOKENS["cuda" if device.type == "cuda" else "cpu"]
     return EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
+                        kv_cache_dtype=None if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype),
                         policy=StaticChunkPolicy(chunk_tokens), overlap=config.overlap and config.tp == 1)
 
 
