@@ -47,7 +47,10 @@ def test_served_model_holds_the_packed_bytes_embeddings_norms_and_kv(artifact, c
     assert held["packed"] == packed
     weights = sum(m.out_features * m.in_features for m in linears)
     assert packed - scratch.nbytes() <= 0.7 * weights  # 0.5 bytes a weight and the scales, against 4 dense
-    tables = {id(t): t for t in (model.embed.weight, model.head.weight)}  # tied: one tensor
+    # the embedding and head: float32, or a CompactTable's values (and scales) where they hold every value; tied: once
+    held_tables = [t for m in (model.embed, model.head) for t in
+                   ([m.table.values, m.table.scales] if hasattr(m, "table") else [m.weight]) if t is not None]
+    tables = {t.data_ptr(): t for t in held_tables}
     norms = [p for n, p in hf.named_parameters() if "norm" in n]
     assert held["other"] == sum(t.nbytes for t in [*tables.values(), *norms]) + model.rope.inv_freq.nbytes
     runner = make_runner(model, EngineConfig(max_num_seqs=2, max_model_len=64, num_kv_blocks=9))
@@ -89,28 +92,38 @@ def _tables(table: torch.Tensor, scale: float | None = None) -> torch.nn.Module:
     return holder
 
 
-@pytest.mark.parametrize("dtype,scale,magnitude", [(torch.float16, None, 1.0), (torch.float16, 8.0, 1.0),
-                                                   (torch.bfloat16, None, 1e6)])  # 1e6: beyond fp16's range
-def test_tables_held_at_half_give_the_same_numbers_bit_for_bit(dtype, scale, magnitude, monkeypatch):
-    """A checkpoint's fp16 (or bf16) embedding, upcast to float32 on loading, is held at 2 bytes a weight again:
-    lookups and the head's logits (a block of rows at a time through the float32 scratch) are those of the float32
-    tables, bit for bit; a tied head shares the embedding's copy."""
-    from spear.runtime import linear
+def _q8_0(shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """A table as a Q8_0 GGUF's dequantizes: int8 codes times an fp16 scale per block of 32 (amax / 127, rounded)."""
+    w = torch.randn(*shape, generator=gen).view(shape[0], -1, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).half().float()
+    w[:3, :2] = 0  # all-zero blocks
+    return ((w / d.clamp(min=1e-8)).round().clamp(-127, 127) * d).view(shape)
 
-    monkeypatch.setattr(linear, "HALF_STORED_BLOCK", 128 * 64)  # 128 rows a block: 8 blocks, the last one short
+
+@pytest.mark.parametrize("form,scale,held", [("q8_0", None, 1000 * 64 + 1000 * 2 * 2), ("fp16", None, 1000 * 64 * 2),
+                                             ("fp16", 8.0, 1000 * 64 * 2), ("bf16", None, 1000 * 64 * 2)])
+def test_tables_held_compactly_give_the_same_numbers_bit_for_bit(form, scale, held, monkeypatch):
+    """A checkpoint's Q8_0 (or fp16, bf16) embedding, upcast to float32 on loading, is held in its own form again:
+    lookups and the head's logits (a block of rows at a time through the float32 scratch) are those of the float32
+    tables, bit for bit; a tied head shares the embedding's table."""
+    from spear.runtime import tables
+
+    monkeypatch.setattr(tables, "SCRATCH_WEIGHTS", 128 * 64)  # 128 rows a block: 8 blocks, the last one short
     gen = torch.Generator().manual_seed(0)
-    table = (torch.randn(1000, 64, generator=gen) * magnitude).to(dtype).float()
+    table = {"q8_0": lambda: _q8_0((1000, 64), gen), "fp16": lambda: torch.randn(1000, 64, generator=gen).half().float(),
+             "bf16": lambda: (torch.randn(1000, 64, generator=gen) * 1e6).bfloat16().float()}[form]()  # 1e6: not fp16
     model = _tables(table, scale)
     ids, x = torch.randint(0, 1000, (2, 7), generator=gen), torch.randn(3, 5, 64, generator=gen)
     want_embed, want_logits = model.embed(ids), model.head(x)
-    assert linear.hold_tables_at_half(model) == 1000 * 64 * 2
-    assert model.embed.weight is model.head.weight and model.embed.weight.dtype == dtype
+    assert tables.hold_tables_compact(model) == 1000 * 64 * 4 - held
+    assert model.embed.table is model.head.table and model.head.nbytes() == held
+    assert model.embed.table.values.dtype == {"q8_0": torch.int8, "fp16": torch.float16, "bf16": torch.bfloat16}[form]
     assert torch.equal(model.embed(ids), want_embed) and torch.equal(model.head(x), want_logits)
 
 
-def test_tables_that_half_precision_would_round_stay_float32():
-    from spear.runtime.linear import hold_tables_at_half
+def test_tables_that_fewer_bytes_would_round_stay_float32():
+    from spear.runtime.tables import hold_tables_compact
 
     model = _tables(torch.randn(300, 64))
     embed = model.embed
-    assert hold_tables_at_half(model) == 0 and model.embed is embed and model.head.weight.dtype == torch.float32
+    assert hold_tables_compact(model) == 0 and model.embed is embed and model.head.weight.dtype == torch.float32

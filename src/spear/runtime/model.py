@@ -37,7 +37,8 @@ from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 from spear.layer import LinearMethod, SpearLinear
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
-from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear, SplitLinear, hold_tables_at_half
+from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear, SplitLinear
+from spear.runtime.tables import hold_tables_compact
 
 # The fusions kernels.options switches (options.OPTIONS):
 # - fuse_swiglu: silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode
@@ -336,7 +337,7 @@ class Transformer(nn.Module):
         self.norm = norm
         self.head = head
         self.rope = RotaryEmbedding(args).to(embed.weight.device)
-        self._dtype = embed.weight.dtype  # what it computes in, whatever its tables are held in (hold_tables_at_half)
+        self._dtype = embed.weight.dtype  # what it computes in, whatever its tables are held in (hold_tables_compact)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -344,7 +345,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
         """Logits [B, vocab] at each sequence's last new token; the chunks' K/V land in the cache."""
@@ -479,8 +480,8 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
     for m in linears:
         m.release_for_serving()
     if isinstance(model, Transformer) and model.device.type == "cpu" and model.dtype == torch.float32:
-        hold_tables_at_half(model)  # the embedding and LM head at 2 bytes a weight where that is exact
-    if isinstance(model, Transformer) and model.embed.weight.device.type == "cuda":
+        hold_tables_compact(model)  # the embedding and LM head in int8 blocks or 16 bits where that is exact
+    if isinstance(model, Transformer) and model.device.type == "cuda":
         # float linears too (on CPU each runs alone through F.linear)
         if fuse:
             fuse_projections(model, dense=options.OPTIONS.dense_kernels)
