@@ -67,3 +67,12 @@ def test_refit_is_refused_where_the_codes_are_not_rtns(float_and_quantized):
         compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", refit_rounds=1))
     with pytest.raises(SpearError, match="refits QERA's factors"):
         CompensateConfig(kind="lorc", refit_rounds=1)
+
+
+def test_cli_refuses_refit_of_codes_not_rtns_before_any_work(tiny_model_dir, tmp_path, capsys):
+    from spear.cli import main
+
+    rc = main(["run", str(tiny_model_dir), "--method", "gptq", "--refit-rounds", "2", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--refit-rounds re-rounds RTN codes" in err
+    assert not (tmp_path / "r").exists()  # nothing quantized, nothing written

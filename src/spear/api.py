@@ -108,6 +108,10 @@ def compensate_artifact(
     config = read_artifact_config(artifact_dir)
     if config["base_model"] is None:
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
+    method = config["quant"].get("method")
+    if cfg.refit_rounds and method != "rtn":  # before any loading: compensate() would refuse it after
+        raise SpearError(f"--refit-rounds re-rounds RTN codes; {artifact_dir} holds {method} codes, which keep their "
+                         f"own rounding: drop --refit-rounds")
     _check_compensate_memory(Path(artifact_dir), config, cfg, calib, device)
     start = time.perf_counter()
     student = load_artifact(artifact_dir, device)
@@ -116,7 +120,6 @@ def compensate_artifact(
     check_walkable(teacher.model, calib.seq_len)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
     sampled = time.perf_counter()
-    method = config["quant"].get("method")
     rtn = QuantConfig.from_dict(config["quant"]) if method == "rtn" else None
     report = compensate(student.model, teacher.model, ids, cfg, rescaled=method == "awq", rtn=rtn)
     report.seconds = {"load": loaded - start, "calibration_ids": sampled - loaded} | report.seconds

@@ -25,6 +25,7 @@ from spear.data.calibration import CalibConfig, calibration_ids, calibration_rec
 from spear.eval import perplexity
 from spear.models.layerwise import check_walkable
 from spear.models.loading import load_float_model
+from spear.errors import SpearError
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 from spear.util import versions
 
@@ -63,6 +64,9 @@ class RunConfig:
               out: str | None = None, seqlen: int = 2048, max_windows: int | None = None,
               batch_size: int | None = None,
               compensate: CompensateConfig | None = CompensateConfig()) -> "RunConfig":
+        if compensate is not None and compensate.refit_rounds and settings.method != "rtn":
+            raise SpearError(f"--refit-rounds re-rounds RTN codes; {settings.method} keeps its own rounding: drop "
+                             f"--refit-rounds or quantize with --method rtn")
         if quick:
             calib, compensate = quick_calibration(calib, compensate)
             max_windows = max_windows or QUICK_WINDOWS
