@@ -104,14 +104,13 @@ def compensate_artifact(
     """Add ECs to a quantized artifact, in place (atomically); the float model is its base model."""
     from spear.artifact import read_artifact_config
     from spear.compensate.pipeline import compensate
+    from spear.compensate.refit import check_refit
 
     config = read_artifact_config(artifact_dir)
     if config["base_model"] is None:
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
     method = config["quant"].get("method")
-    if cfg.refit_rounds and method != "rtn":  # before any loading: compensate() would refuse it after
-        raise SpearError(f"--refit-rounds re-rounds RTN codes; {artifact_dir} holds {method} codes, which keep their "
-                         f"own rounding: drop --refit-rounds")
+    check_refit(cfg.refit_rounds, method)
     _check_compensate_memory(Path(artifact_dir), config, cfg, calib, device)
     start = time.perf_counter()
     student = load_artifact(artifact_dir, device)

@@ -21,11 +21,11 @@ from spear.artifact import ArtifactInfo, save_artifact
 from spear.compensate.calibrate import CalibrateConfig
 from spear.compensate.cka import SensitivityConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
+from spear.compensate.refit import check_refit
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
 from spear.eval import perplexity
 from spear.models.layerwise import check_walkable
 from spear.models.loading import load_float_model
-from spear.errors import SpearError
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 from spear.util import versions
 
@@ -64,9 +64,8 @@ class RunConfig:
               out: str | None = None, seqlen: int = 2048, max_windows: int | None = None,
               batch_size: int | None = None,
               compensate: CompensateConfig | None = CompensateConfig()) -> "RunConfig":
-        if compensate is not None and compensate.refit_rounds and settings.method != "rtn":
-            raise SpearError(f"--refit-rounds re-rounds RTN codes; {settings.method} keeps its own rounding: drop "
-                             f"--refit-rounds or quantize with --method rtn")
+        if compensate is not None:
+            check_refit(compensate.refit_rounds, settings.method)
         if quick:
             calib, compensate = quick_calibration(calib, compensate)
             max_windows = max_windows or QUICK_WINDOWS

@@ -20,7 +20,16 @@ import torch
 
 from spear.compensate.init import WhitenedError
 from spear.compensate.stats import InputStats
+from spear.errors import SpearError
 from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
+
+
+def check_refit(rounds: int, method: str | None) -> None:
+    """Refuse joint fitting of codes that SPEAR did not round by RTN, in one line, before any work (`spear run`
+    before quantizing, `spear compensate` before loading); compensate() itself refuses them too, later."""
+    if rounds and method != "rtn":
+        raise SpearError(f"--refit-rounds re-rounds RTN codes; {method} codes keep their own rounding: drop "
+                         f"--refit-rounds or quantize with --method rtn")
 
 
 @dataclass

@@ -21,9 +21,9 @@ int4 kernel: PyTorch's CPU int4 matmul (`_weight_int4pack_mm_for_cpu`). It walks
     or in a batch.
 
 scratch: the codes stay nibble-packed, uint8 [N, K / 2] (column j in the low nibble of byte j, column j + K / 2
-    in the high one, so unpacking writes two contiguous halves), and each call dequantizes the layer into one
-    float32 scratch shared by every layer, then runs F.linear: the prefill path, where the dequantization is
-    spread over many rows. The dequantized weight is W_hat bit for bit ((q - z) s has at most 16 significant bits).
+    in the high one, so unpacking writes two contiguous halves), and each call dequantizes the layer, a block of
+    rows at a time, into one float32 scratch shared by every layer, then runs F.linear on each block: the prefill
+    path, where the dequantization is spread over many rows. The dequantized weight is W_hat bit for bit ((q - z) s has at most 16 significant bits).
 
     A layer served both ways holds its codes once: `nibbles_of(packed_cpu_w4, record)` gives the scratch path the
     int4 op's own bytes to unpack (`Int4OpLayout`, found by packing a probe, since it follows the CPU), with the
@@ -192,9 +192,14 @@ def pack_nibbles(record: QuantizedWeight) -> PackedNibbles:
                          f"serve it dense")
     codes = record.codes.cpu()
     half = k // 2
+    return PackedNibbles((codes[:, :half] | (codes[:, half:] << 4)).contiguous(), *_scales_offsets(record),
+                         record.group_size)
+
+
+def _scales_offsets(record: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scratch path's float32 s and -z s [N, K / g, 1] of a standard-form record: W_hat = q s + (-z s)."""
     s = record.scales.cpu().float()
-    return PackedNibbles((codes[:, :half] | (codes[:, half:] << 4)).contiguous(), s[..., None].contiguous(),
-                         (-record.zeros.cpu().float() * s)[..., None].contiguous(), record.group_size)
+    return s[..., None].contiguous(), (-record.zeros.cpu().float() * s)[..., None].contiguous()
 
 
 _LAYOUT_CANDIDATES = (Int4OpLayout(32, True), Int4OpLayout(64, True), Int4OpLayout(32, False), Int4OpLayout(64, False))
@@ -252,9 +257,7 @@ def nibbles_of(packed: PackedCPUW4, record: QuantizedWeight) -> PackedNibbles:
     layout = int4_op_layout(record.shape[0])
     if layout is None or packed.weight.dtype != torch.uint8:
         return pack_nibbles(record)
-    s = record.scales.cpu().float()
-    return PackedNibbles(packed.weight, s[..., None].contiguous(), (-record.zeros.cpu().float() * s)[..., None].contiguous(),
-                         record.group_size, layout)
+    return PackedNibbles(packed.weight, *_scales_offsets(record), record.group_size, layout)
 
 
 def dequantize_into(packed: PackedNibbles, scratch: Scratch, start: int = 0, stop: int | None = None) -> torch.Tensor:

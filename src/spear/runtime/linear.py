@@ -166,4 +166,3 @@ class FusedLinear(LinearMethod):
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
-

@@ -159,21 +159,18 @@ def hold_tables_compact(model: nn.Module) -> int:
     float32 tensors, freed with that model (`spear serve` drops it once the engine is built). Returns the bytes
     saved."""
     embed, head = model.embed, model.head
-    tables: dict[int, CompactTable | None] = {}
+    tables: dict[int, tuple[int, CompactTable | None]] = {}  # id(weight): (its float32 bytes, its table)
 
     def table_of(weight: torch.Tensor) -> CompactTable | None:
         if id(weight) not in tables:
             usable = weight.dtype == torch.float32 and weight.device.type == "cpu"
-            tables[id(weight)] = CompactTable.of(weight) if usable else None
-        return tables[id(weight)]
+            tables[id(weight)] = (weight.nbytes, CompactTable.of(weight) if usable else None)
+        return tables[id(weight)][1]
 
-    saved = 0
     plain = type(embed) is nn.Embedding or hasattr(embed, "embed_scale")
     if plain and getattr(embed, "max_norm", None) is None and (table := table_of(embed.weight)) is not None:
         model.embed = CompactEmbedding(table, getattr(embed, "embed_scale", None))
-        saved += embed.weight.nbytes - table.nbytes()
     if type(head) is DenseLinear and (table := table_of(head.weight)) is not None:
         model.head = CompactLinear(table, head.bias)
-        if head.weight is not embed.weight or not isinstance(model.embed, CompactEmbedding):
-            saved += head.weight.nbytes - table.nbytes()
-    return saved
+    # every table found is in use, a tied head's once
+    return sum(nbytes - table.nbytes() for nbytes, table in tables.values() if table is not None)
