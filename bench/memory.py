@@ -173,6 +173,15 @@ def served_kv(config: dict, serve_out: Path) -> dict:
             "kv_bytes": kv_bytes(config, blocks, getattr(torch, match[3]).itemsize, tokens // (blocks - 1))}
 
 
+def served_startup(serve_out: Path) -> dict:
+    """`spear serve`'s own seconds by stage, from its "ready in T s (load A s, kernels B s, ...)" line; {} without."""
+    match = re.search(r"ready in [\d.]+ s \((.*)\)", serve_out.read_text())
+    if match is None:
+        return {}
+    stages = (part.rsplit(" ", 2) for part in match[1].split(", "))
+    return {"startup_s": {name.replace(" ", "_"): float(seconds) for name, seconds, _ in stages}}
+
+
 def default_tokenizer_dir() -> Path:
     """The default model's HF directory (its GGUF converted once, cached): where its tokenizer files are."""
     from spear.models.loading import _gguf_as_hf_dir, resolve_model_path
@@ -390,7 +399,7 @@ def measure_serve(artifact: Path, config: dict, log: Path, timeout: float, settl
             extra["idle_rss_bytes"] = watch.rss()
             if gpu:
                 extra["idle_gpu_bytes"] = (gpu_used_bytes() or 0) - watch.gpu_base
-            extra |= served_kv(config, log.with_suffix(".out"))
+            extra |= served_kv(config, log.with_suffix(".out")) | served_startup(log.with_suffix(".out"))
             extra |= {f"idle_{k.lower()}_bytes": v for k, v in rss_split(watch.popen.pid).items()}
             body = {"prompt": "The history of", "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
             start = time.perf_counter()

@@ -104,6 +104,16 @@ def test_the_kv_cache_is_read_from_the_servers_line(tmp_path):
     assert memory.served_kv(SMALL, out) == {}
 
 
+def test_serve_rows_carry_the_servers_startup_stages(tmp_path):
+    from spear.server.launch import startup_summary
+
+    out = tmp_path / "serve.out"
+    out.write_text("serving\n" + startup_summary(366.5, {"load": 20.0, "kernels": 300.25, "kv_cache_and_graphs": 46.0}))
+    assert memory.served_startup(out) == {"startup_s": {"load": 20.0, "kernels": 300.2, "kv_cache_and_graphs": 46.0}}
+    out.write_text("serving\n")
+    assert memory.served_startup(out) == {}
+
+
 def test_compensate_rows_carry_the_stages_and_calibration_the_artifact_recorded(tmp_path):
     summary = {"modules": 3, "ec_memory_pct": 0.98, "seconds": {"load": 1.234, "calibrate": 5.0},
                "calibration": {"steps": 100, "precision": "bfloat16", "final_train_kl": 0.1, "history": None}}

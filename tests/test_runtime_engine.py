@@ -55,6 +55,14 @@ def test_greedy_equals_transformers_generate_tiny(tiny):
     ids = prompt(21)
     got = run(engine, {"a": (ids, SamplingParams(max_tokens=30, temperature=0))})["a"]
     assert got["ids"] == hf_greedy(tiny, ids, 30)
+    assert set(engine.startup_s) == {"kernels", "kv_cache_and_graphs"} and min(engine.startup_s.values()) >= 0
+
+
+def test_startup_summary_names_each_stage():
+    from spear.server.launch import startup_summary
+
+    line = startup_summary(12.25, {"load": 2.0, "kernels": 9.5, "kv_cache_and_graphs": 0.75})
+    assert line == "ready in 12.2 s (load 2.0 s, kernels 9.5 s, kv cache and graphs 0.8 s)"
 
 
 def test_greedy_equals_transformers_generate_smollm2(smollm2):

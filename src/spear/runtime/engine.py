@@ -278,8 +278,12 @@ def mixed_buckets(max_step_tokens: int, above: int = 0) -> tuple[int, ...]:
 def build_engine(hf_model: nn.Module, tokenizer, config: EngineConfig | None = None) -> Engine:
     """An engine over a transformers Llama-family model (float or a loaded SPEAR artifact)."""
     config = config or EngineConfig()
+    start = time.perf_counter()
     model = build_runtime_model(hf_model, tune=config.tune_kernels)
-    return Engine(make_runner(model, config), tokenizer, config, eos_token_ids(hf_model))
+    built = time.perf_counter()
+    engine = Engine(make_runner(model, config), tokenizer, config, eos_token_ids(hf_model))
+    engine.startup_s = {"kernels": built - start, "kv_cache_and_graphs": time.perf_counter() - built}
+    return engine
 
 
 def eos_token_ids(hf_model: nn.Module) -> tuple[int, ...]:
@@ -308,6 +312,9 @@ class Engine:
         self.num_steps = 0
         self.num_preemptions = 0
         self._last_ready = 0.0  # overlapped: when the last step's tokens were read (time.perf_counter())
+        # build_engine's seconds: "kernels" (the serving linears packed, and tuned on CUDA), "kv_cache_and_graphs"
+        # (the KV cache sized after a warm-up step, the CUDA graphs captured)
+        self.startup_s: dict[str, float] = {}
 
     # Counters the server's /metrics reads.
     @property

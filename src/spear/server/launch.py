@@ -11,6 +11,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
@@ -142,8 +143,10 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
 
     sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
     threads = torch.get_num_threads()
+    start = time.perf_counter()
     try:
         lm = api.load(spec, device, serving=True)
+        loaded = time.perf_counter() - start
         if lm.model.device.type == "cpu":
             torch.set_num_threads(cpu_serving_threads())
         engine_config = _engine_config(config, lm.model.device)
@@ -165,11 +168,18 @@ def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel:
         tp = "" if channel is None else f", tensor parallel over {config.tp} ranks"
         print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens{tp})", flush=True)
         print(kv_cache_summary(engine.runner), flush=True)
+        print(startup_summary(time.perf_counter() - start, {"load": loaded, **engine.startup_s}), flush=True)
         raise_open_file_limit()
         EngineServer(uvicorn_config(app, config.host, config.http, log_level="info"), async_engine).run(sockets=[sock])
     finally:
         sock.close()
         torch.set_num_threads(threads)  # the process's own again (serve() called from Python)
+
+
+def startup_summary(total_s: float, stages: dict[str, float]) -> str:
+    """One line: the seconds from the command to the first request it can take, and the stages that took them."""
+    parts = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" for name, seconds in stages.items())
+    return f"ready in {total_s:.1f} s ({parts})"
 
 
 def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
