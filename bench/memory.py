@@ -75,13 +75,16 @@ DEFAULT_MODEL = "smollm2"
 # (16 self-samples of 128 tokens, 16 KL steps); --quick's shorter sensitivity pass has no flag of `spear compensate`.
 QUANT = ["--bits", "4", "--group-size", "-1"]
 QUICK_CALIB = ["--calib-samples", "16", "--calib-len", "128"]
+WIKI_VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.tokens.txt"
 STEP_ARGS = {
     "quantize_rtn": ["--method", "rtn", *QUANT],
     "quantize_gptq": ["--method", "gptq", *QUANT, *QUICK_CALIB],
+    # GPTQ on real text: the float model is never loaded whole (quant.streaming)
+    "quantize_gptq_file": ["--method", "gptq", *QUANT, *QUICK_CALIB, "--calib-file", str(WIKI_VALID)],
     "compensate": ["--budget", "1%", *QUICK_CALIB, "--steps", "16"],
     "eval": ["--max-windows", "1", "--json"],
 }
-STEPS = ("quantize_rtn", "quantize_gptq", "compensate", "eval", "serve", "export", "load")
+STEPS = ("quantize_rtn", "quantize_gptq", "quantize_gptq_file", "compensate", "eval", "serve", "export", "load")
 LOAD_SCRIPT = """import gc, json, sys, time, torch
 from spear import api
 seconds = []

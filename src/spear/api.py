@@ -12,11 +12,14 @@ import torch
 
 from spear.artifact import ArtifactInfo, is_artifact, load_artifact, save_artifact
 from spear.errors import SpearError
-from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
+from spear.data.calibration import CalibConfig, calibration_ids, calibration_record, text_file_ids
 from spear.models.layerwise import check_walkable
-from spear.models.loading import LoadedModel, checkpoint_dir, load_float_model, load_tokenizer, resolve_model_path
+from spear.models.loading import (
+    LoadedModel, checkpoint_dir, default_device, load_float_model, load_tokenizer, resolve_model_path,
+)
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 from spear.record import QuantConfig
+from spear.util import release_freed_memory
 
 if TYPE_CHECKING:
     from spear.compensate.pipeline import CompensateConfig, CompensateReport
@@ -46,15 +49,24 @@ def quantize(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Quantize the float model `spec` and write the artifact to `out_dir` (atomically). RTN reads the checkpoint a
-    decoder layer at a time (quant.streaming) where its tensor names allow; the other methods load the float model
-    (their calibration data is sampled from it)."""
-    from spear.quant.streaming import rtn_quantize_checkpoint, streamable_skeleton
+    """Quantize the float model `spec` and write the artifact to `out_dir` (atomically). RTN and GPTQ read the
+    checkpoint a decoder layer at a time (quant.streaming) where its tensor names allow (GPTQ in float32: its
+    self-sampled calibration data still needs the float model whole, a text file does not); AWQ and OmniQuant load
+    the float model."""
+    from spear.quant.streaming import STREAMED_METHODS, quantize_checkpoint, streamable_skeleton
 
     info = ArtifactInfo(base_model=spec, quant={"method": settings.method, **settings.quant.to_dict(),
                                                  **_method_options(settings)})
-    if settings.method == "rtn" and (skeleton := streamable_skeleton(hf_dir := checkpoint_dir(spec))) is not None:
-        return rtn_quantize_checkpoint(hf_dir, skeleton, load_tokenizer(spec), settings, Path(out_dir), info)
+    streamed = settings.method in STREAMED_METHODS and dtype in (None, torch.float32)
+    if streamed and (skeleton := streamable_skeleton(hf_dir := checkpoint_dir(spec))) is not None:
+        tokenizer = load_tokenizer(spec)
+        ids = None
+        if settings.method != "rtn":
+            check_shapes(skeleton, settings.quant)
+            ids = _calibration_for_walk(spec, tokenizer, calib, device)
+            info.calibration = calibration_record(calib, ids)
+        return quantize_checkpoint(hf_dir, skeleton, tokenizer, settings, Path(out_dir), info, ids,
+                                   None if ids is None else device or default_device())  # RTN: on the host
     lm = load_float_model(spec, device, dtype)
     check_shapes(lm.model, settings.quant)
     ids = None
@@ -64,6 +76,19 @@ def quantize(
         info.calibration = calibration_record(calib, ids)
     quantize_model(lm.model, settings, ids)
     return save_artifact(lm.model, lm.tokenizer, out_dir, info)
+
+
+def _calibration_for_walk(spec: str, tokenizer, calib: CalibConfig, device: torch.device | None) -> torch.Tensor:
+    """Calibration ids for a quantizer that walks the checkpoint: a text file's windows without the model, or
+    self-samples, for which the float model is loaded (and its replay checked), then freed before the walk."""
+    if calib.text_file:
+        return text_file_ids(tokenizer, Path(calib.text_file), calib)
+    lm = load_float_model(spec, device)
+    check_walkable(lm.model, calib.seq_len)
+    ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(spec))
+    del lm
+    release_freed_memory()
+    return ids
 
 
 def _method_options(settings: QuantSettings) -> dict:
@@ -82,7 +107,7 @@ def _check_compensate_memory(path: Path, config: dict, cfg: "CompensateConfig", 
     (compensate.precision.compensate_bytes): one line naming the parts and what to change."""
     from spear.compensate.precision import compensate_bytes
     from spear.memory import gib, require
-    from spear.models.loading import default_device, default_dtype
+    from spear.models.loading import default_dtype
 
     device = device or default_device()
     parts = compensate_bytes(path, config, default_dtype(device), device, calib.seq_len, cfg.stats_sequences,

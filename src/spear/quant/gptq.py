@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    capture_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears, run_layer,
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, observe_inputs, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.record import QuantConfig, QuantizedWeight, fit_grid, quantize_to_codes
@@ -139,22 +139,31 @@ def gptq_quantize_model(
 ) -> dict[str, QuantizedWeight]:
     """Quantize every decoder linear in place, layer by layer; each layer sees the outputs
     of the already-quantized layers before it. Returns the records by module name."""
-    full_names = {id(m): name for name, m in quantizable_linears(model).items()}
+    layers = decoder_layers(model)
+    prefix = next(name for name, m in model.named_modules() if m is layers)
     inputs = capture_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
     records = {}
-    for layer in tqdm(decoder_layers(model), desc="GPTQ", unit="layer"):
-        linears = layer_linears(layer)
-        hessians = {name: Hessian(m.in_features, m.weight.device) for name, m in linears.items()}
-        observe_inputs(layer, inputs, [(m, hessians[name].add_batch) for name, m in linears.items()])
-        for name, m in linears.items():
-            full = full_names[id(m)]
-            try:
-                records[full] = gptq_quantize(
-                    m.weight, hessians.pop(name).H, settings.quant,
-                    settings.gptq_damp, settings.gptq_block_size, settings.gptq_act_order,
-                )
-            except SpearError as e:
-                raise SpearError(f"{full}: {e}") from None
-            replace_with_quantized(model, full, records[full])
+    for i, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer")):
+        records |= gptq_quantize_layer(layer, f"{prefix}.{i}", inputs, settings)
         inputs = run_layer(layer, inputs)
+    return records
+
+
+@torch.no_grad()
+def gptq_quantize_layer(layer: nn.Module, name: str, inputs: LayerInputs, settings: QuantSettings
+                        ) -> dict[str, QuantizedWeight]:
+    """GPTQ on one decoder layer (`name`, its full name) in place: each linear's Hessian from `inputs`, the layer's
+    inputs, and its nn.Linear replaced by a SpearLinear of the record. Returns the records by full name."""
+    linears = layer_linears(layer)
+    hessians = {n: Hessian(m.in_features, m.weight.device) for n, m in linears.items()}
+    observe_inputs(layer, inputs, [(m, hessians[n].add_batch) for n, m in linears.items()])
+    records = {}
+    for n, m in linears.items():
+        full = f"{name}.{n}"
+        try:
+            records[full] = gptq_quantize(m.weight, hessians.pop(n).H, settings.quant, settings.gptq_damp,
+                                          settings.gptq_block_size, settings.gptq_act_order)
+        except SpearError as e:
+            raise SpearError(f"{full}: {e}") from None
+        replace_with_quantized(layer, n, records[full])
     return records

@@ -1,10 +1,15 @@
-"""RTN from a float checkpoint to an artifact, one decoder layer of float weights in memory at a time.
+"""RTN and GPTQ from a float checkpoint to an artifact, one decoder layer of float weights in memory at a time.
 
-RTN needs no activations, so the float model is never built: a skeleton on the meta device gives the names and
-shapes; each decoder layer's tensors are read from the checkpoint's shards (float32), its linears rounded to their
-records, its tensors written to the artifact's shards as they will be stored, and the layer goes back to meta
-(GPTQModel's and llm-compressor's sequential onloading, without the forward). Peak memory: one decoder layer in
-float32, the embeddings, and one artifact shard being written.
+The float model is never built: a skeleton on the meta device gives the names and shapes; each decoder layer's
+tensors are read from the checkpoint's shards (float32), its linears quantized to their records, its tensors written
+to the artifact's shards as they will be stored, and the layer goes back to meta (GPTQModel's and llm-compressor's
+sequential onloading). RTN needs no activations. GPTQ walks the layers as `gptq_quantize_model` does: the
+embeddings are filled first, the model's forward runs once over the calibration batches with every decoder layer
+standing in as the identity (`_Passthrough`), which captures layer 0's inputs and each layer's own keyword
+arguments (masks, rotary embeddings) without its weights; then each layer, once filled, gets its Hessians from its
+inputs, is quantized, and is run on them to give the next layer's. Same records as the whole-model path
+(tests/test_artifact_format.py). Peak memory: one decoder layer in float32, the embeddings, the calibration's
+hidden states (GPTQ), and one artifact shard being written.
 """
 
 from __future__ import annotations
@@ -18,15 +23,18 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.artifact import FORMAT, ArtifactInfo, artifact_config, stored_tensor
+from spear.errors import SpearError
 from spear.layer import SpearLinear
-from spear.models.layerwise import decoder_layers, layer_linears, set_module
+from spear.models.layerwise import LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, run_layer, set_module
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
+from spear.quant.gptq import CALIB_BATCH, gptq_quantize_layer
 from spear.quant.pipeline import QuantSettings, check_shapes
 from spear.record import rtn_quantize
 from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
 from spear.util import atomic_dir, release_freed_memory
 
 log = logging.getLogger(__name__)
+STREAMED_METHODS = ("rtn", "gptq")  # the methods quantize_checkpoint walks a layer at a time from the shards
 
 
 def float_skeleton(hf_dir: Path) -> nn.Module:
@@ -63,33 +71,81 @@ def stored_names(model: nn.Module, checkpoint_names: set[str]) -> dict[str, str]
     return found
 
 
+class _Passthrough(nn.Module):
+    """Stands in for a decoder layer whose weights are not loaded: it returns its input, so that the model's forward
+    reaches every layer with that layer's own keyword arguments (capture_layer_inputs keeps only layer 0's hidden
+    states, and stops before the last layer). It keeps the layer's `attention_type`, which picks its mask."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        if hasattr(layer, "attention_type"):
+            self.attention_type = layer.attention_type
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+def capture_inputs_without_layers(model: nn.Module, reader: ShardReader, source: dict[str, str],
+                                  batches: list[torch.Tensor], device: torch.device) -> LayerInputs:
+    """Layer 0's inputs and every layer's keyword arguments for the skeleton `model`, its decoder layers left on
+    meta: only the input embeddings are filled (on `device`), and go back to meta after."""
+    embeddings = model.get_input_embeddings()
+    name = next(n for n, m in model.named_modules() if m is embeddings)
+    embeddings.load_state_dict({"weight": reader.get(source[f"{name}.weight"], torch.float32).to(device)}, assign=True)
+    layers = decoder_layers(model)
+    kept = list(layers)
+    for i, layer in enumerate(kept):
+        layers[i] = _Passthrough(layer)
+    for module in model.modules():  # RoPE's inverse frequencies and the like: real buffers, built on the CPU
+        for key, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta:
+                module._buffers[key] = buffer.to(device)
+    try:
+        return capture_layer_inputs(model, batches)
+    finally:
+        for i, layer in enumerate(kept):
+            layers[i] = layer
+        model.get_input_embeddings().to("meta")
+
+
 @torch.no_grad()
-def rtn_quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings: QuantSettings, out_dir: Path,
-                            info: ArtifactInfo, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings: QuantSettings, out_dir: Path,
+                        info: ArtifactInfo, calib_ids: torch.Tensor | None = None, device: torch.device | None = None,
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Quantize the float checkpoint `hf_dir` (an HF directory of safetensors; `model` its streamable_skeleton) with
-    RTN into the artifact `out_dir`, a decoder layer at a time; the artifact holds what save_artifact writes for the
-    same model loaded in float32."""
+    RTN or GPTQ (with `calib_ids`) into the artifact `out_dir`, a decoder layer at a time on `device` (default the
+    CPU); the artifact holds what save_artifact writes for the same model quantized whole in float32."""
     check_shapes(model, settings.quant)
+    if settings.method not in STREAMED_METHODS or (settings.method == "gptq") != (calib_ids is not None):
+        raise SpearError(f"a streamed {settings.method} needs {'calibration ids' if settings.method == 'gptq' else 'none'}")
+    device = device or torch.device("cpu")
     reader = ShardReader(hf_dir)
     source = stored_names(model, set(reader.names()))
     tied = tied_parameters(model)
     layers = decoder_layers(model)
     prefix = next(name for name, m in model.named_modules() if m is layers)
+    inputs = None
+    if calib_ids is not None:
+        inputs = capture_inputs_without_layers(model, reader, source, list(calib_ids.split(CALIB_BATCH)), device)
     quantized, in_layers = {}, set()
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes, metadata={"format": FORMAT})
-        for i, layer in enumerate(tqdm(layers, desc="RTN", unit="layer")):
+        for i, layer in enumerate(tqdm(layers, desc=settings.method.upper(), unit="layer")):
             names = {n: f"{prefix}.{i}.{n}" for n in layer.state_dict()}
-            layer.load_state_dict({n: reader.get(source[full], torch.float32) for n, full in names.items()},
+            layer.load_state_dict({n: reader.get(source[full], torch.float32).to(device) for n, full in names.items()},
                                   assign=True)
-            for name, linear in layer_linears(layer).items():
-                record = rtn_quantize(linear.weight, settings.quant)
-                set_module(layer, name, SpearLinear(record, linear.bias, torch.float32, dense=False))
-                quantized[f"{prefix}.{i}.{name}"] = (record.bits, linear.in_features)
+            if inputs is None:
+                for name, linear in layer_linears(layer).items():
+                    record = rtn_quantize(linear.weight, settings.quant)
+                    set_module(layer, name, SpearLinear(record, linear.bias, torch.float32, dense=False))
+            else:
+                gptq_quantize_layer(layer, f"{prefix}.{i}", inputs, settings)
+                inputs = run_layer(layer, inputs)
             spear_linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, SpearLinear)}
+            quantized |= {full: (m.bits, m.in_features) for full, m in spear_linears.items()}
             for name, tensor in layer.state_dict().items():
                 full = f"{prefix}.{i}.{name}"
-                writer.add(full, stored_tensor(full, tensor, spear_linears))
+                writer.add(full, stored_tensor(full, tensor.cpu(), spear_linears))
                 in_layers.add(full)
             layers[i] = layer.to("meta")  # the float (and quantized) tensors of this layer go
             release_freed_memory()  # and leave the process, or the heap keeps every layer's floats
