@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    LayerInputs, capture_layer_inputs, check_replay, decoder_layers, final_norm, layer_linears, run_layer,
+    LayerInputs, capture_layer_inputs, check_replay, decoder_layers, final_norm, layer_linears, module_name,
+    run_layer,
 )
 
 
@@ -122,7 +123,7 @@ def module_sensitivity(
     start = time.perf_counter()
     layers = decoder_layers(model)
     where = {}  # module name → (decoder layer index, nn.Linear)
-    prefix = next(name for name, m in model.named_modules() if m is layers)
+    prefix = module_name(model, layers)
     for i, layer in enumerate(layers):
         for rel, m in layer_linears(layer).items():
             where[f"{prefix}.{i}.{rel}"] = (i, m)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from spear.layer import SpearLinear
-from spear.models.layerwise import decoder_layers, set_module
+from spear.models.layerwise import decoder_layers, module_name, set_module
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 BF16_ABOVE_PARAMS = 2_000_000_000  # "auto": bfloat16 for a CUDA student above this (a 1.2B fp32 student is 5 GB)
@@ -71,7 +71,7 @@ def bfloat16_student(model: nn.Module, masters: list[nn.Parameter]) -> Iterator[
     """Run `model` with its body in bfloat16, its head in float32 and its ECs in float32 (module docstring); on
     exit every tensor is as it was: the dense copies dequantized again from their codes (which is how they were
     made), the other parameters copied back from the host, the ECs cast back to their dtype."""
-    head_name = next(name for name, m in model.named_modules() if m is model.get_output_embeddings())
+    head_name = module_name(model, model.get_output_embeddings())
     head = model.get_submodule(head_name)
     head32 = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
     head32.weight = nn.Parameter(head.weight.detach().float(), requires_grad=False)  # untied from the embeddings

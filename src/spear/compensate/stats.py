@@ -16,7 +16,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.models.layerwise import (
-    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, quantizable_linears,
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, module_name, quantizable_linears,
 )
 
 
@@ -116,7 +116,7 @@ def walk_input_stats(
     named linears, dropped when the caller moves on. The walk holds one layer's inputs for every batch and one
     layer's statistics, not the whole model's: an 8B model's float64 R_xx take ~65 GB together, ~2 GB a layer."""
     layers = decoder_layers(model)
-    prefix = next(name for name, m in model.named_modules() if m is layers)
+    prefix = module_name(model, layers)
     wanted = set(names)
     inputs = capture_layer_inputs(model, list(calib_ids.split(batch_size)))
     for i, layer in enumerate(tqdm(layers, desc="input statistics", unit="layer")):

@@ -29,6 +29,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise SpearError(f"cannot find the decoder layers of {type(model).__name__}: unsupported architecture")
 
 
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    """`module`'s name inside `model` (as named_modules gives it): "model.layers" for a Llama's decoder layers."""
+    return next(name for name, m in model.named_modules() if m is module)
+
+
 def layer_linears(layer: nn.Module) -> dict[str, nn.Module]:
     """Linear layers inside one decoder layer, by their name relative to it, in forward order."""
     from spear.layer import SpearLinear
@@ -39,7 +44,7 @@ def layer_linears(layer: nn.Module) -> dict[str, nn.Module]:
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Module]:
     """Every linear layer inside the decoder layers, by its full name (embeddings and lm_head excluded)."""
     layers = decoder_layers(model)
-    prefix = next(name for name, m in model.named_modules() if m is layers)
+    prefix = module_name(model, layers)
     return {
         f"{prefix}.{i}.{name}": m for i, layer in enumerate(layers) for name, m in layer_linears(layer).items()
     }

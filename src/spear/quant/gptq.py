@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, observe_inputs, run_layer,
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, module_name, observe_inputs, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.record import QuantConfig, QuantizedWeight, fit_grid, quantize_to_codes
@@ -140,7 +140,7 @@ def gptq_quantize_model(
     """Quantize every decoder linear in place, layer by layer; each layer sees the outputs
     of the already-quantized layers before it. Returns the records by module name."""
     layers = decoder_layers(model)
-    prefix = next(name for name, m in model.named_modules() if m is layers)
+    prefix = module_name(model, layers)
     inputs = capture_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
     records = {}
     for i, layer in enumerate(tqdm(layers, desc="GPTQ", unit="layer")):

@@ -25,7 +25,9 @@ from tqdm.auto import tqdm
 from spear.artifact import FORMAT, ArtifactInfo, artifact_config, stored_tensor
 from spear.errors import SpearError
 from spear.layer import SpearLinear
-from spear.models.layerwise import LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, run_layer, set_module
+from spear.models.layerwise import (
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, module_name, run_layer, set_module,
+)
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.quant.gptq import CALIB_BATCH, gptq_quantize_layer
 from spear.quant.pipeline import QuantSettings, check_shapes
@@ -90,7 +92,7 @@ def capture_inputs_without_layers(model: nn.Module, reader: ShardReader, source:
     """Layer 0's inputs and every layer's keyword arguments for the skeleton `model`, its decoder layers left on
     meta: only the input embeddings are filled (on `device`), and go back to meta after."""
     embeddings = model.get_input_embeddings()
-    name = next(n for n, m in model.named_modules() if m is embeddings)
+    name = module_name(model, embeddings)
     embeddings.load_state_dict({"weight": reader.get(source[f"{name}.weight"], torch.float32).to(device)}, assign=True)
     layers = decoder_layers(model)
     kept = list(layers)
@@ -117,13 +119,15 @@ def quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings: Qua
     CPU); the artifact holds what save_artifact writes for the same model quantized whole in float32."""
     check_shapes(model, settings.quant)
     if settings.method not in STREAMED_METHODS or (settings.method == "gptq") != (calib_ids is not None):
-        raise SpearError(f"a streamed {settings.method} needs {'calibration ids' if settings.method == 'gptq' else 'none'}")
+        given = "with" if calib_ids is not None else "without"
+        raise SpearError(f"quantize_checkpoint streams RTN without calibration ids or GPTQ with them, not "
+                         f"{settings.method} {given} them")
     device = device or torch.device("cpu")
     reader = ShardReader(hf_dir)
     source = stored_names(model, set(reader.names()))
     tied = tied_parameters(model)
     layers = decoder_layers(model)
-    prefix = next(name for name, m in model.named_modules() if m is layers)
+    prefix = module_name(model, layers)
     inputs = None
     if calib_ids is not None:
         inputs = capture_inputs_without_layers(model, reader, source, list(calib_ids.split(CALIB_BATCH)), device)
