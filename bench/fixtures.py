@@ -139,7 +139,7 @@ def write_random_artifact(args: ModelArgs, out_dir, ec_fraction: float = 0.0, ra
                     for g, (rows, cols) in ((0, (8, rank)), (2, (rank, 8))):
                         writer.add(f"{full}.ec.gate.{g}.weight", randn(rows, cols, std=cols**-0.5))
                         writer.add(f"{full}.ec.gate.{g}.bias", randn(rows, std=0.01))
-                    ecs[full] = (rank, 8)
+                    ecs[full] = (rank, 8, 16)  # 16-bit factors
         writer.add("model.norm.weight", torch.ones(args.dim, dtype=torch.float16))
         if not args.tie_embeddings:
             writer.add("lm_head.weight", randn(args.vocab, args.dim, std=args.dim**-0.5))

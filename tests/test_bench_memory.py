@@ -122,3 +122,37 @@ def test_compensate_rows_carry_the_stages_and_calibration_the_artifact_recorded(
     assert row["stage_s"] == {"load": 1.23, "calibrate": 5.0} and row["ec_modules"] == 3
     assert row["calibration"]["precision"] == "bfloat16" and row["calibration"]["steps"] == 100
     assert memory.gpu_used_bytes() is None or memory.gpu_used_bytes() >= 0  # None without nvidia-smi
+
+
+def test_a_random_artifact_with_ecs_loads_and_its_start_is_split_by_stage(tmp_path):
+    """fixtures.write_random_artifact with ECs writes an artifact that loads (it once wrote EC entries that
+    artifact_config could not read), and serve_startup's timers see the tuner and graph captures they wrap (on CPU:
+    none run, so each stage's calls are absent) while the stages add up to the start."""
+    import serve_startup  # bench/
+    from fixtures import write_random_artifact
+    from shapes import MODELS
+    from spear import api
+
+    path = write_random_artifact(MODELS["tiny"], tmp_path / "art", ec_fraction=0.5, rank=4)
+    lm = api.load(str(path), torch.device("cpu"), serving=True)
+    ecs = [m for m in lm.model.modules() if type(m).__name__ == "ErrorCompensator"]
+    assert len(ecs) == 7  # half of 2 layers × 7 linears
+    row = serve_startup.start_once(path, torch.device("cpu"))
+    assert row["timed_calls"] == {}  # no CUDA: no tuning, no graphs, no KV warm-up step
+    assert row["total_s"] >= row["load_s"] + row["kernels_s"] + row["kv_cache_and_graphs_s"] - 1e-6
+    assert row["kv_blocks"] > 1 and row["max_num_seqs"] == 256
+
+
+def test_stage_timers_count_calls_and_restore_what_they_wrapped():
+    import types
+
+    import serve_startup  # bench/
+
+    owner = types.SimpleNamespace(step=lambda x: x + 1)
+    original = owner.step
+    timers = serve_startup.StageTimers()
+    timers.wrap(owner, "step", "steps")
+    assert owner.step(1) == 2 and owner.step(2) == 3
+    assert timers.calls == {"steps": 2} and timers.seconds["steps"] >= 0
+    timers.undo()
+    assert owner.step is original

@@ -134,9 +134,9 @@ def read_ec_tensors(reader: ShardReader, config: dict, dtype: torch.dtype = torc
 
 
 def artifact_config(model_config, info: ArtifactInfo, quantized: dict[str, tuple[int, int]],
-                    ecs: dict[str, tuple[int, int]], tied: dict[str, str], sha256: dict[str, str]) -> dict:
-    """config.json: `quantized` maps a linear to (bits, in_features), `ecs` an EC to (rank, gate_hidden), `sha256` a
-    shard's file name to its sha256 (ShardWriter.close)."""
+                    ecs: dict[str, tuple[int, int, int]], tied: dict[str, str], sha256: dict[str, str]) -> dict:
+    """config.json: `quantized` maps a linear to (bits, in_features), `ecs` an EC to (rank, gate_hidden, factor bits:
+    16 or 8), `sha256` a shard's file name to its sha256 (ShardWriter.close)."""
     model_config = model_config.to_dict()
     model_config.pop("quantization_config", None)
     return {

@@ -1,0 +1,152 @@
+"""Where `spear serve`'s start-up time goes, stage by stage, on a random W4 artifact in a real shape.
+
+    python bench/serve_startup.py --model llama3-8b --json bench/results/memory/serve_startup.json   # a GPU
+    python bench/serve_startup.py --model tiny --json /tmp/startup.json                               # CPU check
+
+The artifact is written straight at 4 bits (fixtures.write_random_artifact, gated rank-32 ECs on --ec-fraction of
+the linears), then loaded and built in this process exactly as `spear serve` with default flags does it
+(api.load(serving=True), server.launch's EngineConfig, runtime.engine.build_engine), twice: the first build meets
+empty kernel caches (a fresh machine: Triton compiles every config it tries), the second finds them warm (a restart).
+Each build's seconds are split by timers wrapped around the functions that can take long:
+    tune_w4 / tune_gemv   the decode kernels' configs timed per weight shape and row bucket (use_kernels)
+    kv_budget             the warm-up step that sizes the KV cache from free memory (engine._cuda_kv_budget)
+    decode_graphs         one CUDA graph of a whole step per row bucket (runner.DecodeGraph), with their warm-ups
+    mixed_graphs          the piecewise graphs of mixed steps per token bucket (runner.MixedStepGraphs)
+and the counts of each (shapes tuned, graphs captured). What is left of a stage is the rest (packing, allocation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from common import write_json
+from fixtures import write_random_artifact
+from shapes import MODELS
+
+from spear import api
+from spear.runtime import engine as engine_module
+from spear.runtime import runner as runner_module
+from spear.server.launch import ServeConfig, _engine_config
+from spear.shards import safetensors_bytes
+
+EC_RANK = 32
+
+
+class StageTimers:
+    """Seconds and calls of each wrapped function, summed; `wrap` replaces module.attr while the timers are on."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, original))
+
+    def undo(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
+
+
+def timed_functions() -> list[tuple[object, str, str]]:
+    """(owner, attribute, stage) of each function timed; the kernels' tuners are imported where use_kernels calls them."""
+    import spear.kernels.f16_gemv as f16_gemv
+    import spear.kernels.w4 as w4
+
+    return [(w4, "tune_w4", "tune_w4"), (f16_gemv, "tune_gemv", "tune_gemv"),
+            (engine_module, "_cuda_kv_budget", "kv_budget"),
+            (runner_module.DecodeGraph, "__init__", "decode_graphs"),  # a class's capture: its __init__
+            (runner_module.MixedStepGraphs, "__init__", "mixed_graphs")]
+
+
+def start_once(path: Path, device: torch.device) -> dict:
+    """One start as `spear serve PATH` (default flags) makes it, without the HTTP server: seconds by stage."""
+    timers = StageTimers()
+    for owner, attr, name in timed_functions():
+        timers.wrap(owner, attr, name)
+    try:
+        start = time.perf_counter()
+        lm = api.load(str(path), device, serving=True)
+        loaded = time.perf_counter() - start
+        config = _engine_config(ServeConfig(), lm.model.device)
+        engine = engine_module.build_engine(lm.model, lm.tokenizer, config)
+        total = time.perf_counter() - start
+        runner = engine.runner
+        row = {"total_s": total, "load_s": loaded, **{f"{k}_s": v for k, v in engine.startup_s.items()},
+               "timed_s": dict(timers.seconds), "timed_calls": dict(timers.calls),
+               "decode_graph_buckets": sorted(runner.graphs), "mixed_graph_buckets": sorted(runner.mixed),
+               "kv_blocks": runner.cache.num_blocks, "kv_bytes": runner.cache.nbytes,
+               "max_num_seqs": config.max_num_seqs, "max_model_len": runner.max_model_len}
+        if device.type == "cuda":
+            row["device_memory_peak"] = torch.cuda.max_memory_allocated(device)
+    finally:
+        timers.undo()
+    del engine, runner, lm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return row
+
+
+def brief(label: str, row: dict) -> str:
+    timed = ", ".join(f"{k} {v:.1f} s ({row['timed_calls'][k]})" for k, v in row["timed_s"].items())
+    return (f"{label}: ready in {row['total_s']:.1f} s = load {row['load_s']:.1f} + kernels {row['kernels_s']:.1f} "
+            f"+ kv cache and graphs {row['kv_cache_and_graphs_s']:.1f}; timed: {timed}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
+    p.add_argument("--ec-fraction", type=float, default=0.15, help="share of the linears with an EC (default 0.15)")
+    p.add_argument("--starts", type=int, default=2, help="starts in this process: the first cold, then warm")
+    p.add_argument("--workdir", default=None, help="where the artifact is written (default: a temp dir, removed)")
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="spear-startup-"))
+    path = workdir / f"{args.model}-ec{args.ec_fraction:g}"
+    started = time.perf_counter()
+    if not path.is_dir():
+        write_random_artifact(MODELS[args.model], path, args.ec_fraction, EC_RANK, device=device)
+    record = {"model": args.model, "ec_fraction": args.ec_fraction, "ec_rank": EC_RANK, "device": str(device),
+              "artifact_bytes": safetensors_bytes(path), "write_s": time.perf_counter() - started, "starts": []}
+    for i in range(args.starts):
+        row = start_once(path, device)
+        record["starts"].append(row)
+        print(brief("cold" if i == 0 else "warm", row), flush=True)
+        write_json(args.json, record)
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
