@@ -8,11 +8,13 @@ the linears), then loaded and built in this process exactly as `spear serve` wit
 (api.load(serving=True), server.launch's EngineConfig, runtime.engine.build_engine), twice: the first build meets
 empty kernel caches (a fresh machine: Triton compiles every config it tries), the second finds them warm (a restart).
 Each build's seconds are split by timers wrapped around the functions that can take long:
+    precompile            the tuner's candidates compiled in parallel processes first (kernels.w4.precompile)
     tune_w4 / tune_gemv   the decode kernels' configs timed per weight shape and row bucket (use_kernels)
     kv_budget             the warm-up step that sizes the KV cache from free memory (engine._cuda_kv_budget)
     decode_graphs         one CUDA graph of a whole step per row bucket (runner.DecodeGraph), with their warm-ups
     mixed_graphs          the piecewise graphs of mixed steps per token bucket (runner.MixedStepGraphs)
-and the counts of each (shapes tuned, graphs captured). What is left of a stage is the rest (packing, allocation).
+and the counts of each (shapes tuned, graphs captured), and Triton's compiles in this process by the stage that
+made them ("triton_compile in decode_graphs"). What is left of a stage is the rest (packing, allocation).
 """
 
 from __future__ import annotations
@@ -44,28 +46,36 @@ EC_RANK = 32
 
 
 class StageTimers:
-    """Seconds and calls of each wrapped function, summed; `wrap` replaces module.attr while the timers are on."""
+    """Seconds and calls of each wrapped function, summed; `wrap` replaces module.attr while the timers are on. A
+    call made inside another timed call is also counted as "NAME in OUTER" (Triton's compiles by stage)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._undo: list[tuple[object, str, object]] = []
+        self._active: list[str] = []
 
-    def wrap(self, owner: object, attr: str, name: str) -> None:
+    def wrap(self, owner: object, attr: str, name: str, sync: bool = True) -> None:
         original = getattr(owner, attr)
+        sync = sync and torch.cuda.is_available()
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            if torch.cuda.is_available():
+            if sync:
                 torch.cuda.synchronize()
             start = time.perf_counter()
+            outer = self._active[-1] if self._active else None
+            self._active.append(name)
             try:
                 return original(*args, **kwargs)
             finally:
-                if torch.cuda.is_available():
+                self._active.pop()
+                if sync:
                     torch.cuda.synchronize()
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
+                seconds = time.perf_counter() - start
+                for key in (name, f"{name} in {outer}") if outer else (name,):
+                    self.seconds[key] += seconds
+                    self.calls[key] += 1
 
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, original))
@@ -80,8 +90,10 @@ def timed_functions() -> list[tuple[object, str, str]]:
     """(owner, attribute, stage) of each function timed; the kernels' tuners are imported where use_kernels calls them."""
     import spear.kernels.f16_gemv as f16_gemv
     import spear.kernels.w4 as w4
+    import spear.kernels.w4.precompile as precompile
 
-    return [(w4, "tune_w4", "tune_w4"), (f16_gemv, "tune_gemv", "tune_gemv"),
+    return [(precompile, "precompile_w4", "precompile"), (w4, "tune_w4", "tune_w4"),
+            (f16_gemv, "tune_gemv", "tune_gemv"),
             (engine_module, "_cuda_kv_budget", "kv_budget"),
             (runner_module.DecodeGraph, "__init__", "decode_graphs"),  # a class's capture: its __init__
             (runner_module.MixedStepGraphs, "__init__", "mixed_graphs")]
@@ -92,6 +104,9 @@ def start_once(path: Path, device: torch.device) -> dict:
     timers = StageTimers()
     for owner, attr, name in timed_functions():
         timers.wrap(owner, attr, name)
+    import triton.compiler
+
+    timers.wrap(triton.compiler, "compile", "triton_compile", sync=False)  # where the JIT looks it up
     try:
         start = time.perf_counter()
         lm = api.load(str(path), device, serving=True)

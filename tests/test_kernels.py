@@ -746,3 +746,31 @@ def test_pdl_chain_in_a_graph_matches_serial_launches(gen, monkeypatch):
             x.copy_(x_i)
             graph.replay()
             assert torch.equal(out, expected)
+
+
+def test_precompile_jobs_describe_the_tensors_a_worker_makes_up(gen):
+    """A compile job carries each packed tensor's shape and dtype; the worker's made-up tensors have exactly those
+    (a compile is keyed by them), and the launch it makes takes them."""
+    from spear.kernels.w4 import precompile
+
+    w = pack_w4(rtn_quantize(torch.randn(128, 256, generator=gen), QuantConfig(4, -1)))
+    ec = pack_ec(ErrorCompensator(256, 128, rank=8, gate_hidden=8))
+    job = precompile.compile_job(w, (1, 4), ec)
+    made = precompile._made_up(job.weight, torch.device("cpu"))
+    assert {k: (t.shape, t.dtype) for k, t in made.items()} == {
+        k: (getattr(w, k).shape, getattr(w, k).dtype) for k in ("qweight", "scales", "zeros")}
+    made_ec = precompile._made_up(job.ec, torch.device("cpu"))
+    assert {k: t.shape for k, t in made_ec.items()} == {k: getattr(ec, k).shape for k in made_ec}
+    assert (job.ms, job.ec_rank, job.ec_gated) == ((1, 4), ec.rank, ec.gated)
+    assert precompile.precompile_w4([job], workers=1) == 0  # one worker: not worth a process
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for a GPU")
+def test_precompile_fills_the_triton_cache_the_tuner_then_reads(tmp_path, monkeypatch, gen):
+    """Two worker processes compile every one-row candidate into the TRITON_CACHE_DIR they inherit."""
+    from spear.kernels.w4 import precompile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    w = pack_w4(rtn_quantize(torch.randn(128, 256, generator=gen), QuantConfig(4, -1))).to(torch.device("cuda"))
+    assert precompile.precompile_w4([precompile.compile_job(w, (1,))], workers=2) == 2
+    assert len(list(tmp_path.rglob("*.cubin"))) >= len(w4_config._tune_candidates(1)) // 2

@@ -490,7 +490,8 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
     if not packed:
         return 0
     if tune:
-        from spear.kernels.w4 import tune_w4
+        from spear.kernels.w4 import TUNE_ROWS, tune_w4, untuned_buckets
+        from spear.kernels.w4.precompile import compile_job, precompile_w4
 
         parts = {id(p) for m in model.modules() for p in _fused_parts(m)}  # they no longer launch on their own
         launchers = [m for m in model.modules()
@@ -503,12 +504,12 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
                 with_ec[w.out_features, w.in_features, w.group_size, m.packed_ec.padded_rank] = (w, m.packed_ec)
         # W4 at every row bucket, then W4+EC at one row (batch-1 decode: its own pick, kernels.w4._tune_key);
         # seconds a shape on a fresh machine, nothing where the tuning cache has them
-        jobs = [(w, None) for w in shapes.values()] + list(with_ec.values())
-        for w, ec in tqdm(jobs, desc="tuning the W4 kernels", unit="shape", leave=False):
-            if ec is None:
-                tune_w4(w, **({} if tune_rows is None else {"ms": tune_rows}))
-            else:
-                tune_w4(w, (1,), ec=ec)
+        jobs = [(w, tune_rows or TUNE_ROWS, None) for w in shapes.values()]
+        jobs += [(w, (1,), ec) for w, ec in with_ec.values()]
+        # a fresh machine: every candidate compiled first, in parallel processes (kernels.w4.precompile)
+        precompile_w4([compile_job(w, untuned_buckets(w, ms, ec), ec) for w, ms, ec in jobs])
+        for w, ms, ec in tqdm(jobs, desc="tuning the W4 kernels", unit="shape", leave=False):
+            tune_w4(w, ms, ec=ec)
     return len(packed)
 
 

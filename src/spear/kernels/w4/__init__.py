@@ -17,6 +17,7 @@ The modules, bottom up:
     decode.py    the decode kernel and its launch
     prefill.py   the prefill kernels and their launches
     tuning.py    tune_w4
+    precompile.py  the tuner's candidates compiled in parallel processes first (a fresh machine)
 
 The switches that remain (PDL, preloading, unmasked loads, the tuner's fixed splits) are kernels.options's.
 """
@@ -37,7 +38,7 @@ from spear.kernels.w4.config import (
 from spear.kernels.w4.decode import PeerRows, w4_decode, w4_decode_add_norm, w4_decode_to_peers
 from spear.kernels.w4.epilogue import store_add_norm
 from spear.kernels.w4.prefill import dequantize_w4_into, ec_rank, takes_tile_gemm, w4_prefill, w4_prefill_fused
-from spear.kernels.w4.tuning import tune_w4
+from spear.kernels.w4.tuning import TUNE_ROWS, tune_w4, untuned_buckets
 
 # w4_linear's switch from the decode kernel (split-K, the EC fused) to the prefill paths.
 DECODE_PATH_MAX_M = 128

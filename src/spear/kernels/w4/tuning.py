@@ -23,9 +23,31 @@ from spear.kernels.w4.prefill import w4_prefill_fused
 
 
 TUNE_BYTES = 128 << 20  # weight bytes per timed graph when tuning: more than the H200's 50 MB L2
+TUNE_ROWS = (1, 4, 16, 32, 64, 128)  # tune_w4's row buckets by default
 
 
-def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings: dict | None = None,
+def _read_cached_choices(w: PackedW4, ms: tuple[int, ...], ec: PackedEC | None) -> None:
+    """Another process's choices (kernels.tune_cache), for the buckets not tuned in this one."""
+    cache = tune_cache.path()
+    if cache is None or all(_tune_key(w, m, ec) in config._TUNED for m in ms):
+        return
+    entries = tune_cache.read(cache)
+    for m in ms:
+        cfg = tune_cache.config(entries.get(tune_cache.key(w.qweight.device, _tune_key(w, m, ec))),
+                                (DecodeConfig, PrefillConfig), _tune_candidates(m))
+        if cfg is not None:
+            config._TUNED.setdefault(_tune_key(w, m, ec), cfg)
+
+
+def untuned_buckets(w: PackedW4, ms: tuple[int, ...], ec: PackedEC | None = None) -> tuple[int, ...]:
+    """The buckets of `ms` that tune_w4(w, ms, ec=ec) would time: chosen neither in this process nor in the cache."""
+    if ec is not None:
+        ms = tuple(m for m in ms if m <= DECODE_KERNEL_MAX_M)
+    _read_cached_choices(w, ms, ec)
+    return tuple(m for m in ms if _tune_key(w, m, ec) not in config._TUNED)
+
+
+def tune_w4(w: PackedW4, ms: tuple[int, ...] = TUNE_ROWS, timings: dict | None = None,
             ec: PackedEC | None = None) -> dict[int, DecodeConfig | PrefillConfig]:
     """Time the candidate configs of the Triton GEMMs for this weight shape at each M (CUDA only, outside
     graph capture; about 10 ms a candidate): the decode kernel up to DECODE_KERNEL_MAX_M rows (its GEMV loop
@@ -45,13 +67,8 @@ def tune_w4(w: PackedW4, ms: tuple[int, ...] = (1, 4, 16, 32, 64, 128), timings:
     if ec is not None:
         ms = tuple(m for m in ms if m <= DECODE_KERNEL_MAX_M)
     cache = tune_cache.path()
-    if timings is None and cache is not None and any(_tune_key(w, m, ec) not in config._TUNED for m in ms):
-        entries = tune_cache.read(cache)  # another process's choices, for the buckets not tuned in this one
-        for m in ms:
-            cfg = tune_cache.config(entries.get(tune_cache.key(w.qweight.device, _tune_key(w, m, ec))),
-                                    (DecodeConfig, PrefillConfig), _tune_candidates(m))
-            if cfg is not None:
-                config._TUNED.setdefault(_tune_key(w, m, ec), cfg)
+    if timings is None:
+        _read_cached_choices(w, ms, ec)
     tuned = config._TUNED
     chosen = {m: tuned[_tune_key(w, m, ec)] for m in ms if timings is None and _tune_key(w, m, ec) in tuned}
     if len(chosen) == len(ms):
