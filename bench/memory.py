@@ -81,10 +81,15 @@ STEP_ARGS = {
     "quantize_gptq": ["--method", "gptq", *QUANT, *QUICK_CALIB],
     # GPTQ on real text: the float model is never loaded whole (quant.streaming)
     "quantize_gptq_file": ["--method", "gptq", *QUANT, *QUICK_CALIB, "--calib-file", str(WIKI_VALID)],
+    # AWQ and OmniQuant walk the checkpoint the same way (OmniQuant at 2 epochs: memory, not quality)
+    "quantize_awq_file": ["--method", "awq", *QUANT, *QUICK_CALIB, "--calib-file", str(WIKI_VALID)],
+    "quantize_omniquant_file": ["--method", "omniquant", *QUANT, *QUICK_CALIB, "--calib-file", str(WIKI_VALID),
+                                "--omniquant-epochs", "2"],
     "compensate": ["--budget", "1%", *QUICK_CALIB, "--steps", "16"],
     "eval": ["--max-windows", "1", "--json"],
 }
-STEPS = ("quantize_rtn", "quantize_gptq", "quantize_gptq_file", "compensate", "eval", "serve", "export", "load")
+STEPS = ("quantize_rtn", "quantize_gptq", "quantize_gptq_file", "quantize_awq_file", "quantize_omniquant_file",
+         "compensate", "eval", "serve", "export", "load")
 LOAD_SCRIPT = """import gc, json, sys, time, torch
 from spear import api
 seconds = []

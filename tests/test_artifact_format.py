@@ -103,10 +103,12 @@ def test_streaming_rtn_writes_the_whole_model_artifact(tiny_model_dir, tmp_path)
     assert ca["quantized_modules"] == cb["quantized_modules"] and ca["tied"] == cb["tied"] != {}
 
 
-def test_streaming_gptq_writes_the_whole_model_artifact(tiny_model_dir, tmp_path):
-    """spear quantize --method gptq walks the checkpoint a layer at a time (the layers filled one by one, the inputs
-    captured with the layers left on meta); same records and tensors as GPTQ on the whole float model."""
-    settings = QuantSettings("gptq", QuantConfig(4, 32))
+@pytest.mark.parametrize("method", ["gptq", "awq", "omniquant"])
+def test_streaming_calibrated_methods_write_the_whole_model_artifact(method, tiny_model_dir, tmp_path):
+    """spear quantize --method gptq / awq / omniquant walks the checkpoint a layer at a time (the layers filled one
+    by one, the inputs captured with the layers left on meta); same records and tensors (AWQ: its folded norms too)
+    as the method on the whole float model."""
+    settings = QuantSettings(method, QuantConfig(4, 32), omniquant_epochs=2)
     calib = CalibConfig(num_sequences=4, seq_len=24, seed=3)
     streamed = quantize(str(tiny_model_dir), settings, tmp_path / "streamed", calib, device=CPU)
     lm = load_float_model(str(tiny_model_dir), CPU, torch.float32)
@@ -119,19 +121,20 @@ def test_streaming_gptq_writes_the_whole_model_artifact(tiny_model_dir, tmp_path
         assert torch.equal(a.get(name), b.get(name)), name
     rtn = quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, 32)), tmp_path / "rtn")
     codes = [n for n in a.names() if n.endswith(".codes")]
-    assert any(not torch.equal(a.get(n), ShardReader(rtn).get(n)) for n in codes)  # GPTQ, not RTN, codes
+    assert any(not torch.equal(a.get(n), ShardReader(rtn).get(n)) for n in codes)  # the method's, not RTN's, codes
     assert json.loads((streamed / "config.json").read_text())["calibration"]["num_sequences"] == 4
 
 
-def test_streaming_gptq_on_a_text_file_never_loads_the_float_model(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_streaming_on_a_text_file_never_loads_the_float_model(method, tiny_model_dir, tmp_path, monkeypatch):
     import spear.api
 
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     monkeypatch.setattr(spear.api, "load_float_model", lambda *a, **k: pytest.fail("the float model was loaded"))
     calib = CalibConfig(num_sequences=2, seq_len=32, text_file=str(text))
-    out = quantize(str(tiny_model_dir), QuantSettings("gptq", QuantConfig(4, 32)), tmp_path / "art", calib, device=CPU)
-    assert json.loads((out / "config.json").read_text())["quant"]["method"] == "gptq"
+    out = quantize(str(tiny_model_dir), QuantSettings(method, QuantConfig(4, 32)), tmp_path / "art", calib, device=CPU)
+    assert json.loads((out / "config.json").read_text())["quant"]["method"] == method
 
 
 def test_streaming_rtn_refuses_a_bad_group_size_before_writing(tiny_model_dir, tmp_path):

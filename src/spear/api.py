@@ -49,10 +49,9 @@ def quantize(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Quantize the float model `spec` and write the artifact to `out_dir` (atomically). RTN and GPTQ read the
-    checkpoint a decoder layer at a time (quant.streaming) where its tensor names allow (GPTQ in float32: its
-    self-sampled calibration data still needs the float model whole, a text file does not); AWQ and OmniQuant load
-    the float model."""
+    """Quantize the float model `spec` and write the artifact to `out_dir` (atomically). Every method reads the
+    checkpoint a decoder layer at a time (quant.streaming, in float32) where its tensor names allow; self-sampled
+    calibration data still needs the float model whole (loaded, sampled and freed first), a text file does not."""
     from spear.quant.streaming import STREAMED_METHODS, quantize_checkpoint, streamable_skeleton
 
     info = ArtifactInfo(base_model=spec, quant={"method": settings.method, **settings.quant.to_dict(),

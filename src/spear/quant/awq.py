@@ -28,8 +28,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.layerwise import (
-    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, observe_inputs, quantizable_linears,
-    run_layer,
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, module_name, observe_inputs, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
@@ -53,8 +52,8 @@ class ScaleGroup:
     takes_kwargs: bool  # inspect is the attention block: it needs the layer's kwargs
 
 
-def scale_groups(layer: nn.Module) -> list[ScaleGroup]:
-    """The layer's scale groups (Llama/Qwen2/Mistral layout), or SpearError for another layout."""
+def check_awq_layout(layer: nn.Module) -> None:
+    """SpearError unless the layer has the Llama/Qwen2/Mistral modules AWQ scales (names only: works on meta)."""
     children = {name for name, _ in layer.named_children()}
     linears = set(layer_linears(layer))
     if children != LLAMA_CHILDREN or linears != LLAMA_LINEARS:
@@ -62,6 +61,11 @@ def scale_groups(layer: nn.Module) -> list[ScaleGroup]:
             f"AWQ does not know the layer layout of {type(layer).__name__} "
             f"(modules: {', '.join(sorted(linears | children))}); use --method gptq or rtn"
         )
+
+
+def scale_groups(layer: nn.Module) -> list[ScaleGroup]:
+    """The layer's scale groups (Llama/Qwen2/Mistral layout), or SpearError for another layout."""
+    check_awq_layout(layer)
     attn, mlp = layer.self_attn, layer.mlp
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         if not _scales_with_weight(norm):
@@ -189,14 +193,24 @@ def awq_quantize_model(
     layers = decoder_layers(model)
     for layer in layers:
         scale_groups(layer)  # fail before any work on an unknown layout
-    full_names = {id(m): name for name, m in quantizable_linears(model).items()}
+    prefix = module_name(model, layers)
     inputs = capture_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
     records = {}
-    for layer in tqdm(layers, desc="AWQ", unit="layer"):
-        awq_scale_layer(layer, inputs, settings.quant, settings.awq_grid, clip)
-        for m in layer_linears(layer).values():
-            full = full_names[id(m)]
-            records[full] = rtn_quantize(m.weight, settings.quant)
-            replace_with_quantized(model, full, records[full])
+    for i, layer in enumerate(tqdm(layers, desc="AWQ", unit="layer")):
+        records |= awq_quantize_layer(layer, f"{prefix}.{i}", inputs, settings, clip)
         inputs = run_layer(layer, inputs)
+    return records
+
+
+@torch.no_grad()
+def awq_quantize_layer(layer: nn.Module, name: str, inputs: LayerInputs, settings: QuantSettings,
+                       clip: bool = True) -> dict[str, QuantizedWeight]:
+    """AWQ on one decoder layer (`name`, its full name) in place: its scales searched on `inputs` and folded (its
+    norms change), its weights clipped, then each nn.Linear replaced by a SpearLinear of its RTN record. Returns
+    the records by full name."""
+    awq_scale_layer(layer, inputs, settings.quant, settings.awq_grid, clip)
+    records = {}
+    for n, m in layer_linears(layer).items():
+        records[f"{name}.{n}"] = rtn_quantize(m.weight, settings.quant)
+        replace_with_quantized(layer, n, records[f"{name}.{n}"])
     return records

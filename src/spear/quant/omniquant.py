@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 from tqdm.auto import tqdm
 
 from spear.models.layerwise import (
-    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, quantizable_linears, run_layer,
+    LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, module_name, run_layer,
 )
 from spear.quant.pipeline import QuantSettings, replace_with_quantized
 from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
@@ -135,17 +135,30 @@ def train_layer_clipping(layer: nn.Module, q_inputs: LayerInputs, target: list[t
 def omniquant_quantize_model(model: nn.Module, settings: QuantSettings, calib_ids: torch.Tensor) -> dict[str, QuantizedWeight]:
     """Quantize every decoder linear in place, layer by layer: learn each layer's clipping (LWC), then round.
     Returns the records by module name."""
-    full_names = {id(m): name for name, m in quantizable_linears(model).items()}
+    layers = decoder_layers(model)
+    prefix = module_name(model, layers)
     fp_inputs = capture_layer_inputs(model, list(calib_ids.split(CALIB_BATCH)))
     q_inputs = fp_inputs
     records = {}
-    for layer in tqdm(decoder_layers(model), desc="OmniQuant LWC", unit="layer"):
-        fp_next = run_layer(layer, fp_inputs)  # F(W, X_fp): the target, and the next layer's float inputs
-        clipped = train_layer_clipping(layer, q_inputs, fp_next.hidden, settings.quant, settings.omniquant_epochs,
-                                       settings.omniquant_lr)
-        for name, m in layer_linears(layer).items():
-            full = full_names[id(m)]
-            records[full] = rtn_quantize(clipped[name], settings.quant)
-            replace_with_quantized(model, full, records[full])
-        fp_inputs, q_inputs = fp_next, run_layer(layer, q_inputs)
+    for i, layer in enumerate(tqdm(layers, desc="OmniQuant LWC", unit="layer")):
+        layer_records, fp_inputs, q_inputs = omniquant_quantize_layer(layer, f"{prefix}.{i}", fp_inputs, q_inputs,
+                                                                      settings)
+        records |= layer_records
     return records
+
+
+@torch.no_grad()
+def omniquant_quantize_layer(layer: nn.Module, name: str, fp_inputs: LayerInputs, q_inputs: LayerInputs,
+                             settings: QuantSettings) -> tuple[dict[str, QuantizedWeight], LayerInputs, LayerInputs]:
+    """OmniQuant's LWC on one decoder layer (`name`, its full name) in place: the float layer's outputs on the float
+    inputs are the target, the clipping is learned on the quantized model's inputs, each nn.Linear is replaced by a
+    SpearLinear of its RTN record of the clipped weight. Returns the records by full name and the next layer's
+    float and quantized inputs."""
+    fp_next = run_layer(layer, fp_inputs)  # F(W, X_fp): the target, and the next layer's float inputs
+    clipped = train_layer_clipping(layer, q_inputs, fp_next.hidden, settings.quant, settings.omniquant_epochs,
+                                   settings.omniquant_lr)
+    records = {}
+    for n in layer_linears(layer):
+        records[f"{name}.{n}"] = rtn_quantize(clipped[n], settings.quant)
+        replace_with_quantized(layer, n, records[f"{name}.{n}"])
+    return records, fp_next, run_layer(layer, q_inputs)

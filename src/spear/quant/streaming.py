@@ -1,15 +1,17 @@
-"""RTN and GPTQ from a float checkpoint to an artifact, one decoder layer of float weights in memory at a time.
+"""RTN, GPTQ, AWQ and OmniQuant from a float checkpoint to an artifact, one decoder layer of float weights in memory
+at a time.
 
 The float model is never built: a skeleton on the meta device gives the names and shapes; each decoder layer's
 tensors are read from the checkpoint's shards (float32), its linears quantized to their records, its tensors written
 to the artifact's shards as they will be stored, and the layer goes back to meta (GPTQModel's and llm-compressor's
-sequential onloading). RTN needs no activations. GPTQ walks the layers as `gptq_quantize_model` does: the
+sequential onloading). RTN needs no activations. The others walk the layers as their whole-model functions do: the
 embeddings are filled first, the model's forward runs once over the calibration batches with every decoder layer
 standing in as the identity (`_Passthrough`), which captures layer 0's inputs and each layer's own keyword
-arguments (masks, rotary embeddings) without its weights; then each layer, once filled, gets its Hessians from its
-inputs, is quantized, and is run on them to give the next layer's. Same records as the whole-model path
-(tests/test_artifact_format.py). Peak memory: one decoder layer in float32, the embeddings, the calibration's
-hidden states (GPTQ), and one artifact shard being written.
+arguments (masks, rotary embeddings) without its weights; then each layer, once filled, is quantized on its inputs
+(GPTQ's Hessians, AWQ's scale and clip searches, OmniQuant's learned clipping against the float layer's outputs) and
+run on them to give the next layer's. Same records as the whole-model path (tests/test_artifact_format.py). Peak
+memory: one decoder layer in float32, the embeddings, the calibration's hidden states (OmniQuant: the float and the
+quantized model's), and one artifact shard being written.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ from spear.models.layerwise import (
     LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, module_name, run_layer, set_module,
 )
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
+from spear.quant.awq import awq_quantize_layer, check_awq_layout
 from spear.quant.gptq import CALIB_BATCH, gptq_quantize_layer
+from spear.quant.omniquant import omniquant_quantize_layer
 from spear.quant.pipeline import QuantSettings, check_shapes
 from spear.record import rtn_quantize
 from spear.shards import DEFAULT_MAX_SHARD_BYTES, ShardReader, ShardWriter
 from spear.util import atomic_dir, release_freed_memory
 
 log = logging.getLogger(__name__)
-STREAMED_METHODS = ("rtn", "gptq")  # the methods quantize_checkpoint walks a layer at a time from the shards
+STREAMED_METHODS = ("rtn", "gptq", "awq", "omniquant")  # every method walks the checkpoint a layer at a time
 
 
 def float_skeleton(hf_dir: Path) -> nn.Module:
@@ -118,19 +122,23 @@ def quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings: Qua
     RTN or GPTQ (with `calib_ids`) into the artifact `out_dir`, a decoder layer at a time on `device` (default the
     CPU); the artifact holds what save_artifact writes for the same model quantized whole in float32."""
     check_shapes(model, settings.quant)
-    if settings.method not in STREAMED_METHODS or (settings.method == "gptq") != (calib_ids is not None):
+    if settings.method not in STREAMED_METHODS or (settings.method != "rtn") != (calib_ids is not None):
         given = "with" if calib_ids is not None else "without"
-        raise SpearError(f"quantize_checkpoint streams RTN without calibration ids or GPTQ with them, not "
-                         f"{settings.method} {given} them")
+        raise SpearError(f"quantize_checkpoint streams RTN without calibration ids and the other methods with them, "
+                         f"not {settings.method} {given} them")
     device = device or torch.device("cpu")
     reader = ShardReader(hf_dir)
     source = stored_names(model, set(reader.names()))
     tied = tied_parameters(model)
     layers = decoder_layers(model)
     prefix = module_name(model, layers)
-    inputs = None
+    if settings.method == "awq":
+        for layer in layers:
+            check_awq_layout(layer)  # its module names, before any work (its norms once filled)
+    inputs = q_inputs = None
     if calib_ids is not None:
         inputs = capture_inputs_without_layers(model, reader, source, list(calib_ids.split(CALIB_BATCH)), device)
+        q_inputs = inputs  # OmniQuant: the quantized model's inputs beside the float model's
     quantized, in_layers = {}, set()
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes, metadata={"format": FORMAT})
@@ -138,12 +146,15 @@ def quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings: Qua
             names = {n: f"{prefix}.{i}.{n}" for n in layer.state_dict()}
             layer.load_state_dict({n: reader.get(source[full], torch.float32).to(device) for n, full in names.items()},
                                   assign=True)
-            if inputs is None:
+            if settings.method == "rtn":
                 for name, linear in layer_linears(layer).items():
                     record = rtn_quantize(linear.weight, settings.quant)
                     set_module(layer, name, SpearLinear(record, linear.bias, torch.float32, dense=False))
+            elif settings.method == "omniquant":
+                _, inputs, q_inputs = omniquant_quantize_layer(layer, f"{prefix}.{i}", inputs, q_inputs, settings)
             else:
-                gptq_quantize_layer(layer, f"{prefix}.{i}", inputs, settings)
+                quantize_layer = gptq_quantize_layer if settings.method == "gptq" else awq_quantize_layer
+                quantize_layer(layer, f"{prefix}.{i}", inputs, settings)
                 inputs = run_layer(layer, inputs)
             spear_linears = {f"{prefix}.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, SpearLinear)}
             quantized |= {full: (m.bits, m.in_features) for full, m in spear_linears.items()}
