@@ -140,7 +140,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, spec: str, device: torch.device
     tokenizer = read_tokenizer(path)  # before the weights: a broken tokenizer fails at once
     require(checkpoint_floats(path) * (torch.finfo(dtype).bits // 8), device, f"loading {spec} in {str(dtype).removeprefix('torch.')}",
             "use a machine with more memory" + ("" if device.type == "cuda" else " or a GPU") +
-            "; `spear quantize --method rtn` reads it a layer at a time")
+            "; `spear quantize` reads it a layer at a time with --method rtn, or with --calib-file TEXT")
     try:
         # straight onto the device, tensor by tensor: no whole copy in host memory first
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, device_map=str(device))
