@@ -8,6 +8,7 @@ import torch
 
 from spear.errors import SpearError
 from spear.kernels.cpu_w4 import (
+    CPU_W4_MAX_ROWS,
     Int4OpLayout,
     PackedNibbles,
     Scratch,
@@ -223,3 +224,42 @@ def test_a_layer_served_on_the_cpu_is_its_pytorch_forward(gate_hidden, gen):
     for rows in (1, 40):  # the int4 kernel (bfloat16), the scratch path (float32)
         tol = 2e-2 if rows == 1 else 1e-5
         assert torch.allclose(layer(x[:rows]), want[:rows], atol=tol, rtol=tol), rows
+
+
+@needs_int4_op
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_layers_give_each_layers_output_bit_for_bit(bias, gen):
+    """q/k/v-like layers served as one int4 matmul (runtime.linear.FusedCPULinear): the stack is the packing of the
+    stacked codes, the parts' codes become views of it, and every output (decode rows through the stack, each part's
+    EC added into its columns; prefill rows through each part) is the part's own bit for bit."""
+    from spear.layer import ErrorCompensator, SpearLinear
+    from spear.runtime.linear import FusedCPULinear
+
+    records = [random_record(n, 256, 64, gen) for n in (128, 64, 64)]
+    layers, scratch = [], Scratch(128 * 256)
+    for record, ec in zip(records, [(4, 8), None, (2, 0)]):  # (rank, gate_hidden): gated, none, ungated
+        layer = SpearLinear(record, torch.randn(record.shape[0], generator=gen) if bias else None, dense=False)
+        if ec is not None:
+            layer.ec = ErrorCompensator(256, record.shape[0], rank=ec[0], gate_hidden=ec[1])
+            with torch.no_grad():
+                for p in layer.ec.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        assert layer.use_cpu_kernels(scratch)
+        layer.release_for_serving()
+        assert layer.stack_key() == ("cpu_w4", 256, 64, torch.bfloat16)
+        layers.append(layer)
+    x = torch.randn(CPU_W4_MAX_ROWS + 8, 256, generator=gen)
+    rows = (1, 5, CPU_W4_MAX_ROWS + 8)  # the int4 kernel, twice; the scratch path
+    want = [[layer(x[:m]) for layer in layers] for m in rows]
+    fused = FusedCPULinear(layers)
+    whole = torch.cat([r.codes for r in records])
+    assert torch.equal(fused.cpu_w4.weight, pack_cpu_w4(QuantizedWeight(whole, *(torch.cat([getattr(r, f) for r in records])
+                                                         for f in ("scales", "zeros")), 4, 64)).weight)
+    for layer in layers:  # one copy of the codes
+        assert layer.cpu_w4.weight.untyped_storage().data_ptr() == fused.cpu_w4.weight.untyped_storage().data_ptr()
+        assert layer.cpu_nibbles.codes.data_ptr() == layer.cpu_w4.weight.data_ptr()
+    for m, parts in zip(rows, want):
+        assert all(torch.equal(y, part) for y, part in zip(fused(x[:m]), parts)), m
+        assert all(torch.equal(layer(x[:m]), part) for layer, part in zip(layers, parts)), m  # the views serve too
+    small = SpearLinear(random_record(32, 256, 64, gen), dense=False)  # 32 rows: not whole blocks of every packing
+    assert small.use_cpu_kernels(scratch) and small.stack_key() is None

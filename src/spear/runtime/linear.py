@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spear.kernels.cpu_w4 import CPU_W4_MAX_ROWS, PackedCPUW4, cpu_w4_linear
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedW4, concat_ec, concat_w4
 from spear.kernels.reference import w4_linear_ref
@@ -166,3 +167,61 @@ class FusedLinear(LinearMethod):
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
+
+
+class FusedCPULinear(LinearMethod):
+    """SpearLinears served on a CPU (kernels.cpu_w4) over the same input as one int4 matmul: steps of up to
+    CPU_W4_MAX_ROWS rows (decode) run the stacked packing (the parts' rows side by side; each part's rows are whole
+    blocks of the op's packing, so the stack is the packing of the stacked codes), then each part's EC adds into its
+    columns; longer steps (prefill) run each part's own scratch path. Every output is the parts' bit for bit (the op
+    sums each output over K alone, whatever N). The outputs split as the parts', or as `sizes` where given (one part
+    holding several projections: SplitLinear).
+
+    The parts' codes are re-pointed at their rows of the stacked packing, so they are held once."""
+
+    def __init__(self, parts: list[LinearMethod], sizes: list[int] | None = None):
+        super().__init__()
+        packings = [m.cpu_w4 for m in parts]
+        part_sizes = [p.out_features for p in packings]
+        self.sizes = sizes or part_sizes
+        self.parts = tuple(parts)  # not submodules: the model holds them where it did
+        self.served_bytes = sum(m.nbytes() for m in parts)
+        self.cpu_w4 = PackedCPUW4(torch.cat([p.weight for p in packings]),
+                                  torch.cat([p.scales_and_zeros for p in packings], dim=1).contiguous(),
+                                  packings[0].group_size, packings[0].in_features)
+        self.bias = None
+        if any(m.bias is not None for m in parts):
+            self.bias = torch.cat([torch.zeros(n) if m.bias is None else m.bias.detach().float()
+                                   for m, n in zip(parts, part_sizes)])
+        self.ecs = []  # (first column, columns, the part's EC)
+        start = 0
+        for m, n in zip(parts, part_sizes):
+            rows = self.cpu_w4.weight[start : start + n]
+            if m.cpu_nibbles.codes is m.cpu_w4.weight:  # the scratch path reads the int4 packing's codes
+                m.cpu_nibbles.codes = rows
+            m.cpu_w4.weight = rows
+            if m.cpu_ec is not None:
+                self.ecs.append((start, n, m.cpu_ec))
+            start += n
+
+    @property
+    def in_features(self) -> int:
+        return self.cpu_w4.in_features
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.numel() // self.in_features <= CPU_W4_MAX_ROWS:
+            y = cpu_w4_linear(x, self.cpu_w4, self.bias)
+            xf = x.float()
+            for start, n, ec in self.ecs:
+                y.narrow(-1, start, n).add_(ec(xf).to(y.dtype))
+        else:
+            outs = [m(x) for m in self.parts]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y.split(self.sizes, dim=-1)
+
+    def nbytes(self) -> int:
+        """As its parts serve them (SpearLinear.nbytes), measured when they were stacked."""
+        return self.served_bytes
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={'+'.join(map(str, self.sizes))}, ecs={len(self.ecs)}"

@@ -428,9 +428,10 @@ def _fused_parts(module: nn.Module) -> list[nn.Module]:
 
 def fuse_projections(model: Transformer, dense: bool = True) -> int:
     """Run each layer's q/k/v as one launch (attention.wqkv) and gate/up as another (feed_forward.w_gate_up) where
-    the parts' stack_keys are equal: one W4 launch over packed parts, on a CPU one int4 matmul and EC over int4-packed
-    ones (FusedCPULinear), with `dense` one GEMM over float ones; returns how many fusions. The separate modules stay (their weights become views of the fused one). A checkpoint's own
-    fused linear (a SplitLinear: Phi-3) becomes the same launch over its one part."""
+    the parts' stack_keys are equal: one W4 launch over packed parts, on a CPU one int4 matmul over int4-packed ones
+    (FusedCPULinear), with `dense` one GEMM over float ones; returns how many fusions. The separate modules stay
+    (their weights become views of the fused one). A checkpoint's own fused linear (a SplitLinear: Phi-3) becomes
+    the same launch over its one part."""
 
     def fused(parts: list[LinearMethod], sizes: list[int] | None = None) -> LinearMethod | None:
         key = parts[0].stack_key()
@@ -463,9 +464,9 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
     fp16 packed for the Triton W4A16 kernels, on a CPU for PyTorch's int4 kernel and the scratch path
     (SpearLinear.use_cpu_kernels; options' cpu_w4), then every SpearLinear keeps only what its forward reads
     (SpearLinear.release_for_serving: no record, no dense copy beside a packing); returns how many were packed.
-    With `fuse` (a Transformer), q/k/v and gate/up become one launch each (fuse_projections): on CUDA float ones too,
-    on a CPU the int4-packed ones. With `tune`, time the decode kernel's configs once per distinct weight shape and row bucket,
-    fused ones included, and at one row once more per shape and EC rank with the EC (kernels.w4.tune_w4; on a fresh
+    With `fuse` (a Transformer), q/k/v and gate/up become one launch each (fuse_projections): on CUDA float ones
+    too, on a CPU the int4-packed ones. With `tune`, time the decode kernel's configs once per distinct weight shape
+    and row bucket, fused ones included, and at one row once more per shape and EC rank with the EC (kernels.w4.tune_w4; on a fresh
     machine every candidate is compiled first, in parallel processes: kernels.w4.precompile, 35 s at 8B on an H100). `tune_rows`: only these row counts' buckets
     (default tune_w4's, 1 to 128 rows: kernels.w4.decode_tune_rows gives a decode benchmark's)."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear) and m.codes is not None]
@@ -479,7 +480,7 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
         for m in linears:
             m.use_cpu_kernels(scratch)
             m.release_for_serving()  # each released as soon as it is packed, as on CUDA
-        if fuse and isinstance(model, Transformer):  # q/k/v and gate/up: one int4 matmul and one EC each
+        if fuse and isinstance(model, Transformer):  # q/k/v and gate/up: one int4 matmul each
             fuse_projections(model, dense=False)
     for m in linears:
         m.release_for_serving()
