@@ -216,6 +216,37 @@ def test_model_steps_with_kernels_match_references(monkeypatch, gen):
         assert_close(got, ref, f"model logits of step {i}, kernels vs references", tol=1e-4)
 
 
+def test_cpu_steps_build_rope_angles_and_decode_masks_once_with_the_same_logits(monkeypatch):
+    """On a CPU a step builds RoPE's angles and the decode rows' key mask once for every layer (Batch.rope_cos_sin,
+    Batch.decode_mask): the logits of a prefill, a mixed and a decode step equal bit for bit those of every layer
+    building its own."""
+    from spear.runtime.model import Attention
+
+    args = ModelArgs(dim=64, intermediate=96, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=3, vocab=100,
+                     rope_scaling={"rope_type": "linear", "factor": 2.0})
+    model = random_model(args, dtype=torch.float32, device=torch.device("cpu"), seed=3)
+    tables = [[3, 1], [2, 4], [5, 6]]
+    steps = [[Chunk([5, 17, 3, 9, 11], 0, tables[0]), Chunk([42, 7], 0, tables[1])],
+             [Chunk([1], 5, tables[0]), Chunk([2], 2, tables[1]), Chunk([8, 6, 2], 0, tables[2])],
+             [Chunk([3], 6, tables[0]), Chunk([4], 3, tables[1]), Chunk([9], 3, tables[2])]]
+
+    def run() -> list[torch.Tensor]:
+        cache = KVCache(args.n_layers, 7, 4, args.n_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
+        with torch.inference_mode():
+            return [model(Batch.build(chunks, 4, torch.device("cpu")), cache) for chunks in steps]
+
+    from spear.runtime import kv_cache
+
+    built = []
+    monkeypatch.setattr(kv_cache, "rope_cos_sin", lambda *a: built.append(a) or ops.rope_cos_sin(*a))
+    once = run()
+    assert len(built) == len(steps)  # once a step, for every layer
+    monkeypatch.setattr(Attention, "rope_cos_sin", lambda self, inv_freq, batch: None)  # each layer its own
+    monkeypatch.setattr(Batch, "decode_mask", lambda self, keys, window: None)
+    each = run()
+    assert all(torch.equal(a, b) for a, b in zip(once, each))
+
+
 def test_mixed_step_as_tiled_token_rows_matches_the_chunked_step(monkeypatch, gen):
     """runner.token_rows with attention tiles: a mixed step (a decode, a prompt's later chunk crossing a block
     boundary, a new prompt) as one-token rows in padded static shapes, through the Triton kernels, gives the

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spear.errors import SpearError
-from spear.kernels.ops import paged_decode_attention
+from spear.kernels.ops import decode_key_mask, paged_decode_attention, rope_cos_sin
 
 NULL_BLOCK = 0
 
@@ -122,6 +122,10 @@ class Batch:
     decode: bool = False  # every chunk is one token (T == B): attention is the decode kernel alone
     storage: torch.Tensor | None = None  # the one int64 buffer every index field above is a view of
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window_mask's, built once a step
+    # On a CPU, what every layer's reference ops would build again, built once a step: rope_cos_sin's angles by
+    # (inv_freq, gain), decode_mask's masks by window
+    angles: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    decode_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, chunks: list[Chunk], block_size: int, device: torch.device, table_width: int | None = None,
@@ -200,6 +204,21 @@ class Batch:
             self.window_masks[window] = self.mask & (key_pos > self.query_pos[..., None] - window)[:, None]
         return self.window_masks[window]
 
+    def rope_cos_sin(self, inv_freq: torch.Tensor, gain: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """kernels.ops.rope_cos_sin of the step's positions, built once a step for every layer that rotates by
+        `inv_freq` and `gain`."""
+        key = (inv_freq.data_ptr(), gain)
+        if key not in self.angles:
+            self.angles[key] = rope_cos_sin(self.positions, inv_freq, gain)
+        return self.angles[key]
+
+    def decode_mask(self, keys: int, window: int | None) -> torch.Tensor:
+        """kernels.ops.decode_key_mask of the one-token chunks over `keys` positions (their tables' width times the
+        block size), built once a step."""
+        if (keys, window) not in self.decode_masks:
+            self.decode_masks[keys, window] = decode_key_mask(self.seq_lens, keys, window)
+        return self.decode_masks[keys, window]
+
     def copy_(self, other: Batch) -> None:
         """Copy another batch of the same shapes into this one's tensors (static CUDA-graph inputs)."""
         if self.storage is not None and other.storage is not None and self.storage.shape == other.storage.shape:
@@ -255,9 +274,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """q [T, H, D] over the cached keys and values of each query's sequence -> [T, H, D]; softmax scale `scale`
     (None: D^-½), each query over the keys of its last `window` positions only (None: all)."""
+    # the reference path's key mask (a CPU's), built once a step; the kernel has its own
+    decode_mask = None if q.is_cuda else batch.decode_mask(batch.block_tables.shape[1] * k_pool.shape[1], window)
     if batch.decode:  # T == B: token b is sequence b's query at position seq_len - 1, over keys 0 .. seq_len - 1
         return paged_decode_attention(q, k_pool, v_pool, batch.block_tables, batch.seq_lens, scale, tiles=batch.tiles,
-                                      tile_rows=batch.tile_rows, window=window)
+                                      tile_rows=batch.tile_rows, window=window, mask=decode_mask)
     k = gather_kv(k_pool, batch.prefill_tables).transpose(1, 2).to(q.dtype)  # [Bp, KV, M * block_size, D]
     v = gather_kv(v_pool, batch.prefill_tables).transpose(1, 2).to(q.dtype)
     qp = q[batch.padded_index].transpose(1, 2)  # [Bp, H, S, D]
@@ -267,6 +288,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = out.transpose(1, 2).flatten(0, 1)  # [Bp * S, H, D]
     if batch.decode_index.numel():  # the one-token chunks (a shape: no sync)
         decoded = paged_decode_attention(q[batch.decode_index], k_pool, v_pool, batch.block_tables, batch.seq_lens,
-                                         scale, window=window)
+                                         scale, window=window, mask=decode_mask)
         out = torch.cat([decoded, out])  # [Bd + Bp * S, H, D]
     return out[batch.out_index]

@@ -224,8 +224,10 @@ class Attention(nn.Module):
         self.rope_gain = args.rope_gain if inv_freq is None else 1.0
 
     def project(self, x: torch.Tensor | FoldedNorm, inv_freq: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`."""
+                slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The rotated queries [T, H, D]; the tokens' keys (rotated) and values land in the cache at `slots`.
+        `cos_sin`: RoPE's angles where the step holds them (rope_cos_sin)."""
         if self.inv_freq is not None:
             inv_freq = self.inv_freq
         if isinstance(x, FoldedNorm):  # this layer's attention norm, folded into the launch before (Block)
@@ -240,7 +242,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # each head's q and k normed over D, before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
-        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots, gain=self.rope_gain)
+        return rope_write_kv(q, k, v, positions, inv_freq, *kv, slots, gain=self.rope_gain, cos_sin=cos_sin)
+
+    def rope_cos_sin(self, inv_freq: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """On a CPU, this layer's RoPE angles for the step, built once for every layer that shares them
+        (Batch.rope_cos_sin); None on CUDA, where the kernel computes them."""
+        if batch.positions.is_cuda:
+            return None
+        return batch.rope_cos_sin(inv_freq if self.inv_freq is None else self.inv_freq, self.rope_gain)
 
     def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
         """The rotated queries [T, H, D] over their sequences' cached keys and values -> [T, H * D]."""
@@ -284,18 +293,19 @@ class Block(nn.Module):
         block's output, formed by the next norm. The first block gets residual None (x is the stream).
         On decode steps the next block's attention norm may be folded into this block's down launch: the
         output is then that norm's FoldedNorm (and the residual its h)."""
-        q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv)  # residual += x
+        q, residual = self.before_attention(x, residual, inv_freq, batch.positions, batch.slots, kv,  # residual += x
+                                            self.attention.rope_cos_sin(inv_freq, batch))
         return self.after_attention(self.attention.attend(q, kv, batch), residual, next_block)
 
     # The block in two pieces around attention (runner.MixedStepGraphs captures the pieces in CUDA graphs).
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, inv_freq: torch.Tensor,
-                         positions: torch.Tensor, slots: torch.Tensor,
-                         kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                         positions: torch.Tensor, slots: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (rotated queries [T, H, D], residual); this block's keys and values are cached."""
         if isinstance(x, FoldedNorm):  # the norm is done: x.h is the stream
-            return self.attention.project(x, inv_freq, positions, slots, kv), x.h
+            return self.attention.project(x, inv_freq, positions, slots, kv, cos_sin), x.h
         h, residual = self.attention_norm(x, residual)
-        return self.attention.project(h, inv_freq, positions, slots, kv), residual
+        return self.attention.project(h, inv_freq, positions, slots, kv, cos_sin), residual
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor,
                         next_block: Block | None = None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
