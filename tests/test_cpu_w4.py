@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from spear.errors import SpearError
 from spear.kernels.cpu_w4 import (
@@ -221,6 +222,12 @@ def test_a_layer_served_on_the_cpu_is_its_pytorch_forward(gate_hidden, gen):
     layer.release_for_serving()
     ec = layer.ec(x)
     assert torch.allclose(layer.cpu_ec(x), ec, atol=1e-6)  # the snapshot is the same function
+    served = layer.cpu_ec  # through mm / addmm on transposed views: F.linear's own products, bit for bit
+    u = F.linear(x, served.At.t())
+    if served.gate is not None:
+        w1t, b1, w2t, b2 = served.gate
+        u = u * (1 + torch.tanh(F.linear(F.silu(F.linear(u, w1t.t(), b1)), w2t.t(), b2)))
+    assert torch.equal(served(x), F.linear(u, served.alpha_Bt.t()))
     for rows in (1, 40):  # the int4 kernel (bfloat16), the scratch path (float32)
         tol = 2e-2 if rows == 1 else 1e-5
         assert torch.allclose(layer(x[:rows]), want[:rows], atol=tol, rtol=tol), rows

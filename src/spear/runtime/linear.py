@@ -2,8 +2,9 @@
 
 DenseLinear runs a float linear (cuBLAS, or the fp16 GEMV at one row on CUDA). FusedDenseLinear and FusedLinear
 run several linears over one input as one launch (q/k/v, gate/up), float or W4 (+ EC), as gpt-fast's fp16 model
-does; runtime.model.fuse_projections builds them from linears whose stack_key is equal, or from a checkpoint's own
-fused linear (Phi-3's qkv_proj, gate_up_proj), which SplitLinear runs until then.
+does, and FusedCPULinear as one call of PyTorch's CPU int4 matmul; runtime.model.fuse_projections builds them from
+linears whose stack_key is equal, or from a checkpoint's own fused linear (Phi-3's qkv_proj, gate_up_proj), which
+SplitLinear runs until then.
 """
 
 from __future__ import annotations
