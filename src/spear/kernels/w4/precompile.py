@@ -60,9 +60,11 @@ def default_workers() -> int:
 def precompile_w4(jobs: list[CompileJob], workers: int | None = None) -> int:
     """Compile every candidate of `jobs` into Triton's disk cache over `workers` processes; returns the workers
     used (0: not worth it, nothing done)."""
-    workers = default_workers() if workers is None else workers
     jobs = [j for j in jobs if j.ms]
-    if workers < 2 or not jobs or not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if not jobs or not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    workers = default_workers() if workers is None else workers
+    if workers < 2:
         return 0
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked once initialised
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
