@@ -150,6 +150,11 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
                                          ("rtn_w4g64", R64, "1000"), ("gptq_w3g64", G3, "1000"))
             for suffix, extra in (("", ["--only", "+SPEAR 1%"]), ("_gateoff", ["--only", "gate off (static"]),
                                   ("_int8", ["--ec-bits", "8", "--only", "+SPEAR 1%"]))
+        ] + [  # int8 factors with three refit rounds of the RTN codes before calibration (issue 51, item 4), two draws
+            (f"full_rtn_w4pc_int8_refit_seed{seed}", table, PC + FULL + ["--steps", "1500", "--ec-bits", "8",
+                                                                        "--refit-rounds", "3", "--seed", str(seed),
+                                                                        "--only", "+SPEAR 1%"])
+            for seed in (0, 1)
         ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
