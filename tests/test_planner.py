@@ -54,13 +54,14 @@ def total_bytes_of_all(shapes, rank, h=8):
 def test_budget_is_respected(fn, mode, frac):
     t, shapes = table(fn)
     budget = int(frac * total_bytes_of_all(shapes, 8))
-    plan = plan_ecs(t, shapes, budget, cfg=PlannerConfig(mode=mode), spectra=spectra(shapes))
+    cfg = PlannerConfig(mode=mode)
+    plan = plan_ecs(t, shapes, budget, cfg=cfg, spectra=spectra(shapes))
     assert plan.total_bytes == sum(e.bytes for e in plan.entries) <= budget
-    assert all(e.rank >= 1 and e.bytes == ec_nbytes(*shapes[e.name], e.rank, 8) for e in plan.entries)
+    assert all(e.rank >= 1 and e.bytes == ec_nbytes(*shapes[e.name], e.rank, 8, cfg.factor_bits) for e in plan.entries)
     if mode != "auto":
         assert all(e.rank % 8 == 0 for e in plan.entries)  # the fixed modes step by 8
     else:
-        assert plan.mode == "marginal" and all(e.rank <= 64 for e in plan.entries)
+        assert plan.mode == "marginal" and all(e.rank <= cfg.rank_cap for e in plan.entries)
     if frac >= 0.05:
         assert plan.entries and plan.total_bytes > 0.5 * min(budget, total_bytes_of_all(shapes, 64))
 
@@ -135,10 +136,10 @@ def test_entropy_values():
 
 def test_uniform_and_fixed_rank():
     t, shapes = table(peaked)
-    everything = total_bytes_of_all(shapes, 16)
-    plan = plan_ecs(t, shapes, everything, cfg=PlannerConfig(mode="uniform"))
+    everything = total_bytes_of_all(shapes, 16)  # in fp16 factors
+    plan = plan_ecs(t, shapes, everything, cfg=PlannerConfig(mode="uniform", factor_bits=16))
     assert len(plan.entries) == 70 and {e.rank for e in plan.entries} == {16}
-    half = plan_ecs(t, shapes, total_bytes_of_all(shapes, 8) // 2, cfg=PlannerConfig(mode="uniform"))
+    half = plan_ecs(t, shapes, total_bytes_of_all(shapes, 8) // 2, cfg=PlannerConfig(mode="uniform", factor_bits=16))
     assert {e.rank for e in half.entries} == {8} and 25 <= len(half.entries) < 70
     layers = [int(e.name.split(".")[2]) for e in half.entries]
     assert min(layers) == 0 and max(layers) == 9  # evenly spaced over the stack

@@ -69,6 +69,21 @@ def test_refit_is_refused_where_the_codes_are_not_rtns(float_and_quantized):
         CompensateConfig(kind="lorc", refit_rounds=1)
 
 
+def test_refit_rounds_default_to_three_where_the_codes_are_rtns(float_and_quantized):
+    """The default (None) runs REFIT_ROUNDS where SPEAR's RTN rounded the codes and QERA initialises the EC, none
+    elsewhere (GPTQ, AWQ, imported codes: not refused); an explicit count wins."""
+    from spear.compensate.pipeline import REFIT_ROUNDS
+
+    assert REFIT_ROUNDS == 3 and CompensateConfig().refit_rounds is None
+    assert [CompensateConfig(kind=k).refit_rounds_for(True) for k in ("adaptive", "qera", "lqer")] == [3, 3, 0]
+    assert CompensateConfig().refit_rounds_for(False) == 0 and CompensateConfig(refit_rounds=1).refit_rounds_for(True) == 1
+    teacher, quantized, ids = float_and_quantized
+    auto = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05), rtn=CFG)
+    assert auto.refit["rounds"] == REFIT_ROUNDS
+    other = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05))
+    assert other.refit is None and "refit" not in other.seconds
+
+
 def test_cli_refuses_refit_of_codes_not_rtns_before_any_work(tiny_model_dir, tmp_path, capsys):
     from spear.cli import main
 

@@ -82,6 +82,8 @@ def _budget(text: str) -> tuple[float, str]:
 
 def _add_compensate_args(p: argparse.ArgumentParser) -> None:
     from spear.compensate.calibrate import CalibrateConfig
+    from spear.compensate.pipeline import REFIT_ROUNDS
+    from spear.compensate.planner import PlannerConfig
 
     p.add_argument("--budget", type=_budget, default=(0.01, "model"),
                    help="EC memory as a share of the whole W4 model (default 1%%), or with :linears of its quantized "
@@ -92,17 +94,18 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: KL-calibrate the ECs without the gate γ (its bytes go to rank): a static EC that "
                         "stock vLLM's LoRA path serves exactly, within a point of the gated one (BENCHMARKS §2)")
     p.add_argument("--rank", type=int, default=None, help="fixed EC rank for every chosen module (multiple of 8)")
-    p.add_argument("--ec-bits", type=int, default=16, choices=[16, 8],
-                   help="bits of the EC factors A and B as stored: 16 (fp16, default) or 8 (int8 with a scale per "
-                        "rank direction: about twice the rank for the same budget)")
+    p.add_argument("--ec-bits", type=int, default=PlannerConfig.factor_bits, choices=[16, 8],
+                   help="bits of the EC factors A and B as stored: 8 (int8 with a scale per rank direction: about "
+                        "twice the rank for the same budget; default) or 16 (fp16)")
     p.add_argument("--placement", default="auto", choices=["auto", "concentrate", "spread", "uniform"],
                    help="auto: rank by marginal gain per byte over every linear, the damage entropy as its prior "
                         "(default); concentrate/spread/uniform: the fixed ablation modes")
     p.add_argument("--steps", type=int, default=CalibrateConfig.steps,
                    help=f"KL calibration steps (adaptive; default {CalibrateConfig.steps})")
-    p.add_argument("--refit-rounds", type=int, default=0,
+    p.add_argument("--refit-rounds", type=int, default=None,
                    help="joint fitting (RTN artifacts): re-round the codes with the EC's low-rank part in place and "
-                        "refit it, this many rounds, before calibration (default 0; compensate/refit.py)")
+                        f"refit it, this many rounds, before calibration (default {REFIT_ROUNDS} where SPEAR rounded "
+                        "the codes by RTN, else 0; compensate/refit.py)")
     p.add_argument("--calib-precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the frozen student's dtype while the ECs train (they and Adam stay float32): auto is "
                         "bfloat16 on CUDA above 2B parameters, float32 otherwise")

@@ -64,7 +64,9 @@ class PlannerConfig:
     concentrate_ranks: tuple[int, int] = (16, 128)  # (min, max) rank of a selected module
     spread_ranks: tuple[int, int] = (8, 16)
     gate_hidden: int = 8  # h of the gate MLP r → h → r; 0: no gate (static EC)
-    factor_bits: int = 16  # A and B stored in fp16 or int8 (layer.ErrorCompensator): int8 buys ~2× the rank a byte
+    # A and B stored in int8 or fp16 (layer.ErrorCompensator): int8 buys ~2× the rank a byte, +1.7 / +2.4 points of
+    # the hard case's gap at the defaults (BENCHMARKS §2)
+    factor_bits: int = 8
     rank: int | None = None  # fixed rank for every selected module (ablations)
     ignore_budget: bool = False  # with `rank`: every module at that rank, whatever the budget
 
