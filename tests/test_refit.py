@@ -7,6 +7,7 @@ import torch
 
 from conftest import make_tiny_llama
 from spear.compensate.init import WhitenedError
+from spear.data.calibration import CalibConfig
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers
 from spear.compensate.refit import refit_module
 from spear.compensate.stats import collect_input_stats
@@ -39,6 +40,8 @@ def test_refit_keeps_the_round_of_least_whitened_residual(float_and_quantized):
     assert none.record is None and torch.equal(none.A, A0) and torch.equal(none.B, B0)
     refit = refit_module(W, w_hat, stats, 4, CFG, 3)
     assert len(refit.residuals) == 4 and refit.residuals[:1] == none.residuals
+    planned = refit_module(W, w_hat, stats, 4, CFG, 3, first=WhitenedError.of(W, w_hat, stats, 16))  # the planner's SVD
+    assert planned.residuals == refit.residuals and torch.equal(planned.A, refit.A) and torch.equal(planned.B, refit.B)
     assert refit.residuals[refit.kept] == min(refit.residuals) < refit.residuals[0]  # the alternation helped here
     kept = refit.record.dequantize()
     error = WhitenedError.of(W, kept, stats, 4)
@@ -82,6 +85,11 @@ def test_refit_rounds_default_to_three_where_the_codes_are_rtns(float_and_quanti
     assert auto.refit["rounds"] == REFIT_ROUNDS
     other = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05))
     assert other.refit is None and "refit" not in other.seconds
+    from spear.run import QUICK_REFIT_ROUNDS, quick_calibration
+
+    quick = {rtn: quick_calibration(CalibConfig(), CompensateConfig(), rtn_codes=rtn)[1].refit_rounds for rtn in (1, 0)}
+    assert quick == {1: QUICK_REFIT_ROUNDS, 0: 0}
+    assert quick_calibration(CalibConfig(), CompensateConfig(refit_rounds=2))[1].refit_rounds == 2
 
 
 def test_cli_refuses_refit_of_codes_not_rtns_before_any_work(tiny_model_dir, tmp_path, capsys):

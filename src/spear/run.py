@@ -33,16 +33,24 @@ QUICK_CALIB = CalibConfig(num_sequences=16, seq_len=128)
 QUICK_WINDOWS = 1
 QUICK_CALIBRATE = CalibrateConfig(steps=16, batch_size=2, eval_every=4, patience=3)
 QUICK_SENSITIVITY = SensitivityConfig(num_sequences=2, seq_len=128)
+# one joint-fitting round in --quick: 73.2 / 65.2% of the gap, three rounds 72.9 / 64.1%, none (int8 factors) 61.8 /
+# 55.2% (one draw each, 2-core CPU; BENCHMARKS §3): a round is one more whitened SVD a module
+QUICK_REFIT_ROUNDS = 1
 EVAL_BATCH_CUDA = 8  # perplexity windows per forward on a GPU: each is scored from scratch, so only the speed changes
 EVAL_LOGITS_BYTES = 4 * 2**30  # ... and fewer where a batch's float32 logits would pass this
 
 
-def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None
+def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None, rtn_codes: bool = True
                       ) -> tuple[CalibConfig, CompensateConfig | None]:
-    """`--quick`'s short self-sampling, sensitivity and KL calibration in place of these configs' (CPU minutes)."""
+    """`--quick`'s short self-sampling, sensitivity and KL calibration in place of these configs' (CPU minutes),
+    and at most QUICK_REFIT_ROUNDS of joint fitting where the default would run more (on SPEAR's RTN codes:
+    `rtn_codes`)."""
     calib = replace(calib, num_sequences=QUICK_CALIB.num_sequences, seq_len=QUICK_CALIB.seq_len)
     if compensate is not None:
-        compensate = replace(compensate, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE)
+        rounds = compensate.refit_rounds
+        if rounds is None:
+            rounds = min(QUICK_REFIT_ROUNDS, compensate.refit_rounds_for(rtn_codes))
+        compensate = replace(compensate, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE, refit_rounds=rounds)
     return calib, compensate
 
 
@@ -67,7 +75,7 @@ class RunConfig:
         if compensate is not None:
             check_refit(compensate.refit_rounds, settings.method)
         if quick:
-            calib, compensate = quick_calibration(calib, compensate)
+            calib, compensate = quick_calibration(calib, compensate, rtn_codes=settings.method == "rtn")
             max_windows = max_windows or QUICK_WINDOWS
         q = settings.quant
         name = f"{Path(model).stem}-{settings.method}-w{q.bits}{'g' + str(q.group_size) if q.group_size > 0 else 'pc'}"

@@ -216,7 +216,7 @@ def compensate(
             for n, st in layer_stats.items():
                 if n in ranks:
                     W = teacher_linears[n].weight.to(layers[n].weight_hat.device)
-                    refits[n] = refit_module(W, w_hat[n], st, ranks[n], rtn, refit_rounds)
+                    refits[n] = refit_module(W, w_hat[n], st, ranks[n], rtn, refit_rounds, errors.get(n))
                     if refits[n].record is not None:
                         layers[n].set_record(refits[n].record)
         seconds["refit"] = time.perf_counter() - t

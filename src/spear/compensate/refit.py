@@ -48,8 +48,9 @@ class Refit:
 
 
 def refit_module(W: torch.Tensor, w_hat: torch.Tensor, stats: InputStats, rank: int, quant: QuantConfig,
-                 rounds: int) -> Refit:
-    """`rounds` alternations from the codes `w_hat` (W's RTN rounding under `quant`); the round of least residual."""
+                 rounds: int, first: WhitenedError | None = None) -> Refit:
+    """`rounds` alternations from the codes `w_hat` (W's RTN rounding under `quant`); the round of least residual.
+    `first`: w_hat's whitened error where the planner has it already (at least `rank` vectors), round 0's."""
     W = W.detach().float()
     best = None
     residuals = []
@@ -58,7 +59,8 @@ def refit_module(W: torch.Tensor, w_hat: torch.Tensor, stats: InputStats, rank: 
         if t:
             record = rtn_quantize(W - (B.double() @ A.double()).float(), quant)
             current = record.dequantize(torch.float32).to(W.device)
-        error = WhitenedError.of(W, current, stats, rank)
+        reuse = t == 0 and first is not None and first.U.shape[1] >= rank
+        error = first if reuse else WhitenedError.of(W, current, stats, rank)
         A, B = error.factors(W, current, rank)
         residuals.append(error.spectrum[rank:].sum().item())
         if best is None or residuals[-1] < best[0]:
