@@ -56,8 +56,10 @@ def random_w4(n: int, k: int, group: int, gen: torch.Generator, sym: bool = True
     return rtn_quantize(w, QuantConfig(4, group, sym=sym))
 
 
-def random_ec(n: int, k: int, rank: int, gen: torch.Generator, gate_hidden: int = 8) -> ErrorCompensator:
-    ec = ErrorCompensator(k, n, rank, gate_hidden=gate_hidden, alpha=0.5 + torch.rand(1, generator=gen).item())
+def random_ec(n: int, k: int, rank: int, gen: torch.Generator, gate_hidden: int = 8,
+              factor_bits: int = 16) -> ErrorCompensator:
+    ec = ErrorCompensator(k, n, rank, gate_hidden=gate_hidden, alpha=0.5 + torch.rand(1, generator=gen).item(),
+                          factor_bits=factor_bits)
     with torch.no_grad():
         for name, p in ec.named_parameters():
             if name != "alpha":
@@ -108,17 +110,77 @@ def test_packing_rejects_what_the_kernels_cannot_take(gen):
         pack_w4(rtn_quantize(torch.randn(64, 96, generator=gen), QuantConfig(4, 32)))
 
 
-@pytest.mark.parametrize("group", [-1, 32, 64, 128])
-@pytest.mark.parametrize("with_ec", [False, True])
-def test_decode_kernel_matches_reference(group, with_ec, gen):
+def test_int8_ec_packs_as_stored_and_round_trips(gen):
+    """An 8-bit EC packs as it is stored (kernels.pack): int8 A [R, K] and B [N, R] with float32 scales per rank
+    direction (alpha folded into B's), zero codes and scale 0 on the padded rank; dense_A / dense_B give factors()
+    (and alpha·B) to fp16 rounding; nbytes counts a byte a factor entry; .to keeps the form. An fp16 EC packs as
+    before, without scales."""
+    n, k, r = 96, 128, 12
+    ec = random_ec(n, k, r, gen, factor_bits=8)
+    packed = pack_ec(ec)
+    R, H = 16, 16  # rank 12 and gate hidden 8 padded
+    assert packed.rank == r and packed.int8 and packed.dims() == (R, H, True, True)
+    assert (packed.A.dtype, packed.A.shape, packed.B.dtype, packed.B.shape) == (torch.int8, (R, k), torch.int8, (n, R))
+    assert packed.a_scale.dtype == packed.b_scale.dtype == torch.float32
+    assert not (packed.A[r:].any() or packed.B[:, r:].any() or packed.a_scale[r:].any() or packed.b_scale[r:].any())
+    (qa, _), (qb, _) = ec.int8_factors()
+    assert torch.equal(packed.A[:r], qa) and torch.equal(packed.B[:, :r], qb)
+    A, B = (t.detach() for t in ec.factors())
+    assert packed.dense_A().dtype == packed.dense_B().dtype == torch.float16
+    torch.testing.assert_close(packed.dense_A()[:r].float(), A, rtol=1e-3, atol=0)
+    torch.testing.assert_close(packed.dense_B()[:, :r].float(), ec.alpha.detach() * B, rtol=1e-3, atol=0)
+    gate = 2 * (2 * H * R + H + R)
+    assert packed.nbytes() == R * k + n * R + 2 * 4 * R + gate
+    moved = packed.to(torch.device("cpu"))
+    assert moved.int8 and torch.equal(moved.b_scale, packed.b_scale) and moved.A.dtype == torch.int8
+    fp16 = pack_ec(random_ec(n, k, r, gen))
+    assert not fp16.int8 and fp16.a_scale is None and fp16.A.dtype == torch.float16 and fp16.dense_A() is fp16.A
+    assert fp16.nbytes() == 2 * (R * k + n * R) + gate and fp16.scale_args() == (fp16.A, fp16.A)
+
+
+def test_int8_ec_kernels_equal_the_fp16_path_on_its_dequantized_factors(gen):
+    """Every W4 launch with an int8 EC (A and B read as int8, each tile dequantized in registers) gives what the same
+    launch gives with an fp16 EC holding its dequantized factors (dense_A, dense_B), within fp16 rounding, and the
+    reference: the GEMV loops (float32 with A's steps loaded ahead, fp16x2), the dot loop with K split, SwiGLU in
+    the epilogue, the prefill tile GEMM after ec_rank's launch and beside the rank programs, dequantize + cuBLAS."""
+    n, k = 128, 320
+    w = pack_w4(random_w4(n, k, 64, gen)).to(DEVICE)
+    int8 = pack_ec(random_ec(n, k, 24, gen, factor_bits=8)).to(DEVICE)
+    fp16 = dataclasses.replace(int8, A=int8.dense_A(), B=int8.dense_B(), a_scale=None, b_scale=None)
+    assert fp16.dims() == (32, 16, True, False)
+
+    def same(y8, y16, what):
+        assert_close(y8, y16, f"int8 EC {what} against fp16", rtol=1e-3)
+        torch.testing.assert_close(y8, y16, rtol=2e-3, atol=1e-3, msg=f"{what}; seed {SEED}")
+
+    for m, cfg in ((1, DecodeConfig(block_n=32, gemv_rows=4, block_kw=128, num_stages=1)),
+                   (2, DecodeConfig(block_n=32, split_k=2, gemv_rows=4, block_kw=32, num_stages=1, gemv_f16x2=True)),
+                   (16, DecodeConfig(block_n=64, split_k=3, gemv_rows=0, num_warps=4))):
+        x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+        y8 = w4_decode(x, w, int8, None, cfg, out=poisoned(m, n))
+        same(y8, w4_decode(x, w, fp16, None, cfg), f"decode m={m}")
+        assert_close(y8, w4_linear_ref(x, w, int8), f"int8 EC decode m={m} against the reference")
+    act = w4_decode(x, w, int8, None, cfg, swiglu=True)
+    same(act, w4_decode(x, w, fp16, None, cfg, swiglu=True), "swiglu")
+    x = torch.randn(45, k, generator=gen).half().to(DEVICE)
+    for programs in (0, 2):
+        y8 = w4_prefill_fused(x, w, int8, None, SMALL_PREFILL, out=poisoned(45, n), rank_programs=programs)
+        same(y8, w4_prefill_fused(x, w, fp16, None, SMALL_PREFILL, rank_programs=programs), f"prefill {programs}")
+    assert_close(y8, w4_linear_ref(x, w, int8), "int8 EC prefill against the reference")
+    same(w4_prefill(x, w, int8), w4_prefill(x, w, fp16), "dequantize + cuBLAS")
+
+
+@pytest.mark.parametrize("group,ec_bits", [(g, bits) for g in (-1, 32, 64, 128) for bits in (None, 16)]
+                         + [(-1, 8), (32, 8)])  # no EC, fp16 factors, int8 factors
+def test_decode_kernel_matches_reference(group, ec_bits, gen):
     n, k = 192, 256  # odd tile counts: 192 / 32 = 6 tiles, K splits unevenly
     packed = pack_w4(random_w4(n, k, group, gen, sym=group != 32)).to(DEVICE)
-    ec = pack_ec(random_ec(n, k, 8, gen)).to(DEVICE) if with_ec else None
+    ec = pack_ec(random_ec(n, k, 8, gen, factor_bits=ec_bits)).to(DEVICE) if ec_bits else None
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     for m, split_k in ((1, 1), (3, 2), (16, 3), (40, 2), (100, 1)):  # row tiles 16, 16, 16, 64, 128
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         y = w4_decode(x, packed, ec, bias, DecodeConfig(block_n=32, split_k=split_k, gemv_rows=0), out=poisoned(m, n))
-        assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={with_ec}")
+        assert_close(y, w4_linear_ref(x, packed, ec, bias), f"decode m={m} split_k={split_k} g={group} ec={ec_bits}")
 
 
 def test_one_row_tuning_also_times_the_gemv_loop_split_fixed_ways():
@@ -365,46 +427,48 @@ def test_decode_kernel_is_bit_reproducible(gen):
     assert torch.equal(w4_decode(x, packed, ec, None, cfg), first)
 
 
-def test_decode_ec_term_alone_matches_reference(gen):
+@pytest.mark.parametrize("bits", [16, 8])
+def test_decode_ec_term_alone_matches_reference(bits, gen):
     """The EC's share of the output, isolated: (kernel with EC) − (kernel without) vs the rank-space reference."""
     n, k = 128, 256
     packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
-    ec = random_ec(n, k, 16, gen)
+    ec = random_ec(n, k, 16, gen, factor_bits=bits)
     with torch.no_grad():
         ec.B.mul_(30)  # an EC term of the size of the W4 output, so that rounding of y does not hide it
     ec = pack_ec(ec).to(DEVICE)
     x = torch.randn(4, k, generator=gen).half().to(DEVICE)
     with_ec = w4_decode(x, packed, ec, None, SMALL_DECODE).float()
     without = w4_decode(x, packed, None, None, SMALL_DECODE).float()
-    ref = ec_gated_rank_ref(x, ec) @ ec.B.float().t()
+    ref = ec_gated_rank_ref(x, ec) @ ec.dense_B().float().t()
     assert ref.norm() > 0.3 * without.norm()  # the EC term is not negligible
     err = ((with_ec - without - ref).norm() / ref.norm()).item()
     assert err < 2e-2, f"EC term relative error {err:.2e}; seed {SEED}"
 
 
-def test_prefill_path_on_a_narrow_weight_matches_reference(gen):
+@pytest.mark.parametrize("bits", [16, 8])
+def test_prefill_path_on_a_narrow_weight_matches_reference(bits, gen):
     """Dequantize + cuBLAS with an EC and a bias on a weight with 4 N ≤ K (k/v of GQA models): on CUDA the GEMM runs
-    first, beside the rank kernel on its side stream, and y += g Bᵀ after it."""
+    first, beside the rank kernel on its side stream, and y += g Bᵀ after it (int8 B dequantized: dense_B)."""
     n, k, m = 64, 320, 45
     packed = pack_w4(random_w4(n, k, -1, gen)).to(DEVICE)
-    ec = pack_ec(random_ec(n, k, 32, gen)).to(DEVICE)
+    ec = pack_ec(random_ec(n, k, 32, gen, factor_bits=bits)).to(DEVICE)
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     x = torch.randn(m, k, generator=gen).half().to(DEVICE)
     assert_close(w4_prefill(x, packed, ec, bias, out=poisoned(m, n)), w4_linear_ref(x, packed, ec, bias), "narrow")
 
 
 @pytest.mark.parametrize("group", [-1, 64])
-@pytest.mark.parametrize("with_ec", [False, True])
-def test_prefill_kernel_matches_reference(group, with_ec, gen):
+@pytest.mark.parametrize("ec_bits", [None, 16, 8])
+def test_prefill_kernel_matches_reference(group, ec_bits, gen):
     n, k, m = 192, 320, 45  # M not a multiple of the tile, K not a multiple of block_k
     packed = pack_w4(random_w4(n, k, group, gen)).to(DEVICE)
-    ec = pack_ec(random_ec(n, k, 32, gen)).to(DEVICE) if with_ec else None
-    bias = torch.randn(n, generator=gen).half().to(DEVICE) if with_ec else None
+    ec = pack_ec(random_ec(n, k, 32, gen, factor_bits=ec_bits)).to(DEVICE) if ec_bits else None
+    bias = torch.randn(n, generator=gen).half().to(DEVICE) if ec_bits else None
     x = torch.randn(m, k, generator=gen).half().to(DEVICE)
     ref = w4_linear_ref(x, packed, ec, bias)
-    assert_close(w4_prefill(x, packed, ec, bias, out=poisoned(m, n)), ref, f"prefill g={group} ec={with_ec}")
+    assert_close(w4_prefill(x, packed, ec, bias, out=poisoned(m, n)), ref, f"prefill g={group} ec={ec_bits}")
     y = w4_prefill_fused(x, packed, ec, bias, SMALL_PREFILL, out=poisoned(m, n))
-    assert_close(y, ref, f"fused prefill g={group} ec={with_ec}")
+    assert_close(y, ref, f"fused prefill g={group} ec={ec_bits}")
 
 
 def test_prefill_rank_programs_beside_the_gemm(gen):
@@ -475,26 +539,28 @@ def test_dequantize_kernel_is_bit_exact(gen):
         assert out[:, 576:].isnan().all()
 
 
-def test_rank_kernel_matches_reference(gen):
+@pytest.mark.parametrize("bits", [16, 8])
+def test_rank_kernel_matches_reference(bits, gen):
     n, k, m = 64, 192, 37
     for gated in (True, False):
-        ec = pack_ec(random_ec(n, k, 8, gen, gate_hidden=8 if gated else 0)).to(DEVICE)
+        ec = pack_ec(random_ec(n, k, 8, gen, gate_hidden=8 if gated else 0, factor_bits=bits)).to(DEVICE)
         x = torch.randn(m, k, generator=gen).half().to(DEVICE)
         # one launch; K in three or two (the partial u summed and gated by a second launch); wider tiles
         for block_m, block_k, splits in ((16, 64, 1), (16, 64, 3), (64, 128, 2)):
             g = ec_rank(x, ec, block_m=block_m, block_k=block_k, splits=splits)
-            assert_close(g, ec_gated_rank_ref(x, ec), f"rank kernel gated={gated} {block_m}x{block_k} splits={splits}",
-                         rtol=5e-3)
+            assert_close(g, ec_gated_rank_ref(x, ec),
+                         f"rank kernel gated={gated} bits={bits} {block_m}x{block_k} splits={splits}", rtol=5e-3)
 
 
-def test_dispatch_by_rows_and_the_shared_layer(gen, monkeypatch):
+@pytest.mark.parametrize("bits", [16, 8])
+def test_dispatch_by_rows_and_the_shared_layer(bits, gen, monkeypatch):
     """w4_linear picks the decode kernel, the prefill tile GEMM or dequantize + cuBLAS by M; SpearLinear.use_kernels
-    routes through it on CUDA."""
+    routes through it on CUDA (an 8-bit EC packed as int8)."""
     n, k = 128, 192
     record = random_w4(n, k, 64, gen)
     layer = SpearLinear(record, bias=torch.randn(n, generator=gen), dtype=torch.float16)
-    layer.ec = random_ec(n, k, 8, gen).half()
-    assert layer.use_kernels()
+    layer.ec = random_ec(n, k, 8, gen, factor_bits=bits).half()
+    assert layer.use_kernels() and layer.packed_ec.int8 == (bits == 8)
     layer.to(DEVICE)  # the packed tensors follow the module
     w, ec, bias = layer.packed, layer.packed_ec, layer.bias.half()
     for m in (1, 17, 40, 70):  # 2, 34, 80 and 140 rows: the decode kernel (row tiles 16, 64, 128), prefill
@@ -534,6 +600,8 @@ def test_decode_config_prefers_the_one_tuned_with_the_ec(gen, monkeypatch):
     assert w4_config.decode_config(packed, 1, ec16) == ec_pick
     assert w4_config.decode_config(packed, 1) == w4_pick
     assert w4_config.decode_config(packed, 1, ec64) == w4_pick  # rank 64 was not tuned
+    int8 = pack_ec(random_ec(128, 256, 16, gen, factor_bits=8))
+    assert w4_config.decode_config(packed, 1, int8) == w4_pick  # nor rank 16 with int8 factors
     assert w4_config.decode_config(packed, 16, ec16) == DecodeConfig()  # nothing tuned at 16 rows
 
 
@@ -748,19 +816,23 @@ def test_pdl_chain_in_a_graph_matches_serial_launches(gen, monkeypatch):
             assert torch.equal(out, expected)
 
 
-def test_precompile_jobs_describe_the_tensors_a_worker_makes_up(gen):
+@pytest.mark.parametrize("bits", [16, 8])
+def test_precompile_jobs_describe_the_tensors_a_worker_makes_up(bits, gen):
     """A compile job carries each packed tensor's shape and dtype; the worker's made-up tensors have exactly those
-    (a compile is keyed by them), and the launch it makes takes them."""
+    (a compile is keyed by them), and the launch it makes takes them: an int8 EC's codes and scales too."""
+    from spear.kernels.pack import PackedEC
     from spear.kernels.w4 import precompile
 
     w = pack_w4(rtn_quantize(torch.randn(128, 256, generator=gen), QuantConfig(4, -1)))
-    ec = pack_ec(ErrorCompensator(256, 128, rank=8, gate_hidden=8))
+    ec = pack_ec(ErrorCompensator(256, 128, rank=8, gate_hidden=8, factor_bits=bits))
     job = precompile.compile_job(w, (1, 4), ec)
     made = precompile._made_up(job.weight, torch.device("cpu"))
     assert {k: (t.shape, t.dtype) for k, t in made.items()} == {
         k: (getattr(w, k).shape, getattr(w, k).dtype) for k in ("qweight", "scales", "zeros")}
     made_ec = precompile._made_up(job.ec, torch.device("cpu"))
-    assert {k: t.shape for k, t in made_ec.items()} == {k: getattr(ec, k).shape for k in made_ec}
+    assert {k: (t.shape, t.dtype) for k, t in made_ec.items()} == {
+        k: (t.shape, t.dtype) for k, t in ec.tensors().items()}
+    assert PackedEC(**made_ec, rank=job.ec_rank, gated=job.ec_gated).dims() == ec.dims()
     assert (job.ms, job.ec_rank, job.ec_gated) == ((1, 4), ec.rank, ec.gated)
     assert precompile.precompile_w4([job], workers=1) == 0  # one worker: not worth a process
 

@@ -69,13 +69,15 @@ def _gate(r: int, h: int) -> tuple[torch.Tensor, ...]:
     return torch.zeros(h, r, **f16), torch.zeros(h, **f16), torch.zeros(r, h, **f16), torch.zeros(r, **f16)
 
 
-def _packed_ec(ec: tuple[int, int, bool], n: int, k: int):
-    """A PackedEC of (padded rank, the gate's hidden size, gated) on an [n, k] weight."""
+def _packed_ec(ec: tuple[int, int, bool, bool], n: int, k: int):
+    """A PackedEC of (padded rank, the gate's hidden size, gated, int8 factors) on an [n, k] weight."""
     from spear.kernels.pack import PackedEC
 
-    r, h, gated = ec
-    return PackedEC(torch.zeros(r, k, dtype=torch.float16), torch.zeros(n, r, dtype=torch.float16), *_gate(r, h),
-                    rank=r, gated=gated)
+    r, h, gated, int8 = ec
+    factor = torch.int8 if int8 else torch.float16
+    scales = dict(a_scale=torch.zeros(r), b_scale=torch.zeros(r)) if int8 else {}
+    return PackedEC(torch.zeros(r, k, dtype=factor), torch.zeros(n, r, dtype=factor), *_gate(r, h), rank=r,
+                    gated=gated, **scales)
 
 
 def _launch_kwargs(launch, monkeypatch) -> dict:
@@ -145,19 +147,20 @@ def _launcher_kwargs(launch, monkeypatch) -> dict:
         prefill.w4_prefill_fused(torch.zeros(m, k, **f16), w, ec, bias, inputs["cfg"], g=g,
                                  rank_programs=int(bool(launch.pdl)))
     elif flags in (ec_epilogue.epilogue_flags, ec_epilogue.peer_epilogue_flags):
-        r, h = inputs["rank"], inputs["hidden"]
-        b = torch.zeros(n, r, **f16) if inputs["has_ec"] else None
+        r, h, int8 = inputs["rank"], inputs["hidden"], inputs.get("int8", False)
+        b = torch.zeros(n, r, dtype=torch.int8 if int8 else torch.float16) if inputs["has_ec"] else None
+        b_scale = torch.zeros(r) if int8 else None
         gate, bias = _gate(r, h) if inputs["gated"] else (), torch.zeros(n, **f16) if inputs["has_bias"] else None
         if flags is ec_epilogue.epilogue_flags:
             ec_epilogue.ec_epilogue(torch.zeros(m, n, **f32), torch.zeros(m, r, **f32) if inputs["has_ec"] else None,
-                                    b, *gate, bias=bias, out=torch.zeros(m, n, **f16))
+                                    b, *gate, bias=bias, out=torch.zeros(m, n, **f16), b_scale=b_scale)
         else:
             world, width = inputs["world"], n + r
             add_norm = (torch.zeros(m, n, **f16), torch.zeros(n, **f16), torch.zeros(m, n, **f16),
                         torch.zeros(m, n // 128)) if inputs.get("add_norm") else None
             ec_epilogue.peer_epilogue(torch.zeros(world, m, width, **f32), torch.zeros(world, dtype=torch.int32),
                                       torch.zeros(2, dtype=torch.int32), m, n, width, b, *gate, bias=bias, rank=r,
-                                      add_norm=add_norm)
+                                      add_norm=add_norm, b_scale=b_scale)
     elif flags is ops.attention_flags:  # two KV heads of `group` query heads each, blocks of 16 keys
         kv, d = 2, inputs["head_dim"]
         pools = [torch.zeros(8, 16, kv, d, **f16) for _ in range(2)]
@@ -300,3 +303,20 @@ def _dot_loop(report, name: str) -> dict[str, int]:
 
 def _count(ops: dict[str, int], prefix: str) -> int:
     return sum(n for op, n in ops.items() if op.startswith(prefix))
+
+
+def test_int8_ec_variants_keep_the_main_loops(report):
+    """An EC with int8 factors (kernels.pack: A and B read as int8, dequantized in registers) compiles in every kernel
+    that reads A or B, and leaves the decode kernel's one-row GEMV loop and the prefill tile GEMM's wgmma pipeline as
+    with fp16 factors: the tile GEMM dequantizes B before its main loop, as after it the epilogue dot's operand made
+    in registers there had ptxas serialize every wgmma of the kernel (C7515: a wait after each, 16 a block where 2
+    were)."""
+    int8 = [name for name in report if name.endswith("int8") or " int8 " in name]
+    assert {"decode", "prefill_fused", "ec_rank", "ec_rank_programs", "ec_epilogue", "peer_epilogue"} <= {
+        name.split()[0] for name in int8}
+    gemv = [max(report[name]["loops"], key=lambda loop: loop["instructions"])["instructions"]
+            for name in ("decode rows=1 ec=True int8 f16x2 preload", "decode rows=1 ec=True warps=4 f16x2 preload")]
+    assert abs(gemv[0] - gemv[1]) <= 0.05 * gemv[1], gemv
+    name = "prefill_fused wide=2 spg=8 asm bn=256 pdl"
+    fp16, int8_loop = _dot_loop(report, name), _dot_loop(report, name + " int8")
+    assert _count(int8_loop, "WARPGROUP.ARRIVE") == _count(fp16, "WARPGROUP.ARRIVE") <= 2, (fp16, int8_loop)

@@ -34,13 +34,15 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(SEED)
 
 
-# (rank, gate_hidden) per part; None: no EC; gate_hidden 0: ungated
+# (rank, gate_hidden[, factor bits: 16 unless given]) per part; None: no EC; gate_hidden 0: ungated
 EC_CASES = {
     "gated-ranks": [(8, 8), (16, 4), (24, 20)],
     "some-none": [(8, 8), None, (12, 8)],
     "gated-ungated": [(8, 0), (16, 8), None],
     "ungated": [(8, 0), None, (4, 0)],
     "none": [None, None, None],
+    "int8": [(8, 8, 8), None, (12, 0, 8)],  # int8 codes block-diagonal, scales concatenated
+    "int8-fp16": [(8, 8, 8), (16, 4), (12, 0, 8)],  # a mix: fp16, the int8 parts dequantized
 }
 
 
@@ -51,7 +53,7 @@ def test_fused_launch_equals_separate_layers(case, bias, m, gen):
     specs = EC_CASES[case]
     group = 32 if case == "gated-ranks" else -1
     parts = [pack_w4(rtn_quantize(torch.randn(n, K, generator=gen), QuantConfig(4, group))).to(DEVICE) for n in SIZES]
-    ecs = [None if s is None else pack_ec(random_ec(n, K, s[0], gen, gate_hidden=s[1])).to(DEVICE)
+    ecs = [None if s is None else pack_ec(random_ec(n, K, s[0], gen, s[1], s[2] if len(s) > 2 else 16)).to(DEVICE)
            for n, s in zip(SIZES, specs)]
     biases = [(torch.randn(n, generator=gen) * 0.1).half().to(DEVICE) if bias and i != 1 else None
               for i, n in enumerate(SIZES)]
@@ -73,6 +75,8 @@ def test_fused_launch_equals_separate_layers(case, bias, m, gen):
         R, H = fused_ec.padded_rank, fused_ec.W1.shape[0]
         assert fused_ec.gated == any(s is not None and s[1] > 0 for s in specs)
         assert fused_ec.rank == sum(s[0] for s in specs if s is not None)
+        assert fused_ec.int8 == all(s is None or len(s) > 2 for s in specs)
+        assert fused_ec.A.dtype == (torch.int8 if fused_ec.int8 else torch.float16)
         assert R >= 16 and R & (R - 1) == 0 and H >= 16 and H & (H - 1) == 0
         assert_close(w4_linear_ref(x, fused_w, fused_ec, fused_bias), ref, f"{case}: fused reference", rtol=1e-3)
 
@@ -127,6 +131,37 @@ def test_fused_model_matches_separate_layers(gen):
     out = logits(model, ids, prefill=5)
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, f"fused vs separate logits: {err:.2e}; seed {SEED}"
+
+
+def test_a_model_with_int8_ecs_serves_int8_factors(gen):
+    """ECs stored in 8 bits stay int8 where the model is served: each packed layer's EC, and a fused launch's where
+    every part's is int8 (gate|up; q|k|v with an fp16 part beside: fp16), a byte a factor entry in what the model
+    holds (runtime.model.held_bytes); the logits those of the unpacked model."""
+    from spear.runtime.model import held_bytes
+
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=1, vocab=64)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=1.0, rank=8, device=DEVICE, kernels=False,
+                         seed=SEED % 1000)
+    a, f = model.layers[0].attention, model.layers[0].feed_forward
+    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
+    for m in linears:
+        m.ec.factor_bits = 16 if m is a.wv else 8
+    ids = torch.randint(0, args.vocab, (6,), generator=gen).tolist()
+    ref = logits(model, ids, prefill=5)
+
+    assert all(m.use_kernels() for m in linears)
+    assert all(m.packed_ec.int8 == (m.ec.factor_bits == 8) for m in linears)
+    down = f.w_down.packed_ec
+    R, H, n, k = down.padded_rank, down.W1.shape[0], args.dim, args.intermediate
+    assert down.A.dtype == down.B.dtype == torch.int8
+    assert down.nbytes() == R * k + n * R + 2 * 4 * R + 2 * (2 * H * R + H + R)  # codes, float32 scales, fp16 gate
+    assert held_bytes(model)["packed"] == sum(m.packed.nbytes() + m.packed_ec.nbytes() for m in linears)
+    assert fuse_projections(model) == 2
+    assert f.w_gate_up.packed_ec.int8 and f.w_gate_up.packed_ec.B.dtype == torch.int8
+    assert not a.wqkv.packed_ec.int8 and a.wqkv.packed_ec.A.dtype == torch.float16
+    out = logits(model, ids, prefill=5)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, f"int8 ECs served vs unpacked logits: {err:.2e}; seed {SEED}"
 
 
 def test_checkpoint_fused_projections_become_one_w4_launch(gen):

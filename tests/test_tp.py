@@ -3,8 +3,8 @@
 Each rank builds the same random model, computes the single-process reference itself,
 shards a second copy and runs the same prefill + greedy decode steps: greedy tokens must
 be identical and logits equal up to float32 summation order. The EC case puts gated and
-static ECs (with B scaled up, so that they move the logits) on every linear layer, so the
-column- and row-parallel EC paths are both exercised.
+static ECs (with B scaled up, so that they move the logits) on every linear layer, half of them with
+int8 factors, so the column- and row-parallel EC paths are both exercised in both forms.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def build(args: ModelArgs, setting: str) -> Transformer:
         lin.ec.B.mul_(30)
         if i % 2:
             lin.ec.gate = None  # static EC (LoRC-style) on every other layer
+        lin.ec.factor_bits = 8 if i % 4 >= 2 else 16  # gated and static, fp16 and int8 factors
     return model
 
 
@@ -105,9 +106,10 @@ def test_shape_errors():
 
 
 def test_ec_epilogue_kernel_matches_reference():
-    """In place on fp16 y (the collective path), and from strided float32 [y | u] rows into fp16 with the bias (the
-    symmetric path), gated, static and without an EC."""
+    """In place on fp16 y (the collective path), B in fp16 or int8 with a scale a column, and from strided float32
+    [y | u] rows into fp16 with the bias (the symmetric path), gated, static and without an EC."""
     from spear.kernels.ec_epilogue import ec_epilogue
+    from spear.kernels.pack import f16_factor
     from spear.kernels.reference import ec_epilogue_ref
 
     gen = torch.Generator().manual_seed(0)
@@ -121,6 +123,12 @@ def test_ec_epilogue_kernel_matches_reference():
         gate = (randn(h, r), randn(h), randn(r, h), randn(r)) if gated else ()
         expected = ec_epilogue_ref(y, u, B, *gate)
         torch.testing.assert_close(ec_epilogue(y.clone(), u, B, *gate, block_n=64), expected, atol=2e-3, rtol=2e-3)
+        codes = torch.randint(-127, 128, (N, r), generator=gen, dtype=torch.int8).to(device)  # int8 B, a scale a column
+        scale = (torch.rand(r, generator=gen) * 1e-3).to(device)
+        expected = ec_epilogue_ref(y, u, codes, *gate, b_scale=scale)
+        torch.testing.assert_close(expected, ec_epilogue_ref(y, u, f16_factor(codes, scale, 0), *gate))
+        got = ec_epilogue(y.clone(), u, codes, *gate, block_n=64, b_scale=scale)
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
         rows, bias = randn(M, N + r + 3, dtype=torch.float32), randn(N)  # a row stride past N + r
         for ec in (True, False):
             u_view = rows[:, N:N + r] if ec else None
@@ -130,14 +138,18 @@ def test_ec_epilogue_kernel_matches_reference():
             torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
-def test_symmetric_path_equals_the_unsharded_layer():
+@pytest.mark.parametrize("bits", [16, 8])
+def test_symmetric_path_equals_the_unsharded_layer(bits):
     """SymmetricReduce over two shards of a W4 + gated-EC row-parallel layer with a bias, in one process: the
-    all-reduce stand-in adds rank 1's staged [y_r | u_r] rows to rank 0's, whose output is then the whole layer's."""
+    all-reduce stand-in adds rank 1's staged [y_r | u_r] rows to rank 0's, whose output is then the whole layer's.
+    (Int8 factors: the epilogue kernel rounds the dequantized B to fp16, as the W4 kernels take it; the float32
+    layer does not.)"""
     from spear.runtime.tp import SymmetricReduce
 
     args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
     lin = build(args, "w4+ec").layers[0].feed_forward.w_down
     assert lin.ec is not None and lin.ec.gate is not None
+    lin.ec.factor_bits = bits
     lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
     x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
@@ -150,7 +162,8 @@ def test_symmetric_path_equals_the_unsharded_layer():
         half = lin.in_features // 2
         shards[1](x[:, half:])
         got = shards[0](x[:, :half])
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if bits == 16 else 2e-3
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
 def p2p_shards(lin, world: int, max_rows: int):
@@ -174,17 +187,21 @@ def p2p_shards(lin, world: int, max_rows: int):
     return shards, slots, signals
 
 
-def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer():
+@pytest.mark.parametrize("bits", [16, 8])
+def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer(bits):
     """PeerReduce with two simulated ranks (TRITON_INTERPRET): each rank's W4 launch writes its [y_r | u_r] rows into
     its slot of both ranks' buffers and signals both; then each rank's epilogue sums the slots. Twice, so the
-    epoch advances and the kernel's counters are left clean; both ranks agree bit for bit."""
+    epoch advances and the kernel's counters are left clean; both ranks agree bit for bit. An 8-bit EC's A and B
+    stay int8 on each rank (its columns of A, B replicated) and the kernels read them so."""
     args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
     model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1, kernels=False)
     lin = model.layers[0].feed_forward.w_down  # 64 × 128, a gated EC; groups of 32 (the kernels' smallest)
     lin.ec.B.mul_(30)
+    lin.ec.factor_bits = bits
     lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
     world, max_rows = 2, 4
     shards, slots, signals = p2p_shards(lin, world, max_rows)
+    assert all((s.ec.A.dtype == torch.int8) == (bits == 8) and s.ec.packed_a().int8 == (bits == 8) for s in shards)
     gen = torch.Generator().manual_seed(3)
     half = lin.in_features // 2
     for call in (1, 2):

@@ -139,6 +139,13 @@ class ErrorCompensator(nn.Module):
             return int8_round(self.A, dim=1), int8_round(self.B, dim=0)
         return self.A, self.B
 
+    def int8_factors(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """An 8-bit EC's factors as stored: ((A's int8 codes [r, in], its row scales [r]), (B's int8 codes [out, r],
+        its column scales [r])), scales in fp16 (int8_quantize); int8_dequantize of each is factors()' value."""
+        if self.factor_bits != 8:
+            raise SpearError(f"this EC keeps its factors in {self.factor_bits} bits, not int8")
+        return int8_quantize(self.A, dim=1), int8_quantize(self.B, dim=0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         A, B = self.factors()
         u = x @ A.to(x.dtype).t()  # [..., r]
@@ -341,7 +348,8 @@ class SpearLinear(LinearMethod):
         return y
 
     def nbytes(self) -> int:
-        """The record at `bits` a weight (QuantizedWeight.nbytes_packed), the bias and the EC in fp16."""
+        """The record at `bits` a weight (QuantizedWeight.nbytes_packed), the bias in fp16 and the EC as stored
+        (ErrorCompensator.nbytes: int8 factors a byte an entry)."""
         bias = 0 if self.bias is None else self.bias.numel() * 2
         return self.record_bytes + bias + (0 if self.ec is None else self.ec.nbytes())
 

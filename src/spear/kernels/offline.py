@@ -91,13 +91,14 @@ def loop_mix(sass_text: str, min_instructions: int = 60) -> list[Loop]:
     return loops
 
 
-F16, I32, F32, I64 = "*fp16", "*i32", "*fp32", "*i64"
+F16, I8, I32, F32, I64 = "*fp16", "*i8", "*i32", "*fp32", "*i64"
 _DIVISIBLE = ("KW", "K", "N", "stride_xm", "stride_ym", "k_per_split", "ax_k_per_prog", "group_size", "stride_gm",
               "stride_wn", "H", "block_size", "stride_pool_block", "stride_pool_offset")  # as a Llama launch has them
 
 
 _F16_PTRS = {n: F16 for n in ("x_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "a_ptr", "b_ptr", "w1_ptr", "b1_ptr",
-                                "w2_ptr", "b2_ptr", "g_ptr", "w_ptr")}
+                                "w2_ptr", "b2_ptr", "g_ptr", "w_ptr", "a_scale_ptr", "b_scale_ptr")}  # scales: dummies
+_INT8_EC_PTRS = {"a_ptr": I8, "b_ptr": I8, "a_scale_ptr": F32, "b_scale_ptr": F32}  # an EC's int8 form (kernels.pack)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ def variants() -> dict[str, Variant]:
 _DECODE_PTRS = {**_F16_PTRS, "qw_ptr": I32, "y_part_ptr": F32, "u_part_ptr": F32, "g_ptr": I64, "cnt_ptr": I32,
                 "reads_ptr": I64}
 _K = 4096  # the columns a per-channel group spans (Llama-2-7B's hidden size)
-_EC = (32, 16, True)  # an EC's padded rank 32, the gate's hidden size 16, gated
+_EC = (32, 16, True, False)  # an EC's padded rank 32, the gate's hidden size 16, gated, fp16 factors (PackedEC.dims)
+_EC8 = (32, 16, True, True)  # the same with int8 factors
 _NO_PRELOAD = W4Launch(late=True, preload=False)  # SPEAR_W4_PRELOAD=0: each step's codes loaded in their step
 _PRELOAD = W4Launch(late=True, preload=True)  # the default (kernels.options)
 
@@ -140,14 +142,15 @@ _PRELOAD = W4Launch(late=True, preload=True)  # the default (kernels.options)
 @dataclass(frozen=True)
 class DecodeLaunch:
     """A W4 decode launch by its inputs: m rows under `cfg`, groups of `group_size` columns (None: per-channel), the
-    EC (padded rank, gate hidden size, gated) or None, PDL, the W4Launch switches and decode_flags's other keywords
-    (`flags`). Its constexprs are decode.decode_flags's, as w4_decode launches it, but for `lab`: overrides for a
-    comparison no launch makes (the tests read them). `pointers`: types beyond the decode kernel's usual ones."""
+    EC (PackedEC.dims: padded rank, gate hidden size, gated, int8 factors) or None, PDL, the W4Launch switches and
+    decode_flags's other keywords (`flags`). Its constexprs are decode.decode_flags's, as w4_decode launches it, but
+    for `lab`: overrides for a comparison no launch makes (the tests read them). `pointers`: types beyond the decode
+    kernel's usual ones (an int8 EC's come with it)."""
 
     m: int
     cfg: DecodeConfig
     group_size: int | None = None
-    ec: tuple[int, int, bool] | None = None
+    ec: tuple[int, int, bool, bool] | None = None
     pdl: bool = False
     launch: W4Launch = _NO_PRELOAD
     flags: dict = field(default_factory=dict)
@@ -161,7 +164,7 @@ class DecodeLaunch:
                 "PDL": self.pdl}
 
     def variant(self) -> Variant:
-        pointers = {**_DECODE_PTRS, **self.pointers}
+        pointers = {**_DECODE_PTRS, **(_INT8_EC_PTRS if self.ec is not None and self.ec[3] else {}), **self.pointers}
         return _variant(decode._w4_decode_kernel, pointers, {**self.launch_flags(), **self.lab})
 
 
@@ -219,6 +222,10 @@ def decode_launches() -> dict[str, DecodeLaunch]:
                                ("decode rows=1 ec=False warps=8 f16x2 preload", f16x2_w8, None),
                                ("decode rows=1 ec=True warps=4 f16x2 preload", f16x2, ec)):
         out[name] = DecodeLaunch(1, cfg, ec=with_ec, pdl=True, launch=_PRELOAD)
+    # an EC with int8 factors (kernels.pack): A's tiles held as codes a step ahead and dequantized at their dot, B's
+    # codes through the main loop to the epilogue; the one-row GEMV as served, and the dot loop
+    out["decode rows=1 ec=True int8 f16x2 preload"] = DecodeLaunch(1, f16x2, ec=_EC8, pdl=True, launch=_PRELOAD)
+    out["decode rows=dot ec=True int8"] = DecodeLaunch(16, dot, ec=_EC8, flags=dict(has_bias=True))
     # an RMSNorm folded across two launches (kernels.norm_fold): the producer's add + Σ h² epilogue (128 tiles), the
     # consumer's rstd scaling (SwiGLU, as gate/up takes it) at one row and (the dot loop) at 16
     out["decode rows=1 ec=True f16x2 add_norm"] = DecodeLaunch(
@@ -231,9 +238,10 @@ def decode_launches() -> dict[str, DecodeLaunch]:
     out["decode rows=dot ec=True swiglu pdl"] = DecodeLaunch(16, dot, ec=ec, pdl=True, flags=dict(swiglu=True))
     # tensor parallelism's symmetric path: the float32 partial into the staging rows, no EC (fp16 dummies)
     out["decode rows=1 float32 out"] = DecodeLaunch(1, gemv32, pointers={"y_ptr": F32, "bias_ptr": F32})
-    for rows in (1, 0):  # tensor parallelism: the partials y_r and u_r into two ranks' buffers, then the signals
-        out[f"decode rows={rows or 'dot'} to peers"] = DecodeLaunch(
-            rows or 16, gemv32 if rows else dot, ec=ec, flags=dict(peers=2),
+    for rows, e in ((1, ec), (0, ec), (1, _EC8)):  # tensor parallelism: the partials y_r and u_r into two ranks'
+        # buffers, then the signals (an int8 EC's A: tp.RankSpaceEC.packed_a)
+        out[f"decode rows={rows or 'dot'} to peers" + " int8" * e[3]] = DecodeLaunch(
+            rows or 16, gemv32 if rows else dot, ec=e, flags=dict(peers=2),
             pointers={"peer_rows_ptr": I64, "peer_signals_ptr": I64})
     return out
 
@@ -273,20 +281,21 @@ def _prefill_and_epilogue_launches() -> dict[str, Launch]:
     f16 = _F16_PTRS
     w4 = {**f16, "qw_ptr": I32}
     out = {}
-    for split in (False, True):  # the EC's rank-space kernel for the prefill paths (ec_rank's defaults): whole K, or
-        # K split
-        out["ec_rank" + " split" * split] = Launch(prefill._ec_rank_kernel,
-                                                   {**f16, "u_part_ptr": F32 if split else F16},
-                                                   prefill.ec_rank_flags, dict(ec=_EC, split=split))
+    for split, ec in ((False, _EC), (True, _EC), (False, _EC8)):  # the EC's rank-space kernel for the prefill paths
+        # (ec_rank's defaults): whole K, or K split; int8 A
+        out["ec_rank" + " split" * split + " int8" * ec[3]] = Launch(
+            prefill._ec_rank_kernel, {**f16, "u_part_ptr": F32 if split else F16, **(_INT8_EC_PTRS if ec[3] else {})},
+            prefill.ec_rank_flags, dict(ec=ec, split=split))
     out["ec_gate"] = Launch(prefill._ec_gate_kernel, {**f16, "u_part_ptr": F32}, prefill.ec_gate_flags, dict(ec=_EC))
     out["dequant"] = Launch(prefill._dequant_kernel, w4, prefill.dequant_flags)
 
-    def fused(group_size: int | None, cfg: PrefillConfig | None = None, pdl: bool = False, lab: dict | None = None):
-        """The tile GEMM with the EC, no bias, compiled, under `cfg` (None: PrefillConfig's default); groups of
+    def fused(group_size: int | None, cfg: PrefillConfig | None = None, pdl: bool = False, lab: dict | None = None,
+              ec: tuple[int, int, bool, bool] = _EC):
+        """The tile GEMM with the EC `ec`, no bias, compiled, under `cfg` (None: PrefillConfig's default); groups of
         `group_size` columns (None: per-channel)."""
-        return Launch(prefill._w4_prefill_kernel, w4, prefill.prefill_flags,
+        return Launch(prefill._w4_prefill_kernel, {**w4, **(_INT8_EC_PTRS if ec[3] else {})}, prefill.prefill_flags,
                       dict(cfg=cfg or PrefillConfig(), group_size=group_size or _K, per_channel=group_size is None,
-                           ec=_EC, has_bias=False, compiled=True), pdl, lab or {})
+                           ec=ec, has_bias=False, compiled=True), pdl, lab or {})
 
     # the wide dot loop (one dot a block, or a group of 64 with its codes scaled) in the prefill tile GEMM, as
     # PrefillConfig's default (128 × 128, 8 warps, 3 stages) runs it; the codes without inline PTX (DOT_ASM), as no
@@ -301,21 +310,30 @@ def _prefill_and_epilogue_launches() -> dict[str, Launch]:
     # from 1024 rows with an EC: the 128 × 256 tile as the programmatic dependent of the rank programs beside it
     wide = PrefillConfig(block_n=256)
     out["prefill_fused wide=2 spg=8 asm bn=256 pdl"] = fused(None, wide, pdl=True)
-    out["ec_rank_programs pdl"] = Launch(prefill._ec_rank_programs_kernel, f16, prefill.rank_programs_flags,
-                                         dict(ec=_EC, cfg=wide), pdl=True)
-    rank, hidden, _ = _EC
-    for has_ec in (True, False):  # tensor parallelism: on the reduced fp32 [y | u] rows, into fp16
-        out[f"ec_epilogue ec={has_ec}"] = Launch(
-            ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32, "out_ptr": F16, "bias_ptr": F16},
+    # an EC with int8 factors: the rank programs' A, the GEMM epilogue's B
+    out["prefill_fused wide=2 spg=8 asm bn=256 pdl int8"] = fused(None, wide, pdl=True, ec=_EC8)
+    for ec in (_EC, _EC8):
+        out["ec_rank_programs pdl" + " int8" * ec[3]] = Launch(
+            prefill._ec_rank_programs_kernel, {**f16, **(_INT8_EC_PTRS if ec[3] else {})}, prefill.rank_programs_flags,
+            dict(ec=ec, cfg=wide), pdl=True)
+    rank, hidden, _, _ = _EC
+    int8_b = {"b_ptr": I8, "b_scale_ptr": F32}
+    for has_ec, int8 in ((True, False), (False, False), (True, True)):  # tensor parallelism: on the reduced fp32
+        # [y | u] rows, into fp16 (an fp16 EC's dummy scale pointer is y's); int8 B
+        out[f"ec_epilogue ec={has_ec}" + " int8" * int8] = Launch(
+            ec_epilogue._ec_epilogue_kernel, {**f16, "y_ptr": F32, "u_ptr": F32, "out_ptr": F16, "bias_ptr": F16,
+                                              "b_scale_ptr": F32, **(int8_b if int8 else {})},
             ec_epilogue.epilogue_flags, dict(rank=rank if has_ec else 1, hidden=hidden if has_ec else 1,
-                                             has_ec=has_ec, gated=has_ec, has_bias=True))
+                                             has_ec=has_ec, gated=has_ec, has_bias=True, int8=int8))
     peer = {**f16, "slots_ptr": F32, "signals_ptr": I32, "state_ptr": I32, "out_ptr": F16}
-    for add_norm in (False, True):
-        out["peer_epilogue" + " add_norm" * add_norm] = Launch(
+    for add_norm, int8 in ((False, False), (True, False), (False, True)):
+        out["peer_epilogue" + " add_norm" * add_norm + " int8" * int8] = Launch(
             ec_epilogue._peer_epilogue_kernel,
-            {**peer, **({"res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32} if add_norm else {})},
+            {**peer, **({"res_ptr": F16, "nw_ptr": F16, "hw_ptr": F16, "ssq_ptr": F32} if add_norm else {}),
+             **(int8_b if int8 else {})},
             ec_epilogue.peer_epilogue_flags,
-            dict(world=2, rank=rank, hidden=hidden, has_ec=True, gated=True, has_bias=True, add_norm=add_norm))
+            dict(world=2, rank=rank, hidden=hidden, has_ec=True, gated=True, has_bias=True, add_norm=add_norm,
+                 int8=int8))
     return out
 
 

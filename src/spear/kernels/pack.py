@@ -18,6 +18,11 @@ The EC is packed as the kernels read it (ec(x) = alpha · B (gamma(A x) ⊙ A x)
     A fp16 [R, K], alpha·B fp16 [N, R], gate W1 [H, R], b1 [H], W2 [R, H], b2 [R], with R and H
     zero-padded to tensor-core sizes (≥ 16, powers of two). Zero padding is exact: padded rank
     rows give u = 0 and padded hidden units feed W2's zero columns.
+An EC with 8-bit factors (ErrorCompensator factor_bits 8) is packed as it is stored: A int8 [R, K] with a_scale
+float32 [R] (A's row scales), B int8 [N, R] with b_scale float32 [R] (alpha times B's column scales: alpha goes
+into the scale, not into B); padded rank directions have zero codes and scale 0. The kernels read the int8 codes
+and dequantize each tile in registers, q · scale in float32 rounded once to fp16: dense_A() / dense_B()'s numbers,
+which the PyTorch paths and the reference take.
 
 Linears over the same input fuse into one launch (concat_w4, concat_ec): the weights' rows stack,
 the ECs go block-diagonal.
@@ -65,22 +70,58 @@ class PackedW4:
 
 @dataclass
 class PackedEC:
-    A: torch.Tensor  # fp16 [R, K]
-    B: torch.Tensor  # fp16 [N, R], alpha folded in
+    A: torch.Tensor  # fp16 [R, K]; int8 codes with a_scale
+    B: torch.Tensor  # fp16 [N, R], alpha folded in; int8 codes with b_scale
     W1: torch.Tensor  # fp16 [H, R]
     b1: torch.Tensor  # fp16 [H]
     W2: torch.Tensor  # fp16 [R, H]
     b2: torch.Tensor  # fp16 [R]
     rank: int  # the true rank r ≤ R
     gated: bool
+    a_scale: torch.Tensor | None = None  # float32 [R], int8 A's row scales (None: fp16 factors)
+    b_scale: torch.Tensor | None = None  # float32 [R], alpha times int8 B's column scales
 
     @property
     def padded_rank(self) -> int:
         return self.A.shape[0]
 
+    @property
+    def int8(self) -> bool:
+        return self.a_scale is not None
+
+    def dims(self) -> tuple[int, int, bool, bool]:
+        """(padded rank R, the gate's hidden size H, gated, int8 factors): what the kernels compile for."""
+        return self.padded_rank, self.W1.shape[0], bool(self.gated), self.int8
+
+    def dense_A(self) -> torch.Tensor:
+        """A [R, K] in fp16 as the kernels multiply by it (f16_factor)."""
+        return self.A if not self.int8 else f16_factor(self.A, self.a_scale, 1)
+
+    def dense_B(self) -> torch.Tensor:
+        """alpha·B [N, R] in fp16 as the kernels multiply by it (f16_factor)."""
+        return self.B if not self.int8 else f16_factor(self.B, self.b_scale, 0)
+
+    def scale_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' scale pointers (a_scale, b_scale): an fp16 EC's kernels read none, and get A twice."""
+        return (self.a_scale, self.b_scale) if self.int8 else (self.A, self.A)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors held, by field name (the scales only in the int8 form)."""
+        names = ("A", "B", "W1", "b1", "W2", "b2", "a_scale", "b_scale")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def nbytes(self) -> int:
+        """Bytes held: the factors at 1 (int8) or 2 bytes an entry, the int8 form's scales, the gate."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
     def to(self, device: torch.device) -> PackedEC:
-        t = {k: getattr(self, k).to(device) for k in ("A", "B", "W1", "b1", "W2", "b2")}
-        return PackedEC(**t, rank=self.rank, gated=self.gated)
+        return PackedEC(**{k: t.to(device) for k, t in self.tensors().items()}, rank=self.rank, gated=self.gated)
+
+
+def f16_factor(codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """An int8 factor in fp16 as the kernels multiply by it: the codes times their rank directions' scales (float32
+    [R], along `dim`: 1 for A's rows, 0 for B's columns) in float32, rounded once to fp16."""
+    return (codes.float() * scale.float().unsqueeze(dim)).half()
 
 
 def pow2_at_least_16(n: int) -> int:
@@ -122,15 +163,24 @@ def unpack_w4(packed: PackedW4) -> torch.Tensor:
 
 
 def pack_ec(ec: ErrorCompensator) -> PackedEC:
-    ec_A, ec_B = (t.detach() for t in ec.factors())  # int8 factors dequantized: the kernels read fp16
-    r, k = ec_A.shape
-    n = ec_B.shape[0]
+    """The EC as the kernels read it (the module docstring): fp16 factors, or an 8-bit EC's int8 codes and scales."""
+    r, k = ec.A.shape
+    n = ec.B.shape[0]
     R = pow2_at_least_16(r)
-    dev = ec_A.device
-    A = torch.zeros(R, k, dtype=torch.float16, device=dev)
-    A[:r] = ec_A.half()
-    B = torch.zeros(n, R, dtype=torch.float16, device=dev)
-    B[:, :r] = (ec.alpha.detach().float() * ec_B.float()).half()
+    dev = ec.A.device
+    alpha = ec.alpha.detach().float()
+    scales = {}
+    if ec.factor_bits == 8:
+        (qa, sa), (qb, sb) = ec.int8_factors()
+        A, B = torch.zeros(R, k, dtype=torch.int8, device=dev), torch.zeros(n, R, dtype=torch.int8, device=dev)
+        A[:r], B[:, :r] = qa, qb
+        scales = {name: torch.zeros(R, dtype=torch.float32, device=dev) for name in ("a_scale", "b_scale")}
+        scales["a_scale"][:r] = sa.float()
+        scales["b_scale"][:r] = alpha * sb.float()
+    else:
+        A, B = torch.zeros(R, k, dtype=torch.float16, device=dev), torch.zeros(n, R, dtype=torch.float16, device=dev)
+        A[:r] = ec.A.detach().half()
+        B[:, :r] = (alpha * ec.B.detach().float()).half()
     h = max(ec.gate_hidden, 1)
     H = pow2_at_least_16(h)
     W1 = torch.zeros(H, R, dtype=torch.float16, device=dev)
@@ -142,7 +192,7 @@ def pack_ec(ec: ErrorCompensator) -> PackedEC:
         b1[:h] = ec.gate[0].bias.detach().half()
         W2[:r, :h] = ec.gate[2].weight.detach().half()
         b2[:r] = ec.gate[2].bias.detach().half()
-    return PackedEC(A, B, W1, b1, W2, b2, rank=r, gated=ec.gate is not None)
+    return PackedEC(A, B, W1, b1, W2, b2, rank=r, gated=ec.gate is not None, **scales)
 
 
 def concat_w4(parts: list[PackedW4]) -> PackedW4:
@@ -165,25 +215,33 @@ def concat_ec(ecs: list[PackedEC | None], out_features: list[int], in_features: 
     are zero), and the gate runs per block: W1 = diag(W1_i) [Σ H_i, Σ R_i], b1 = [b1_i], W2 = diag(W2_i),
     b2 = [b2_i], so gamma(u) restricted to block i is gamma_i(u_i). An ungated EC in a gated fusion has
     zero gate blocks: 1 + tanh(0) = 1. R and H are zero-padded to powers of two ≥ 16 as pack_ec does.
-    None when no module has an EC; ungated when none is gated.
+    None when no module has an EC; ungated when none is gated. Int8 where every EC is (the codes block-diagonal,
+    the scales concatenated: each rank direction keeps its own), else fp16 (int8 parts dequantized: dense_A, dense_B).
     """
     if all(ec is None for ec in ecs):
         return None
+    int8 = all(ec is None or ec.int8 for ec in ecs)
     gated = any(ec is not None and ec.gated for ec in ecs)
     ranks = [0 if ec is None else ec.rank for ec in ecs]  # the padded rank columns are zero: drop them
     hiddens = [ec.W1.shape[0] if ec is not None and ec.gated else 0 for ec in ecs]
     R, H = pow2_at_least_16(sum(ranks)), pow2_at_least_16(max(sum(hiddens), 1))
-    shapes = ((R, in_features), (sum(out_features), R), (H, R), (H,), (R, H), (R,))
-    A, B, W1, b1, W2, b2 = (torch.zeros(shape, dtype=torch.float16, device=device) for shape in shapes)
+    factor = torch.int8 if int8 else torch.float16
+    A, B = (torch.zeros(shape, dtype=factor, device=device) for shape in ((R, in_features), (sum(out_features), R)))
+    W1, b1, W2, b2 = (torch.zeros(shape, dtype=torch.float16, device=device) for shape in ((H, R), (H,), (R, H), (R,)))
+    scales = {}
+    if int8:
+        scales = {name: torch.zeros(R, dtype=torch.float32, device=device) for name in ("a_scale", "b_scale")}
     n0 = r0 = h0 = 0
     for ec, n, r, h in zip(ecs, out_features, ranks, hiddens):
         if ec is not None:
-            A[r0 : r0 + r] = ec.A[:r]
-            B[n0 : n0 + n, r0 : r0 + r] = ec.B[:, :r]
+            A[r0 : r0 + r] = (ec.A if int8 else ec.dense_A())[:r]
+            B[n0 : n0 + n, r0 : r0 + r] = (ec.B if int8 else ec.dense_B())[:, :r]
+            for name, scale in scales.items():
+                scale[r0 : r0 + r] = getattr(ec, name)[:r]
             if h:
                 W1[h0 : h0 + h, r0 : r0 + r] = ec.W1[:, :r]
                 b1[h0 : h0 + h] = ec.b1
                 W2[r0 : r0 + r, h0 : h0 + h] = ec.W2[:r]
                 b2[r0 : r0 + r] = ec.b2[:r]
         n0, r0, h0 = n0 + n, r0 + r, h0 + h
-    return PackedEC(A, B, W1, b1, W2, b2, rank=sum(ranks), gated=gated)
+    return PackedEC(A, B, W1, b1, W2, b2, rank=sum(ranks), gated=gated, **scales)

@@ -2,7 +2,8 @@
 
     y = x · dequant(Q)ᵀ + bias + ec(x),   ec(x) = (alpha·B) (gamma(A x) ⊙ A x),
     gamma(u) = 1 + tanh(W2 silu(W1 u + b1) + b2)
-Math in float32 from the fp16 inputs; the result in x's dtype. And the row-parallel layers' epilogue after tensor
+Math in float32 from the fp16 inputs (an int8 EC's factors dequantized as the kernels do: PackedEC.dense_A,
+dense_B); the result in x's dtype. And the row-parallel layers' epilogue after tensor
 parallelism's reduction (kernels.ec_epilogue), which CPU ranks run.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spear.kernels.pack import PackedEC, PackedW4, unpack_w4
+from spear.kernels.pack import PackedEC, PackedW4, f16_factor, unpack_w4
 
 
 def dequantize_w4(packed: PackedW4) -> torch.Tensor:
@@ -25,7 +26,7 @@ def dequantize_w4(packed: PackedW4) -> torch.Tensor:
 
 def ec_gated_rank_ref(x: torch.Tensor, ec: PackedEC) -> torch.Tensor:
     """g = gamma(A x) ⊙ A x  [M, R], float32."""
-    u = x.float() @ ec.A.float().t()
+    u = x.float() @ ec.dense_A().float().t()
     if not ec.gated:
         return u
     hidden = F.silu(u @ ec.W1.float().t() + ec.b1.float())
@@ -39,16 +40,17 @@ def w4_linear_ref(
     if bias is not None:
         y = y + bias.float()
     if ec is not None:
-        y = y + ec_gated_rank_ref(x, ec) @ ec.B.float().t()
+        y = y + ec_gated_rank_ref(x, ec) @ ec.dense_B().float().t()
     return y.to(x.dtype)
 
 
 def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | None, W1: torch.Tensor | None = None,
                     b1: torch.Tensor | None = None, W2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                    b_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The EC epilogue y + bias + (alpha·B)(gamma(u) ⊙ u) on reduced partials: y [M, N], u [M, r] (None: no EC),
-    B [N, r] (alpha folded in), gate W1 [h, r], b1 [h], W2 [r, h], b2 [r], bias [N]; the result in `dtype`
-    (default y's)."""
+    B [N, r] (alpha folded in; int8 codes with `b_scale` [r], alpha folded into it, as the kernel dequantizes them:
+    f16_factor), gate W1 [h, r], b1 [h], W2 [r, h], b2 [r], bias [N]; the result in `dtype` (default y's)."""
     out = y.float()
     if bias is not None:
         out = out + bias.float()
@@ -57,5 +59,5 @@ def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | N
         if W1 is not None:
             hidden = F.silu(g @ W1.float().t() + b1.float())
             g = g * (1 + torch.tanh(hidden @ W2.float().t() + b2.float()))
-        out = out + g @ B.float().t()
+        out = out + g @ (B if b_scale is None else f16_factor(B, b_scale, 0)).float().t()
     return out.to(dtype or y.dtype)

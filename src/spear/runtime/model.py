@@ -515,8 +515,8 @@ def use_kernels(model: nn.Module, tune: bool = True, fuse: bool = True,
         with_ec = {}
         for m in launchers:
             if m.packed_ec is not None:
-                w = m.packed
-                with_ec[w.out_features, w.in_features, w.group_size, m.packed_ec.padded_rank] = (w, m.packed_ec)
+                w, ec = m.packed, m.packed_ec
+                with_ec[w.out_features, w.in_features, w.group_size, ec.padded_rank, ec.int8] = (w, ec)
         # W4 at every row bucket, then W4+EC at one row (batch-1 decode: its own pick, kernels.w4._tune_key);
         # seconds a shape on a fresh machine, nothing where the tuning cache has them
         jobs = [(w, tune_rows or TUNE_ROWS, None) for w in shapes.values()]

@@ -17,6 +17,11 @@ scales are replicated), the EC's A columns. Each rank has partials
 
 and the gate needs the summed u, so both partials are reduced first; every rank then
 applies the gate and B (replicated) to identical data (spear.kernels.ec_epilogue on CUDA).
+
+An EC with int8 factors stays int8 in the row-parallel layers (RankSpaceEC): A's scales run along its
+rows, so a split of its columns keeps them. A column shard holds its int8 values as floats: B's column
+scales span every rank's rows, and the shard's rows alone would round to other scales.
+
 The reduction has three implementations, chosen per model with `set_reduction` (serving: p2p on GPUs):
 
   "collective" (the baseline): all_reduce(y) and a separate all_reduce(u), NCCL (gloo on CPU).
@@ -61,7 +66,7 @@ from spear.errors import SpearError
 from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.pack import PackedEC, pow2_at_least_16
-from spear.layer import ErrorCompensator, LinearMethod, SpearLinear
+from spear.layer import ErrorCompensator, LinearMethod, SpearLinear, int8_dequantize
 from spear.record import QuantizedWeight
 from spear.runtime.linear import DenseLinear
 from spear.runtime.model import Transformer
@@ -112,28 +117,49 @@ def column_shard(lin: DenseLinear | SpearLinear, rank: int, world: int) -> Dense
                              q.bits, q.group_size)
     shard = SpearLinear(record, _rows(lin.bias, rank, world), lin.dtype)
     if lin.ec is not None:
+        # an 8-bit EC's shard holds its int8 values as floats: B's column scales span every rank's rows
+        A, B = (t.detach() for t in lin.ec.factors())
         ec = ErrorCompensator(lin.in_features, shard.out_features, lin.ec.rank)
-        ec.A, ec.alpha, ec.gate = lin.ec.A, lin.ec.alpha, lin.ec.gate
-        ec.B = _param(_rows(lin.ec.B.detach(), rank, world))
+        ec.A, ec.alpha, ec.gate = _param(A), lin.ec.alpha, lin.ec.gate
+        ec.B = _param(_rows(B, rank, world))
         shard.ec = ec
     return shard
 
 
 class RankSpaceEC(nn.Module):
-    """A row-parallel layer's EC: this rank's columns of A; alpha·B and the gate replicated."""
+    """A row-parallel layer's EC: this rank's columns of A; alpha·B and the gate replicated. An 8-bit EC's A and B
+    stay int8 codes with float32 scales, as kernels.pack holds them: a_scale A's row scales (a split of A's columns
+    keeps them), b_scale alpha times B's column scales."""
 
     def __init__(self, ec: ErrorCompensator, rank: int, world: int, dtype: torch.dtype):
         super().__init__()
         self.rank = ec.rank
-        self.register_buffer("A", _cols(ec.A.detach(), rank, world).to(dtype))  # [r, in / world]
-        self.register_buffer("B", (ec.alpha.detach().float() * ec.B.detach().float()).to(dtype))  # [N, r]
+        alpha = ec.alpha.detach().float()
+        if ec.factor_bits == 8:
+            (a, a_scale), (b, b_scale) = ec.int8_factors()
+            a_scale, b_scale = a_scale.float(), alpha * b_scale.float()
+        else:
+            a, b = ec.A.detach().to(dtype), (alpha * ec.B.detach().float()).to(dtype)
+            a_scale = b_scale = None
+        self.register_buffer("A", _cols(a, rank, world))  # [r, in / world]
+        self.register_buffer("B", b)  # [N, r]
+        self.register_buffer("a_scale", a_scale)  # float32 [r] (int8 A), else None
+        self.register_buffer("b_scale", b_scale)
         gate = [None] * 4 if ec.gate is None else [ec.gate[0].weight, ec.gate[0].bias, ec.gate[2].weight, ec.gate[2].bias]
         for name, t in zip(("W1", "b1", "W2", "b2"), gate):
             self.register_buffer(name, None if t is None else t.detach().to(dtype))
 
+    def dense_A(self, dtype: torch.dtype) -> torch.Tensor:
+        """A_r [r, in / world] in `dtype` (int8: the codes times their scales in float32, rounded once)."""
+        return self.A.to(dtype) if self.a_scale is None else int8_dequantize(self.A, self.a_scale, 1).to(dtype)
+
+    def dense_B(self, dtype: torch.dtype) -> torch.Tensor:
+        """alpha·B [N, r] in `dtype`, likewise."""
+        return self.B.to(dtype) if self.b_scale is None else int8_dequantize(self.B, self.b_scale, 0).to(dtype)
+
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """u_r = x_r A_rᵀ  [M, r]."""
-        return x @ self.A.t()
+        return x @ self.dense_A(x.dtype).t()
 
     @property
     def padded_rank(self) -> int:
@@ -141,13 +167,22 @@ class RankSpaceEC(nn.Module):
         return pow2_at_least_16(self.rank)
 
     def packed_a(self) -> PackedEC:
-        """A_r for the W4 decode kernel's u-programs (fp16, rank padded to padded_rank); B and the gate act after
-        the reduction, so the packed ones are placeholders. Cached."""
+        """A_r for the W4 decode kernel's u-programs (fp16 or int8 with its scales, rank padded to padded_rank); B
+        and the gate act after the reduction, so the packed ones are placeholders. Cached."""
         if getattr(self, "_packed_a", None) is None:
             padded = self.padded_rank
-            a = torch.zeros(padded, self.A.shape[1], dtype=torch.float16, device=self.A.device)
+            a = torch.zeros(padded, self.A.shape[1], dtype=torch.int8 if self.a_scale is not None else torch.float16,
+                            device=self.A.device)
             a[: self.rank] = self.A
-            self._packed_a = PackedEC(a, a, a[:16, :padded], a[0, :16], a[:, :16], a[0], self.rank, gated=False)
+            f16 = dict(dtype=torch.float16, device=self.A.device)
+            gate = (torch.zeros(16, padded, **f16), torch.zeros(16, **f16), torch.zeros(padded, 16, **f16),
+                    torch.zeros(padded, **f16))
+            scales = {}
+            if self.a_scale is not None:
+                scale = torch.zeros(padded, dtype=torch.float32, device=self.A.device)
+                scale[: self.rank] = self.a_scale
+                scales = dict(a_scale=scale, b_scale=scale)
+            self._packed_a = PackedEC(a, a, *gate, self.rank, gated=False, **scales)
         return self._packed_a
 
     def epilogue(self, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -155,15 +190,17 @@ class RankSpaceEC(nn.Module):
         if y.is_cuda and y.dtype == torch.float16:
             from spear.kernels.ec_epilogue import ec_epilogue
 
-            return ec_epilogue(y, u, *epilogue_weights(self))
+            return ec_epilogue(y, u, **epilogue_weights(self))
         from spear.kernels.reference import ec_epilogue_ref
 
-        return ec_epilogue_ref(y, u, *epilogue_weights(self))
+        return ec_epilogue_ref(y, u, self.dense_B(torch.float32), self.W1, self.b1, self.W2, self.b2)
 
 
-def epilogue_weights(ec: RankSpaceEC | None) -> tuple[torch.Tensor | None, ...]:
-    """(alpha·B, W1, b1, W2, b2) for the epilogue kernels (kernels.ec_epilogue); all None without an EC."""
-    return (None,) * 5 if ec is None else (ec.B, ec.W1, ec.b1, ec.W2, ec.b2)
+def epilogue_weights(ec: RankSpaceEC | None) -> dict[str, torch.Tensor | None]:
+    """alpha·B (int8 with b_scale, or None), W1, b1, W2, b2 for the epilogue kernels (kernels.ec_epilogue); all None
+    without an EC."""
+    names = ("B", "W1", "b1", "W2", "b2", "b_scale")
+    return {name: None if ec is None else getattr(ec, name) for name in names}
 
 
 class CollectiveReduce:
@@ -211,7 +248,7 @@ class SymmetricReduce:
         summed = self.all_reduce(flat).view(m, width)
         from spear.kernels.ec_epilogue import ec_epilogue
 
-        return ec_epilogue(summed[:, :n], None if layer.ec is None else summed[:, n:], *epilogue_weights(layer.ec),
+        return ec_epilogue(summed[:, :n], None if layer.ec is None else summed[:, n:], **epilogue_weights(layer.ec),
                            bias=layer.bias, out=torch.empty(m, n, dtype=x.dtype, device=x.device))
 
 
@@ -266,7 +303,7 @@ class PeerReduce:
 
         out = torch.empty(rows, layer.out_features, dtype=torch.float16, device=self.slots.device)
         return peer_epilogue(self.slots, self.signals, self.state, rows, layer.out_features, self.peers.width,
-                             *epilogue_weights(layer.ec), bias=layer.bias, out=out,
+                             **epilogue_weights(layer.ec), bias=layer.bias, out=out,
                              rank=0 if layer.ec is None else layer.ec.rank, block_n=PEER_BLOCK_N, add_norm=add_norm)
 
     def receive_add_norm(self, layer: RowParallelLinear, rows: int, residual: torch.Tensor,

@@ -1,7 +1,7 @@
 """The W4 kernels' launch configs, the tuner's candidates and its choices (tuning.tune_w4 fills them).
 
-Choices are kept per (N, K, group size, row bucket, EC padded rank): `decode_config` reads them for a decode
-launch, `prefill_choice` for the tile GEMM; untuned, each config class's defaults apply.
+Choices are kept per (N, K, group size, row bucket, EC padded rank, int8 EC factors): `decode_config` reads them
+for a decode launch, `prefill_choice` for the tile GEMM; untuned, each config class's defaults apply.
 """
 
 from __future__ import annotations
@@ -91,14 +91,16 @@ def _row_tile(m: int) -> int:
 
 
 def _tune_key(w: PackedW4, m: int, ec: PackedEC | None = None) -> tuple:
-    """W4 alone, or with an EC of this padded rank (tuned apart at M = 1: for W4+EC, W4's pick was 1.05-1.23x
-    slower than W4+EC's own on 4 of 5 Llama shapes, BENCHMARKS §4)."""
-    return (w.out_features, w.in_features, w.group_size, _m_bucket(m), 0 if ec is None else ec.padded_rank)
+    """W4 alone, or with an EC of this padded rank, fp16 or int8 factors (tuned apart at M = 1: for W4+EC, W4's pick
+    was 1.05-1.23x slower than W4+EC's own on 4 of 5 Llama shapes, BENCHMARKS §4; int8 factors halve the EC's
+    reads)."""
+    return (w.out_features, w.in_features, w.group_size, _m_bucket(m), 0 if ec is None else ec.padded_rank,
+            ec is not None and ec.int8)
 
 
 def decode_config(w: PackedW4, m: int, ec: PackedEC | None = None) -> DecodeConfig:
-    """The decode launch's config: W4+EC's own pick where tune_w4 timed it with an EC of this rank, else W4's,
-    else the untuned default."""
+    """The decode launch's config: W4+EC's own pick where tune_w4 timed it with an EC of this rank and factor
+    precision, else W4's, else the untuned default."""
     return _TUNED.get(_tune_key(w, m, ec)) or _TUNED.get(_tune_key(w, m), DecodeConfig())
 
 

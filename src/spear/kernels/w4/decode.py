@@ -15,7 +15,9 @@ u-programs have the lowest ids, so they are dispatched first and the wait cannot
 counters zeroed for the next one. (The u-programs in a launch of their own, the tiles loading g without waiting,
 measured slower at every shape and row count on the H200: bench/NOTES-kernels.md.) The epilogue may also do the
 layer's next op (w4_decode's `swiglu`: silu(gate) ⊙ up of stacked [gate; up]; `add_norm` / `rms`: an RMSNorm
-folded across two launches, kernels.norm_fold).
+folded across two launches, kernels.norm_fold). An EC with int8 factors (kernels.pack) is read as int8: the
+u-programs dequantize each A tile at its dot, the tiles hold B's codes through the main loop and dequantize them in
+the epilogue.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from spear.kernels.w4.epilogue import (
     READS_SHIFT,
     _a_tile,
     _add_ec_and_bias,
+    _f16_factor,
     _g_cells,
     _gate,
     _load_b_tile,
+    _rank_scales,
     _read_g,
     _row_rstd,
     _signal_peers,
@@ -59,19 +63,21 @@ from spear.kernels.w4.gemv import _code_tile, _gemv_tile, _w4_gemv, _w4_gemv_f16
 
 
 @triton.jit
-def _u_program(pid, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_rows, cnt_ptr, reads_ptr,
-               peer_rows_ptr, peer_signals_ptr, ssq_ptr, offs_m, mask_m, offs_r, N, K, stride_xm, stride_ym, num_ax,
-               ax_k_per_prog, num_tiles, num_ssq, eps,
+def _u_program(pid, x_ptr, a_ptr, a_scale_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_rows, cnt_ptr,
+               reads_ptr, peer_rows_ptr, peer_signals_ptr, ssq_ptr, offs_m, mask_m, offs_r, N, K, stride_xm, stride_ym,
+               num_ax, ax_k_per_prog, num_tiles, num_ssq, eps,
                GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                PEERS: tl.constexpr, U_CHUNK: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-               PRELOAD: tl.constexpr, RMS_IN: tl.constexpr, SSQ_BLOCK: tl.constexpr):
+               PRELOAD: tl.constexpr, RMS_IN: tl.constexpr, SSQ_BLOCK: tl.constexpr, INT8_FACTORS: tl.constexpr):
     """A u-program of the decode kernel: u += A[:, slice] x[slice] over its slice of K into u_part; the last to
     arrive sums the partials in program order and stores g = gamma(u) ⊙ u in g's epoch-tagged cells (with PEERS,
     the ungated u into every rank's rows, then the signals). With PRELOAD each step's A tile is loaded a step
-    ahead, the first before the PDL wait (A is a weight), as the tiles load their codes."""
+    ahead, the first before the PDL wait (A is a weight), as the tiles load their codes; int8 codes are held as
+    loaded and dequantized at their dot."""
     a_lo = pid * ax_k_per_prog
     a_hi = tl.minimum(a_lo + ax_k_per_prog, K)
-    a_ahead = tl.zeros((R, BK), dtype=tl.float16)
+    a_scale = _rank_scales(a_scale_ptr, R, INT8_FACTORS)[:, None]  # A's row scales (int8), a weight
+    a_ahead = tl.zeros((R, BK), dtype=a_ptr.dtype.element_ty)
     if PRELOAD:
         a_ahead = _a_tile(a_ptr, offs_r, a_lo, a_hi, K, BK)
     pdl_enter(PDL, PDL_LATE)
@@ -87,7 +93,7 @@ def _u_program(pid, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_
             a_ahead = _a_tile(a_ptr, offs_r, k0 + BK, a_hi, K, BK)
         else:
             ak = _a_tile(a_ptr, offs_r, k0, a_hi, K, BK)
-        u += tl.dot(xk, tl.trans(ak))
+        u += tl.dot(xk, tl.trans(_f16_factor(ak, a_scale, INT8_FACTORS)))
     tl.store(u_part_ptr + pid * BM * R + offs_m[:, None] * R + offs_r[None, :], u, mask=mask_m[:, None])
     pdl_release(PDL and PDL_LATE)
     tl.debug_barrier()
@@ -167,15 +173,16 @@ def _sum_splits(acc, pid_n, pid_k, offs_m, mask_m, offs_n, mask_n, y_part_ptr, c
 
 
 @triton.jit
-def _tile_epilogue(acc, last, b, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m, offs_n, mask_n, g_rows, bias_ptr,
-                   y_ptr, hw_ptr, ssq_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr, N, stride_ym,
-                   num_tiles, num_ssq,
+def _tile_epilogue(acc, last, b, b_scale, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m, offs_n, mask_n, g_rows,
+                   bias_ptr, y_ptr, hw_ptr, ssq_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr, N,
+                   stride_ym, num_tiles, num_ssq,
                    HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
                    BM: tl.constexpr, PEERS: tl.constexpr, SWIGLU: tl.constexpr, ADD_NORM: tl.constexpr,
-                   RMS_IN: tl.constexpr):
+                   RMS_IN: tl.constexpr, INT8_FACTORS: tl.constexpr):
     """The program holding a tile's sum (last) writes it: to every rank's rows and the signals (PEERS), or with
     (alpha·B) g and the bias added, as y, silu(gate) ⊙ up (SWIGLU) or h and the folded norm's share (ADD_NORM).
-    b, epoch, res, norm_w and rstd are the prologue's loads (unused where their switch is off)."""
+    b (as stored: int8 codes are dequantized here, with b_scale), epoch, res, norm_w and rstd are the prologue's
+    loads (unused where their switch is off)."""
     if last and PEERS > 0:
         for p in tl.static_range(PEERS):
             rows = tl.load(peer_rows_ptr + p).to(tl.pointer_type(tl.float32))
@@ -190,12 +197,13 @@ def _tile_epilogue(acc, last, b, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m
             tl.debug_barrier()
             tl.atomic_add(reads_ptr, tl.where(pid_n == 0, 1 - num_tiles + READS_PER_LAUNCH, 1).to(tl.int64),
                           sem="relaxed")
+            b16 = _f16_factor(b, b_scale[None, :], INT8_FACTORS)
         else:
             g = tl.zeros((BM, R), dtype=tl.float32)
-            b = tl.zeros((BN, R), dtype=tl.float16)
+            b16 = tl.zeros((BN, R), dtype=tl.float16)
         if RMS_IN:
             acc = acc * rstd[None, :]
-        acc = _add_ec_and_bias(acc, g, b, offs_n, mask_n, bias_ptr, HAS_EC, HAS_BIAS)
+        acc = _add_ec_and_bias(acc, g, b16, offs_n, mask_n, bias_ptr, HAS_EC, HAS_BIAS)
         if SWIGLU:
             _store_swiglu(acc, offs_m, mask_m, pid_n, N, y_ptr, stride_ym, BN, BM)
         elif ADD_NORM:
@@ -208,7 +216,7 @@ def _tile_epilogue(acc, last, b, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m
 @triton.jit
 def _w4_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,
     y_part_ptr, u_part_ptr, g_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr,
     res_ptr, nw_ptr, hw_ptr, ssq_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym, split_k, k_per_split, num_ax, ax_k_per_prog, num_tiles,
@@ -221,7 +229,7 @@ def _w4_decode_kernel(
     SWIGLU: tl.constexpr, PDL: tl.constexpr, PDL_LATE: tl.constexpr,
     PRELOAD: tl.constexpr, WORD_CHAIN: tl.constexpr = 1, EVEN: tl.constexpr = False,
     ADD_NORM: tl.constexpr = False, RMS_IN: tl.constexpr = False, SSQ_BLOCK: tl.constexpr = 1,
-    DOT_ASM: tl.constexpr = False,
+    DOT_ASM: tl.constexpr = False, INT8_FACTORS: tl.constexpr = False,
 ):
     # y_part [split_k, BM, N] and u_part [num_ax, BM, R]: float32 partial sums, each summed in a fixed order by
     # the program that arrives last (no float atomics: the result is bit-reproducible).
@@ -243,16 +251,18 @@ def _w4_decode_kernel(
     # (res_ptr) at y_ptr, hw = h ⊙ w_norm (nw_ptr) at hw_ptr and the tile's Σ h² per row at ssq_ptr[m, tile];
     # RMS_IN, x is such an hw and the tiles' acc and the u-sum are scaled by rstd = 1 / sqrt(Σ_tiles ssq / K + eps)
     # (num_ssq tiles): norm(h) Wᵀ = rstd ⊙ (hw Wᵀ), exact up to rounding.
+    # INT8_FACTORS: the EC's A and B are int8 codes with float32 scales per rank direction (a_scale_ptr, b_scale_ptr;
+    # kernels.pack), each tile dequantized in registers before its dot.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
     g_rows = g_ptr + offs_m[:, None] * R + offs_r[None, :]
     if pid < num_ax:
-        _u_program(pid, x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_rows, cnt_ptr, reads_ptr,
-                   peer_rows_ptr, peer_signals_ptr, ssq_ptr, offs_m, mask_m, offs_r, N, K, stride_xm, stride_ym,
-                   num_ax, ax_k_per_prog, num_tiles, num_ssq, eps, GATED, R, H, BM, BK, PEERS, U_CHUNK, PDL,
-                   PDL_LATE, PRELOAD, RMS_IN, SSQ_BLOCK)
+        _u_program(pid, x_ptr, a_ptr, a_scale_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, u_part_ptr, g_rows, cnt_ptr,
+                   reads_ptr, peer_rows_ptr, peer_signals_ptr, ssq_ptr, offs_m, mask_m, offs_r, N, K, stride_xm,
+                   stride_ym, num_ax, ax_k_per_prog, num_tiles, num_ssq, eps, GATED, R, H, BM, BK, PEERS, U_CHUNK,
+                   PDL, PDL_LATE, PRELOAD, RMS_IN, SSQ_BLOCK, INT8_FACTORS)
     else:
         gid = pid - num_ax
         pid_n = gid // split_k
@@ -264,8 +274,10 @@ def _w4_decode_kernel(
         # switch is off, its value is a placeholder the epilogue does not read.)
         if HAS_EC and PEERS == 0:
             b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+            b_scale = _rank_scales(b_scale_ptr, R, INT8_FACTORS)
         else:
             b = tl.zeros((BN, R), dtype=tl.float16)
+            b_scale = tl.zeros((R,), dtype=tl.float32)
         GEMV_PRELOAD: tl.constexpr = PRELOAD and GEMV_ROWS > 0 and GEMV_STAGES == 1
         if GEMV_PRELOAD:
             first = _code_tile(qw_ptr, offs_n, mask_n, pid_k * k_per_split, k_hi, KW, BKW, EVEN)
@@ -297,9 +309,10 @@ def _w4_decode_kernel(
         pdl_release(PDL and PDL_LATE)
         acc, last = _sum_splits(acc, pid_n, pid_k, offs_m, mask_m, offs_n, mask_n, y_part_ptr, cnt_ptr, N, split_k,
                                 BN, BM)
-        _tile_epilogue(acc, last, b, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m, offs_n, mask_n, g_rows,
-                       bias_ptr, y_ptr, hw_ptr, ssq_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr, N,
-                       stride_ym, num_tiles, num_ssq, HAS_EC, HAS_BIAS, R, BN, BM, PEERS, SWIGLU, ADD_NORM, RMS_IN)
+        _tile_epilogue(acc, last, b, b_scale, epoch, res, norm_w, rstd, pid_n, offs_m, mask_m, offs_n, mask_n,
+                       g_rows, bias_ptr, y_ptr, hw_ptr, ssq_ptr, cnt_ptr, reads_ptr, peer_rows_ptr, peer_signals_ptr,
+                       N, stride_ym, num_tiles, num_ssq, HAS_EC, HAS_BIAS, R, BN, BM, PEERS, SWIGLU, ADD_NORM,
+                       RMS_IN, INT8_FACTORS)
 
 
 # With split_k = 0, K is split until the grid has FILL programs an SM (or one step each). Dot-loop candidates at 4 and
@@ -336,24 +349,25 @@ def _gemv_rows(m: int, limit: int) -> int:
     return 0 if m > min(limit, 4) else 1 << (m - 1).bit_length()
 
 
-def decode_flags(m: int, cfg: DecodeConfig, group_size: int, per_channel: bool, ec: tuple[int, int, bool] | None,
+def decode_flags(m: int, cfg: DecodeConfig, group_size: int, per_channel: bool,
+                 ec: tuple[int, int, bool, bool] | None,
                  *, launch: W4Launch, compiled: bool, has_bias: bool = False, peers: int = 0, swiglu: bool = False,
                  add_norm: bool = False, num_ssq: int = 0, rms_in: bool = False, even: bool = False) -> dict:
     """The decode kernel's compile-time arguments (its constexprs, num_warps and num_stages) for a launch of m rows
     under `cfg`: w4_decode launches with exactly these and kernels.offline compiles its variants from them.
-    `ec`: (padded rank R, the gate's hidden size H, gated), or None; `launch`: the PDL switches (kernels.pdl.W4Launch);
-    `compiled`: compiled code (inline PTX), not the interpreter; `num_ssq`: the folded norm's tiles; `even`: unmasked
-    code loads. PDL itself is the launch's (kernels.pdl.launch_options)."""
+    `ec`: PackedEC.dims (padded rank R, the gate's hidden size H, gated, int8 factors), or None; `launch`: the PDL
+    switches (kernels.pdl.W4Launch); `compiled`: compiled code (inline PTX), not the interpreter; `num_ssq`: the
+    folded norm's tiles; `even`: unmasked code loads. PDL itself is the launch's (kernels.pdl.launch_options)."""
     gemv_rows = _gemv_rows(m, cfg.gemv_rows)
     bm = _row_tile(m)
-    rank, hidden, gated = ec if ec is not None else (16, 16, False)
+    rank, hidden, gated, int8 = ec if ec is not None else (16, 16, False, False)
     return dict(HAS_EC=ec is not None, GATED=gated, HAS_BIAS=has_bias, R=rank, H=hidden, BM=bm, BN=cfg.block_n,
                 BK=ax_block(gemv_rows, cfg.block_kw), SPG=_slices_per_group(group_size), GEMV_ROWS=gemv_rows,
                 GEMV_STAGES=cfg.num_stages, GEMV_F16X2=cfg.gemv_f16x2, F16X2_ASM=compiled, BKW=cfg.block_kw,
                 PER_CHANNEL=per_channel, PEERS=peers, U_CHUNK=u_chunk(bm, rank), SWIGLU=swiglu,
                 PDL_LATE=launch.late_gemv if gemv_rows else launch.late, PRELOAD=launch.preload,
                 WORD_CHAIN=WORD_CHAIN, EVEN=even, ADD_NORM=add_norm, RMS_IN=rms_in,
-                SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), DOT_ASM=compiled,
+                SSQ_BLOCK=triton.next_power_of_2(max(num_ssq, 1)), DOT_ASM=compiled, INT8_FACTORS=int8,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -470,8 +484,7 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
     num_ssq = tiles if add_norm is not None else rms.ssq.shape[1] if rms is not None else 0
     if rms is not None and rms.ssq.shape[0] != m:
         raise ValueError(f"rms holds {rms.ssq.shape[0]} rows, x {m}")
-    flags = decode_flags(m, cfg, w.group_size, w.scales.shape[1] == 1,
-                         (ec.padded_rank, ec.W1.shape[0], bool(ec.gated)) if ec is not None else None,
+    flags = decode_flags(m, cfg, w.group_size, w.scales.shape[1] == 1, ec.dims() if ec is not None else None,
                          launch=w4_launch(), compiled=runs_compiled(x), has_bias=bias is not None,
                          peers=0 if peers is None else peers.rows.numel(), swiglu=swiglu, add_norm=add_norm is not None,
                          num_ssq=num_ssq, rms_in=rms is not None, even=even)
@@ -491,7 +504,8 @@ def w4_decode(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: to
         stride_y = y.stride(0)
     _w4_decode_kernel[(num_ax + tiles * split_k,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
-        *((ec.A, ec.B, ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None else (x,) * 6),  # fp16 dummies: y may be fp32
+        *((ec.A, ec.B, *ec.scale_args(), ec.W1, ec.b1, ec.W2, ec.b2) if ec is not None
+          else (x,) * 8),  # fp16 dummies: y may be fp32
         y_part, u_part, g_cells, counters, reads,
         *((peers.rows, peers.signals) if peers is not None else (counters,) * 2),
         *(add_norm if add_norm is not None else (y, y, y, rms.ssq if rms is not None else reads)),

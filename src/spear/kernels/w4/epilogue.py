@@ -1,5 +1,7 @@
 """The decode kernel's epilogue pieces: the EC's gate and (alpha·B) g, the stores (plain, SiLU·up, add + RMSNorm),
-and the hand-over of g from the u-programs to the tiles (cells tagged with the launch's epoch).
+and the hand-over of g from the u-programs to the tiles (cells tagged with the launch's epoch); and the EC's factor
+tiles, fp16 or int8 codes dequantized in registers (INT8_FACTORS: kernels.pack's int8 form), which every W4 kernel
+reading A or B loads through.
 """
 
 from __future__ import annotations
@@ -116,13 +118,35 @@ def _row_rstd(ssq_ptr, offs_m, mask_m, num_ssq, K, eps, SSQ_BLOCK: tl.constexpr)
 
 @triton.jit
 def _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC: tl.constexpr, R: tl.constexpr):
-    """(alpha·B)_tile [BN, R] fp16 (zeros without an EC)."""
+    """(alpha·B)_tile [BN, R] as stored, fp16 or int8 codes (_f16_factor makes it the dot's operand); fp16 zeros
+    without an EC."""
     offs_r = tl.arange(0, R)
     if HAS_EC:
-        b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=mask_n[:, None], other=0)
     else:
         b = tl.zeros((offs_n.shape[0], R), dtype=tl.float16)
     return b
+
+
+@triton.jit
+def _rank_scales(scale_ptr, R: tl.constexpr, INT8_FACTORS: tl.constexpr):
+    """An int8 factor's scales, one a rank direction: float32 [R] (A's rows, or alpha times B's columns); zeros, never
+    read, for fp16 factors."""
+    if INT8_FACTORS:
+        scales = tl.load(scale_ptr + tl.arange(0, R))
+    else:
+        scales = tl.zeros((R,), dtype=tl.float32)
+    return scales
+
+
+@triton.jit
+def _f16_factor(tile, scales, INT8_FACTORS: tl.constexpr):
+    """A tile of A or alpha·B as the dots take it: int8 codes times their rank directions' scales (`scales`, shaped
+    to broadcast along the tile) in float32, rounded once to fp16, the numbers of PackedEC.dense_A / dense_B; fp16
+    factors as loaded."""
+    if INT8_FACTORS:
+        tile = (tile.to(tl.float32) * scales).to(tl.float16)
+    return tile
 
 
 @triton.jit
@@ -158,6 +182,7 @@ def _read_g(g_rows, mask_m, epoch, WAIT: tl.constexpr):
 
 @triton.jit
 def _a_tile(a_ptr, offs_r, k0, k_hi, K, BK: tl.constexpr):
-    """The EC's A [R, BK] at columns k0 .. k0 + BK − 1, zeros from k_hi on (a u-program's slice ends there)."""
+    """The EC's A [R, BK] as stored (fp16, or int8 codes: _f16_factor) at columns k0 .. k0 + BK − 1, zeros from
+    k_hi on (a u-program's slice ends there)."""
     offs_k = k0 + tl.arange(0, BK)
-    return tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
+    return tl.load(a_ptr + offs_r[:, None] * K + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0)

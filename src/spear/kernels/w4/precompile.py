@@ -34,7 +34,7 @@ class CompileJob:
     group_size: int
     in_features: int
     ms: tuple[int, ...]
-    ec: dict[str, TensorSpec] | None = None  # PackedEC's tensors
+    ec: dict[str, TensorSpec] | None = None  # PackedEC's tensors (an int8 EC's: int8 A and B, their scales)
     ec_rank: int = 0
     ec_gated: bool = False
 
@@ -45,7 +45,7 @@ def _spec(t: torch.Tensor) -> TensorSpec:
 
 def compile_job(w: PackedW4, ms: tuple[int, ...], ec: PackedEC | None = None) -> CompileJob:
     weight = {k: _spec(getattr(w, k)) for k in ("qweight", "scales", "zeros")}
-    ec_specs = None if ec is None else {k: _spec(getattr(ec, k)) for k in ("A", "B", "W1", "b1", "W2", "b2")}
+    ec_specs = None if ec is None else {k: _spec(t) for k, t in ec.tensors().items()}
     return CompileJob(weight, w.group_size, w.in_features, tuple(ms), ec_specs,
                       ec.rank if ec is not None else 0, ec.gated if ec is not None else False)
 
@@ -77,8 +77,8 @@ def _made_up(specs: dict[str, TensorSpec], device: torch.device) -> dict[str, to
     out = {}
     for name, (shape, dtype) in specs.items():
         dt = getattr(torch, dtype)
-        out[name] = (torch.randint(0, 1 << 16, shape, dtype=dt, device=device) if not dt.is_floating_point
-                     else torch.rand(shape, device=device).to(dt) * 0.01)
+        out[name] = (torch.randint(0, min(1 << 16, torch.iinfo(dt).max), shape, dtype=dt, device=device)
+                     if not dt.is_floating_point else torch.rand(shape, device=device).to(dt) * 0.01)
     return out
 
 

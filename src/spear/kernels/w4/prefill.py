@@ -9,7 +9,8 @@ wave leaves idle, a launch of their own that the GEMM follows as its programmati
 SMs). Beyond that the weight is dequantized once into scratch and multiplied by cuBLAS, the rank-space kernel on a
 side stream (`w4_prefill`). Per-channel, the tile GEMM runs at 0.77–0.87× of cuBLAS fp16's throughput at
 1024–2048 rows on the 7B shapes, W4+EC at 1.00–1.06× of W4; with groups, dequantize + cuBLAS is ahead from 1024
-rows (BENCHMARKS §4).
+rows (BENCHMARKS §4). An EC with int8 factors (kernels.pack) is read as int8 by every kernel here, each tile
+dequantized in registers after its load; dequantize + cuBLAS multiplies by its dequantized B (dense_B).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from spear.kernels.pdl import launch_options, pdl_enter, runs_compiled, uses_pdl
 from spear.kernels.w4.codes import _group_column, _slice_f16
 from spear.kernels.w4.config import PrefillConfig, _slices_per_group, num_sms, prefill_choice
 from spear.kernels.w4.dot import _w4_dot_loop
-from spear.kernels.w4.epilogue import _a_tile, _add_ec_and_store, _gate, _load_b_tile
+from spear.kernels.w4.epilogue import _a_tile, _add_ec_and_store, _f16_factor, _gate, _load_b_tile, _rank_scales
 
 
 # Prefill rows up to which w4_linear takes the tile GEMM (w4_prefill_fused), else dequantize + cuBLAS
@@ -39,15 +40,18 @@ TILE_WAVE_FILL = 0.84  # how full the 128 × 256 tile GEMM's waves must be on av
 
 
 @triton.jit
-def _rank_u(x_ptr, a_ptr, offs_m, mask_m, offs_r, k_lo, k_hi, K, stride_xm, BM: tl.constexpr, R: tl.constexpr,
-            BK: tl.constexpr):
-    """u = A x [BM, R] in float32 for the rows offs_m over columns [k_lo, k_hi) of K."""
+def _rank_u(x_ptr, a_ptr, a_scale_ptr, offs_m, mask_m, offs_r, k_lo, k_hi, K, stride_xm, BM: tl.constexpr,
+            R: tl.constexpr, BK: tl.constexpr, INT8_FACTORS: tl.constexpr):
+    """u = A x [BM, R] in float32 for the rows offs_m over columns [k_lo, k_hi) of K (int8 A: each tile dequantized
+    after its load, with a_scale)."""
+    a_scale = _rank_scales(a_scale_ptr, R, INT8_FACTORS)[:, None]
     u = tl.zeros((BM, R), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
         xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                      mask=mask_m[:, None] & (offs_k[None, :] < k_hi), other=0.0)
-        u += tl.dot(xk, tl.trans(_a_tile(a_ptr, offs_r, k0, k_hi, K, BK)))
+        a = _f16_factor(_a_tile(a_ptr, offs_r, k0, k_hi, K, BK), a_scale, INT8_FACTORS)
+        u += tl.dot(xk, tl.trans(a))
     return u
 
 
@@ -60,9 +64,9 @@ def _store_g(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, offs_m, mask_m, offs_r, s
 
 
 @triton.jit(do_not_specialize=["M"])  # M: as _w4_prefill_kernel's (k_per_split is always a multiple of 64)
-def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_ptr, M, K, stride_xm, stride_gm,
-                    k_per_split, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
-                    BK: tl.constexpr, SPLIT: tl.constexpr):
+def _ec_rank_kernel(x_ptr, a_ptr, a_scale_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_ptr, M, K, stride_xm,
+                    stride_gm, k_per_split, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, SPLIT: tl.constexpr, INT8_FACTORS: tl.constexpr):
     """g [M, R] = gamma(A x) ⊙ A x in fp16, for BM rows over columns [k_per_split · s, k_per_split · (s + 1)) of K,
     s = program_id(1); SPLIT: store the float32 partial u in u_part [splits, M, R] instead (_ec_gate_kernel sums
     them and applies the gate)."""
@@ -70,7 +74,8 @@ def _ec_rank_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, u_part_
     mask_m = offs_m < M
     offs_r = tl.arange(0, R)
     k_lo = tl.program_id(1) * k_per_split
-    u = _rank_u(x_ptr, a_ptr, offs_m, mask_m, offs_r, k_lo, tl.minimum(k_lo + k_per_split, K), K, stride_xm, BM, R, BK)
+    u = _rank_u(x_ptr, a_ptr, a_scale_ptr, offs_m, mask_m, offs_r, k_lo, tl.minimum(k_lo + k_per_split, K), K,
+                stride_xm, BM, R, BK, INT8_FACTORS)
     if SPLIT:
         tl.store(u_part_ptr + (tl.program_id(1) * M + offs_m[:, None]) * R + offs_r[None, :], u, mask=mask_m[:, None])
     else:
@@ -112,9 +117,9 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, group_size, stride
 
 
 @triton.jit(do_not_specialize=["M"])  # M: as _w4_prefill_kernel's
-def _ec_rank_programs_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm, stride_gm,
-                             GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                             PDL: tl.constexpr):
+def _ec_rank_programs_kernel(x_ptr, a_ptr, a_scale_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, M, K, stride_xm,
+                             stride_gm, GATED: tl.constexpr, R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr,
+                             BK: tl.constexpr, PDL: tl.constexpr, INT8_FACTORS: tl.constexpr):
     """g [M, R] = gamma(A x) ⊙ A x in fp16 from a few programs beside the prefill tile GEMM (w4_prefill_fused):
     program p takes row blocks p, p + P, ... (P programs), each over all of K. With PDL it waits for the launch
     before it (x's producer) and then at once lets the next launch, the GEMM, start on the other SMs."""
@@ -123,7 +128,7 @@ def _ec_rank_programs_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr
     for block in range(tl.program_id(0), tl.cdiv(M, BM), tl.num_programs(0)):
         offs_m = block * BM + tl.arange(0, BM)
         mask_m = offs_m < M
-        u = _rank_u(x_ptr, a_ptr, offs_m, mask_m, offs_r, 0, K, K, stride_xm, BM, R, BK)
+        u = _rank_u(x_ptr, a_ptr, a_scale_ptr, offs_m, mask_m, offs_r, 0, K, K, stride_xm, BM, R, BK, INT8_FACTORS)
         _store_g(u, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr, offs_m, mask_m, offs_r, stride_gm, GATED, R, H)
 
 
@@ -131,11 +136,12 @@ def _ec_rank_programs_kernel(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, g_ptr
 # a variant of this kernel the first time M is a multiple of 16 (seconds in the middle of serving).
 @triton.jit(do_not_specialize=["M"])
 def _w4_prefill_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, g_ptr, b_ptr, b_scale_ptr,
     M, N, K, KW, G, group_size, stride_xm, stride_ym,
     HAS_EC: tl.constexpr, HAS_BIAS: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, SPG: tl.constexpr, GROUP_M: tl.constexpr, PER_CHANNEL: tl.constexpr,
     DOT_ASM: tl.constexpr = False, SCALE_CODES: tl.constexpr = True, PDL: tl.constexpr = False,
+    INT8_FACTORS: tl.constexpr = False,
 ):
     # PDL (with an EC, after _ec_rank_programs_kernel): the main loop runs beside the rank programs, which let this
     # launch start once each has waited for the launch before it (so x is written); g is read after the wait for
@@ -153,6 +159,10 @@ def _w4_prefill_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    if INT8_FACTORS:  # int8 B (a weight) dequantized before the main loop: after it, the epilogue dot's operand made
+        # in registers there had ptxas serialize every wgmma of the kernel (C7515, sm_90, offline SASS)
+        b = _f16_factor(_load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R),
+                        _rank_scales(b_scale_ptr, R, INT8_FACTORS)[None, :], INT8_FACTORS)
     # yᵀ tile: the dequantized weight is the dot's first operand
     acc = _w4_dot_loop(x_ptr, stride_xm, offs_m, mask_m, qw_ptr, s_ptr, z_ptr, offs_n, mask_n, 0, KW * 8, K, KW, G,
                        group_size, SPG, BN, BM, PER_CHANNEL, DOT_ASM, SCALE_CODES)
@@ -161,7 +171,8 @@ def _w4_prefill_kernel(
         pdl_enter(PDL)
         offs_r = tl.arange(0, R)
         g = tl.load(g_ptr + offs_m[:, None] * R + offs_r[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
-    b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
+    if not INT8_FACTORS:
+        b = _load_b_tile(b_ptr, offs_n, mask_n, HAS_EC, R)
     _add_ec_and_store(acc, g, b, offs_m, mask_m, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, HAS_EC, HAS_BIAS)
 
 
@@ -203,9 +214,9 @@ def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 64, block_k: int = 64,
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     u_part = torch.empty(splits, m, ec.padded_rank, dtype=torch.float32, device=x.device) if splits > 1 else g
-    ec_dims = (ec.padded_rank, ec.W1.shape[0], ec.gated)
+    ec_dims = ec.dims()
     _ec_rank_kernel[(row_blocks, splits)](
-        x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, u_part, m, k, x.stride(0), g.stride(0), k_per_split,
+        x, ec.A, ec.scale_args()[0], ec.W1, ec.b1, ec.W2, ec.b2, g, u_part, m, k, x.stride(0), g.stride(0), k_per_split,
         **ec_rank_flags(ec_dims, block_m, block_k, splits > 1, num_warps, num_stages))
     if splits > 1:
         _ec_gate_kernel[(row_blocks,)](u_part, ec.W1, ec.b1, ec.W2, ec.b2, g, m, splits, g.stride(0),
@@ -213,35 +224,38 @@ def ec_rank(x: torch.Tensor, ec: PackedEC, block_m: int = 64, block_k: int = 64,
     return g
 
 
-def ec_gate_flags(ec: tuple[int, int, bool], block_m: int = 64, num_warps: int = 4) -> dict:
-    """_ec_gate_kernel's compile-time arguments for an EC (padded rank R, the gate's hidden size H, gated) at block_m
-    rows a program: ec_rank launches with these, kernels.offline compiles them."""
-    rank, hidden, gated = ec
+def ec_gate_flags(ec: tuple[int, int, bool, bool], block_m: int = 64, num_warps: int = 4) -> dict:
+    """_ec_gate_kernel's compile-time arguments for an EC (PackedEC.dims: padded rank R, the gate's hidden size H,
+    gated, int8 factors, which this kernel does not read) at block_m rows a program: ec_rank launches with these,
+    kernels.offline compiles them."""
+    rank, hidden, gated, _ = ec
     return dict(GATED=gated, R=rank, H=hidden, BM=block_m, num_warps=num_warps)
 
 
-def ec_rank_flags(ec: tuple[int, int, bool], block_m: int = 64, block_k: int = 64, split: bool = False,
+def ec_rank_flags(ec: tuple[int, int, bool, bool], block_m: int = 64, block_k: int = 64, split: bool = False,
                   num_warps: int = 4, num_stages: int = 4) -> dict:
-    """_ec_rank_kernel's compile-time arguments (ec_rank's defaults): ec_gate_flags's, block_k columns a step, and
-    SPLIT where K is split (the float32 partials to _ec_gate_kernel)."""
-    return {**ec_gate_flags(ec, block_m, num_warps), "BK": block_k, "SPLIT": split, "num_stages": num_stages}
+    """_ec_rank_kernel's compile-time arguments (ec_rank's defaults): ec_gate_flags's, block_k columns a step,
+    SPLIT where K is split (the float32 partials to _ec_gate_kernel), INT8_FACTORS for int8 A."""
+    return {**ec_gate_flags(ec, block_m, num_warps), "BK": block_k, "SPLIT": split, "num_stages": num_stages,
+            "INT8_FACTORS": ec[3]}
 
 
-def rank_programs_flags(ec: tuple[int, int, bool], cfg: PrefillConfig) -> dict:
+def rank_programs_flags(ec: tuple[int, int, bool, bool], cfg: PrefillConfig) -> dict:
     """_ec_rank_programs_kernel's compile-time arguments beside the tile GEMM under `cfg` (its row blocks); PDL is
     the launch's (kernels.pdl.launch_options)."""
     return {**ec_gate_flags(ec, cfg.block_m, PREFILL_RANK_WARPS), "BK": PREFILL_RANK_BK,
-            "num_stages": PREFILL_RANK_STAGES}
+            "num_stages": PREFILL_RANK_STAGES, "INT8_FACTORS": ec[3]}
 
 
-def prefill_flags(cfg: PrefillConfig, group_size: int, per_channel: bool, ec: tuple[int, int, bool] | None, *,
-                  has_bias: bool, compiled: bool) -> dict:
+def prefill_flags(cfg: PrefillConfig, group_size: int, per_channel: bool, ec: tuple[int, int, bool, bool] | None,
+                  *, has_bias: bool, compiled: bool) -> dict:
     """_w4_prefill_kernel's compile-time arguments (constexprs, num_warps, num_stages) under `cfg`: w4_prefill_fused
     launches with these, kernels.offline compiles them. `ec` as ec_gate_flags's, or None; `compiled`: compiled code
     (the codes through inline PTX), not the interpreter. PDL is the launch's."""
     return dict(HAS_EC=ec is not None, HAS_BIAS=has_bias, R=ec[0] if ec is not None else 16, BM=cfg.block_m,
                 BN=cfg.block_n, SPG=_slices_per_group(group_size), GROUP_M=cfg.group_m, PER_CHANNEL=per_channel,
-                DOT_ASM=compiled, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                DOT_ASM=compiled, INT8_FACTORS=ec is not None and ec[3], num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
 
 
 def rank_splits(row_blocks: int, k: int, block_k: int, sms: int, fill: int = 2) -> int:
@@ -267,7 +281,7 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
     row_blocks = triton.cdiv(m, cfg.block_m)
     tiles = row_blocks * triton.cdiv(n, cfg.block_n)
     beside = {"PDL": False}  # the GEMM's launch options: PDL after the rank programs
-    ec_dims = (ec.padded_rank, ec.W1.shape[0], ec.gated) if ec is not None else None
+    ec_dims = ec.dims() if ec is not None else None
     if ec is not None and g is None:
         if rank_programs is None:
             rank_programs = prefill_rank_programs(row_blocks, tiles, cfg, num_sms(x.device)) if uses_pdl(x) else 0
@@ -275,13 +289,13 @@ def w4_prefill_fused(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, b
             g = torch.empty(m, ec.padded_rank, dtype=torch.float16, device=x.device)
             beside = launch_options(x)
             _ec_rank_programs_kernel[(rank_programs,)](
-                x, ec.A, ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0), g.stride(0),
+                x, ec.A, ec.scale_args()[0], ec.W1, ec.b1, ec.W2, ec.b2, g, m, k, x.stride(0), g.stride(0),
                 **rank_programs_flags(ec_dims, cfg), **beside)
         else:
             g = ec_rank(x, ec)
     _w4_prefill_kernel[(tiles,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y,
-        g if g is not None else y, ec.B if ec is not None else y,
+        g if g is not None else y, *((ec.B, ec.scale_args()[1]) if ec is not None else (y, y)),
         m, n, k, w.qweight.shape[1], w.scales.shape[1], w.group_size, x.stride(0), y.stride(0),
         **prefill_flags(cfg, w.group_size, w.scales.shape[1] == 1, ec_dims, has_bias=bias is not None,
                         compiled=runs_compiled(x)), **beside,
@@ -369,12 +383,12 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     if side is not None and 4 * n <= k:  # a narrow weight: the GEMM first, beside the rank kernel, then y += g Bᵀ
         y = _mm_bias(x, w_hat.t(), bias, out)
         main.wait_stream(side)
-        return y.addmm_(g, ec.B.t())
+        return y.addmm_(g, ec.dense_B().t())
     if side is not None:
         main.wait_stream(side)
     else:
         g = ec_rank(x, ec)
-    return _mm_bias(g, ec.B.t(), bias, out).addmm_(x, w_hat.t())
+    return _mm_bias(g, ec.dense_B().t(), bias, out).addmm_(x, w_hat.t())
 
 
 def _mm_bias(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
