@@ -216,9 +216,10 @@ def compensate(
             for n, st in layer_stats.items():
                 if n in ranks:
                     W = teacher_linears[n].weight.to(layers[n].weight_hat.device)
-                    refits[n] = refit_module(W, w_hat[n], st, ranks[n], rtn, refit_rounds, errors.get(n))
-                    if refits[n].record is not None:
-                        layers[n].set_record(refits[n].record)
+                    refits[n] = refit_module(W, w_hat[n], st, ranks[n], rtn, refit_rounds, errors.pop(n, None))
+                    if refits[n].record is not None:  # the layer takes the codes (packed) and its new dense copy;
+                        layers[n].set_record(refits[n].record)  # the old copy and the unpacked codes go
+                        w_hat[n], refits[n].record = layers[n].weight_hat, None
         seconds["refit"] = time.perf_counter() - t
         t = time.perf_counter()
     for entry in plan.entries:
