@@ -8,6 +8,8 @@ available memory (MemAvailable: free plus reclaimable page cache), on CUDA the d
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from pathlib import Path
 
 import torch
@@ -53,3 +55,15 @@ def checkpoint_floats(directory: Path) -> int:
     entries = (reader.entry(name) for name in reader.names())
     return sum(e.numel for e in entries if e.dtype in ("F16", "BF16", "F32", "F64"))
 
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim) after a stage that freed many large CPU
+    temporaries (the refit's float64 SVDs): otherwise RSS keeps them and the next stage's peak stacks on top of
+    them. Nothing elsewhere (no glibc)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # musl and others: no malloc_trim
+        pass

@@ -33,6 +33,7 @@ from spear.compensate.refit import refit_module, refit_summary
 from spear.compensate.stats import InputStats, collect_input_stats, walk_input_stats
 from spear.errors import SpearError
 from spear.layer import SpearLinear
+from spear.memory import return_freed_memory
 from spear.record import QuantConfig
 
 KINDS = ("adaptive", "lorc", "lqer", "qera")
@@ -220,6 +221,7 @@ def compensate(
                     if refits[n].record is not None:  # the layer takes the codes (packed) and its new dense copy;
                         layers[n].set_record(refits[n].record)  # the old copy and the unpacked codes go
                         w_hat[n], refits[n].record = layers[n].weight_hat, None
+        return_freed_memory()
         seconds["refit"] = time.perf_counter() - t
         t = time.perf_counter()
     for entry in plan.entries:
@@ -237,6 +239,7 @@ def compensate(
     seconds["init"] = time.perf_counter() - t
     # the statistics (at 8B: ~65 GB of float64 R_xx), spectra and dense views go before training needs the memory
     del stats, errors, w_hat, spectra
+    return_freed_memory()
 
     calibration = None
     if cfg.trained and plan.entries:
