@@ -56,7 +56,6 @@ def checkpoint_floats(directory: Path) -> int:
     return sum(e.numel for e in entries if e.dtype in ("F16", "BF16", "F32", "F64"))
 
 
-
 def return_freed_memory() -> None:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim) after a stage that freed many large CPU
     temporaries (the refit's float64 SVDs): otherwise RSS keeps them and the next stage's peak stacks on top of
