@@ -126,6 +126,8 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=-1, help="-1: per-channel (default)")
     p.add_argument("--rank", type=int, default=32, help="EC rank")
+    p.add_argument("--ec-bits", type=int, choices=[16, 8], default=8,
+                   help="EC factors in int8 (the default, as spear compensate stores them) or fp16")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--tiny", action="store_true", help="a tiny model with short runs (CPU end-to-end check)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, started here (default 1)")
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace) -> None:
 
     def save() -> None:
         write_json(args.json, {
-            "dtype": str(dtype), "quant": quant.to_dict(), "ec": {"rank": args.rank, "gate_hidden": 8},
+            "dtype": str(dtype), "quant": quant.to_dict(), "ec": {"rank": args.rank, "gate_hidden": 8, "factor_bits": args.ec_bits},
             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cuda_graphs": not args.no_cuda_graphs, "tp": args.tp,
             "overlap": args.overlap,
             "tp_reduction": args.tp_reduction if args.tp > 1 and device.type == "cuda" else "collective",
@@ -181,7 +183,8 @@ def run(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             fraction = EC_FRACTIONS.get(setting)
             model = random_model(MODELS[name], None if fraction is None else quant, fraction or 0.0, args.rank, dtype, device,
-                                 kernels=channel is None, tune_rows=decode_tune_rows(max(batches)))
+                                 kernels=channel is None, tune_rows=decode_tune_rows(max(batches)),
+                                 factor_bits=args.ec_bits)
             if channel is not None:  # shard, then pack for the kernels; decode steps reduce by --tp-reduction
                 shard_for_serving(model, args.tp_reduction, max(batches))
             synchronize(device)

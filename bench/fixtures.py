@@ -19,11 +19,12 @@ from spear.runtime.model import Attention, Block, FeedForward, ModelArgs, RMSNor
 @torch.no_grad()
 def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction: float = 0.0, rank: int = 32,
                  dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", seed: int = 0,
-                 kernels: bool = True, tune_rows: tuple[int, ...] | None = None) -> Transformer:
+                 kernels: bool = True, tune_rows: tuple[int, ...] | None = None,
+                 factor_bits: int = 16) -> Transformer:
     """Random weights (~N(0, 1/in)) in the shapes of `args`, generated on `device`.
 
     With `quant`, every decoder linear is RTN-quantized to a SpearLinear; gated ECs
-    (gate_hidden 8) of rank `rank` with random factors go on `ec_fraction` of them,
+    (gate_hidden 8) of rank `rank` with random factors (stored in `factor_bits`) go on `ec_fraction` of them,
     spread evenly over the depth. With `kernels` (on CUDA) the 4-bit linears are packed for the
     Triton kernels and their dense copies freed (their configs tuned at `tune_rows`, use_kernels); pass False to
     shard the model (tp.apply_tp) first.
@@ -62,14 +63,14 @@ def random_model(args: ModelArgs, quant: QuantConfig | None = None, ec_fraction:
         spear_linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
         for i, lin in enumerate(spear_linears):
             if math.floor((i + 1) * ec_fraction) > math.floor(i * ec_fraction):  # evenly spread, floor(n * fraction) in all
-                lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn)
+                lin.ec = _random_ec(lin.in_features, lin.out_features, rank, randn, factor_bits)
     if kernels:
         use_kernels(model, tune_rows=tune_rows)
     return model
 
 
-def _random_ec(in_f: int, out_f: int, rank: int, randn) -> ErrorCompensator:
-    ec = ErrorCompensator(in_f, out_f, rank, gate_hidden=8)
+def _random_ec(in_f: int, out_f: int, rank: int, randn, factor_bits: int = 16) -> ErrorCompensator:
+    ec = ErrorCompensator(in_f, out_f, rank, gate_hidden=8, factor_bits=factor_bits)
     ec.A, ec.B = randn(rank, in_f, std=in_f**-0.5), randn(out_f, rank, std=0.01 * rank**-0.5)
     ec.alpha = nn.Parameter(torch.ones((), dtype=ec.A.dtype, device=ec.A.device), requires_grad=False)
     for layer in (ec.gate[0], ec.gate[2]):

@@ -43,11 +43,12 @@ from spear.record import QuantConfig, rtn_quantize
 MODELS = {m: [(name, n, k) for name, (n, k) in linears(m).items()] for m in SHORT}
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 RANKS = [16, 32, 64]
+RANKS_INT8 = [32, 64]
 L2_FLUSH_BYTES = 256 << 20  # weight bytes per timed graph: several times the H200's 50 MB L2
 
 
-def random_ec(n: int, k: int, rank: int, b_std: float = 0.02) -> ErrorCompensator:
-    ec = ErrorCompensator(k, n, rank, gate_hidden=8).cuda()
+def random_ec(n: int, k: int, rank: int, b_std: float = 0.02, factor_bits: int = 16) -> ErrorCompensator:
+    ec = ErrorCompensator(k, n, rank, gate_hidden=8, factor_bits=factor_bits).cuda()
     with torch.no_grad():
         for name, p in ec.named_parameters():
             if name != "alpha":
@@ -57,9 +58,9 @@ def random_ec(n: int, k: int, rank: int, b_std: float = 0.02) -> ErrorCompensato
 
 def naive_ec(x: torch.Tensor, y: torch.Tensor, ec: PackedEC) -> torch.Tensor:
     """The EC as separate PyTorch ops after the W4 GEMM."""
-    u = x @ ec.A.t()
+    u = x @ ec.dense_A().t()
     gate = torch.tanh(F.linear(F.silu(F.linear(u, ec.W1, ec.b1)), ec.W2, ec.b2))
-    return y.addmm_(u * (1 + gate), ec.B.t())
+    return y.addmm_(u * (1 + gate), ec.dense_B().t())
 
 
 def int4pack(weight: torch.Tensor, group: int = 128):
@@ -86,7 +87,10 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
     record = rtn_quantize(w_fp, QuantConfig(4, group))
     packed = pack_w4(record)
     ecs = {r: pack_ec(random_ec(n, k, r)) for r in RANKS}
+    # int8 factors (the default since issue 51): rank 32, and rank 64 at about rank 32's fp16 bytes
+    ecs8 = {r: pack_ec(random_ec(n, k, r, factor_bits=8)) for r in RANKS_INT8}
     loud_ec = pack_ec(random_ec(n, k, 32, b_std=2.0))  # an EC term the size of y: checks the fused EC itself
+    loud_ec8 = pack_ec(random_ec(n, k, 32, b_std=2.0, factor_bits=8))
     copies_w4 = max(2, math.ceil(L2_FLUSH_BYTES / packed.nbytes()))
     copies_fp = max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k)))
     w4s = [packed] + [packed.clone() for _ in range(copies_w4 - 1)]
@@ -105,6 +109,8 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         log(f"  tuned in {time.perf_counter() - t:.1f} s: {tuned}")
         for r, ec in ecs.items():  # W4+EC's own pick at one row, as the runtime model's use_kernels tunes it
             log(f"  tuned with the rank-{r} EC at M = 1: {tune_w4(packed, (1,), ec=ec)[1]}")
+        for r, ec in ecs8.items():
+            log(f"  tuned with the rank-{r} int8 EC at M = 1: {tune_w4(packed, (1,), ec=ec)[1]}")
     for m, measured in timings.items():  # the best of each main loop (do_bench, cold L2, launch included)
         best = {}
         for us, cfg in measured:
@@ -116,11 +122,16 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         xb = x.bfloat16()
         ref = w4_linear_ref(x, packed)
         plain = w4_linear(x, packed)
-        ec_term_ref = ec_gated_rank_ref(x, loud_ec) @ loud_ec.B.float().t()
         row = {"M": m, "N": n, "K": k, "group_size": group, "w4_bytes": packed.nbytes(),
+               "ec_bytes": {f"r{r}": ec.nbytes() for r, ec in ecs.items()}
+               | {f"int8_r{r}": ec.nbytes() for r, ec in ecs8.items()},
                "check_rel_err": {"w4": rel_err(plain, ref),
                                  "w4_ec32": rel_err(w4_linear(x, packed, ecs[32]), w4_linear_ref(x, packed, ecs[32])),
-                                 "ec_term": rel_err(w4_linear(x, packed, loud_ec).float() - plain.float(), ec_term_ref)}}
+                                 "w4_ec32_int8": rel_err(w4_linear(x, packed, ecs8[32]),
+                                                         w4_linear_ref(x, packed, ecs8[32]))}}
+        for key, loud in (("ec_term", loud_ec), ("ec_term_int8", loud_ec8)):
+            term_ref = ec_gated_rank_ref(x, loud) @ loud.dense_B().float().t()
+            row["check_rel_err"][key] = rel_err(w4_linear(x, packed, loud).float() - plain.float(), term_ref)
         us = row["us"] = {}
         us["fp16_cublas"] = time_graph([lambda w=w, x=x: x @ w.t() for w in fps])
         if tinygemm is not None:
@@ -129,11 +140,15 @@ def bench_shape(n: int, k: int, ms: list[int], group: int, log) -> list[dict]:
         us["w4"] = time_graph([lambda w=w, x=x: w4_linear(x, w) for w in w4s])
         for r, ec in ecs.items():
             us[f"w4_ec_r{r}"] = time_graph([lambda w=w, ec=ec, x=x: w4_linear(x, w, ec) for w in w4s])
+        for r, ec in ecs8.items():
+            us[f"w4_ec8_r{r}"] = time_graph([lambda w=w, ec=ec, x=x: w4_linear(x, w, ec) for w in w4s])
         # W4 and W4+EC32 again, alternating (W4, EC, W4, EC; the fastest of each): the arms above run in a fixed order
         # after torch's int4 kernel, and two readings of one kernel there have differed by up to 3% (c40eaf8), on a
         # target (W4+EC ≤ 1.05× W4) that leaves 5%
-        paired = [time_graph([lambda w=w, x=x, ec=ec: w4_linear(x, w, ec) for w in w4s]) for ec in (None, ecs[32]) * 2]
-        us["w4_paired"], us["w4_ec_r32_paired"] = min(paired[0::2]), min(paired[1::2])
+        arms = (None, ecs[32], ecs8[32], ecs8[64])
+        paired = [time_graph([lambda w=w, x=x, ec=ec: w4_linear(x, w, ec) for w in w4s]) for ec in arms * 2]
+        us["w4_paired"], us["w4_ec_r32_paired"], us["w4_ec8_r32_paired"], us["w4_ec8_r64_paired"] = (
+            min(paired[i::len(arms)]) for i in range(len(arms)))
         us["w4_ec_r32_naive"] = time_graph([lambda w=w, x=x: naive_ec(x, w4_linear(x, w), ecs[32]) for w in w4s])
         if 16 < m <= DECODE_KERNEL_MAX_M:  # both sides of w4_linear's switch (DECODE_PATH_MAX_M)
             us["w4_decode_kernel"] = time_graph([lambda w=w, x=x: w4_decode(x, w) for w in w4s])
@@ -177,7 +192,7 @@ def main() -> None:
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (" + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items()) + ")")
     result = {"provenance": provenance(), "copy_bandwidth_Bps": bandwidth, "copy_bandwidth_ways_Bps": copies,
               "group_size": args.group_size,
-              "ranks": RANKS, "shapes": {}}
+              "ranks": RANKS, "ranks_int8": RANKS_INT8, "shapes": {}}
     for model in args.models:
         for name, n, k in MODELS[model]:
             if args.shapes is not None and f"{model}/{name}" not in args.shapes:
@@ -195,7 +210,7 @@ def main() -> None:
 def summary(result: dict, bandwidth: float, log) -> None:
     log("")
     log(f"{'shape':<14} {'M':>5} {'fp16':>8} {'int4pt':>8} {'W4':>8} {'W4+EC32':>8} {'naive':>8} "
-        f"{'EC/W4':>6} {'paired':>6} {'%copyBW':>7} {'vs pt':>6}")
+        f"{'EC/W4':>6} {'paired':>6} {'i8r32':>6} {'i8r64':>6} {'%copyBW':>7} {'vs pt':>6}")
     for shape, rows in result["shapes"].items():
         for row in rows:
             us = row["us"]
@@ -205,6 +220,7 @@ def summary(result: dict, bandwidth: float, log) -> None:
             log(f"{shape:<14} {row['M']:>5} {us['fp16_cublas']:8.1f} {pt:8.1f} {us['w4']:8.1f} {us['w4_ec_r32']:8.1f} "
                 f"{us['w4_ec_r32_naive']:8.1f} {us['w4_ec_r32'] / us['w4']:6.2f} "
                 f"{us['w4_ec_r32_paired'] / us['w4_paired']:6.2f} "
+                f"{us['w4_ec8_r32_paired'] / us['w4_paired']:6.2f} {us['w4_ec8_r64_paired'] / us['w4_paired']:6.2f} "
                 f"{100 * row['w4_gbps'] * 1e9 / bandwidth:6.0f}% {pt / us['w4']:6.2f}"
                 + (f"   decode kernel {us['w4_decode_kernel']:.1f} / dequant+cuBLAS {us['w4_dequant_cublas']:.1f}"
                    if "w4_decode_kernel" in us else ""))
