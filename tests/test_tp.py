@@ -109,7 +109,7 @@ def test_ec_epilogue_kernel_matches_reference():
     """In place on fp16 y (the collective path), B in fp16 or int8 with a scale a column, and from strided float32
     [y | u] rows into fp16 with the bias (the symmetric path), gated, static and without an EC."""
     from spear.kernels.ec_epilogue import ec_epilogue
-    from spear.kernels.pack import f16_factor
+    from spear.kernels.pack import dequantize_factor
     from spear.kernels.reference import ec_epilogue_ref
 
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def test_ec_epilogue_kernel_matches_reference():
         codes = torch.randint(-127, 128, (N, r), generator=gen, dtype=torch.int8).to(device)  # int8 B, a scale a column
         scale = (torch.rand(r, generator=gen) * 1e-3).to(device)
         expected = ec_epilogue_ref(y, u, codes, *gate, b_scale=scale)
-        torch.testing.assert_close(expected, ec_epilogue_ref(y, u, f16_factor(codes, scale, 0), *gate))
+        torch.testing.assert_close(expected, ec_epilogue_ref(y, u, dequantize_factor(codes, scale, 0), *gate))
         got = ec_epilogue(y.clone(), u, codes, *gate, block_n=64, b_scale=scale)
         torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
         rows, bias = randn(M, N + r + 3, dtype=torch.float32), randn(N)  # a row stride past N + r
@@ -138,22 +138,91 @@ def test_ec_epilogue_kernel_matches_reference():
             torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
+def ec_layer(bits: int, alpha: float = 0.37) -> SpearLinear:
+    """w_down of a one-layer W4 + EC model (64 × 128, a gated EC of rank 8, B scaled up), its factors in `bits`,
+    alpha away from 1 (folded into B or b_scale)."""
+    args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
+    lin = build(args, "w4+ec").layers[0].feed_forward.w_down
+    lin.ec.factor_bits = bits
+    lin.ec.alpha.data.fill_(alpha)
+    return lin
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_rank_space_ec_holds_the_packed_factors(bits):
+    """RankSpaceEC takes its factors from kernels.pack (served_factors, dequantize_factor): in fp16 the packed EC's
+    A and alpha·B bit for bit (alpha folded the same way: into B, or into b_scale beside int8 codes), in float32
+    the float layer's factors; A split by columns; the W4 kernels' packing of A (packed_a) a view of what it holds."""
+    from spear.kernels.pack import pack_ec
+    from spear.runtime.tp import RankSpaceEC
+
+    lin = ec_layer(bits)
+    r, k = lin.ec.rank, lin.in_features
+    packed = pack_ec(lin.ec)
+    whole = RankSpaceEC(lin.ec, 0, 1, torch.float16)
+    assert torch.equal(whole.dense_A(torch.float16), packed.dense_A()[:r])
+    assert torch.equal(whole.dense_B(torch.float16), packed.dense_B()[:, :r])
+    assert torch.equal(whole.B, packed.B[:, :r]) and (bits == 16 or torch.equal(whole.b_scale, packed.b_scale[:r]))
+    A, B = (t.detach() for t in lin.ec.factors())
+    shards = [RankSpaceEC(lin.ec, rank, 2, torch.float32) for rank in (0, 1)]
+    assert torch.equal(torch.cat([s.dense_A(torch.float32) for s in shards], dim=1), A)
+    torch.testing.assert_close(shards[0].dense_B(torch.float32), lin.ec.alpha.detach() * B, rtol=1e-6, atol=0)
+    assert all((s.A.dtype == torch.int8) == (bits == 8) for s in shards)
+    if bits == 8:
+        assert shards[0].A.shape == (16, k // 2)  # rank 8 padded to the kernels' 16: zero codes, scale 0
+        assert not (shards[0].A[r:].any() or shards[0].a_scale[r:].any())
+        assert shards[0].packed_a().A.data_ptr() == shards[0].A.data_ptr()
+
+
+def test_column_shards_keep_int8_ec_codes_and_scales():
+    """A column shard of an 8-bit EC keeps it int8 (ShardEC): A's codes and row scales, its rows of B's codes with
+    B's column scales over all rows; packed (use_kernels) they are the unsharded packing's rows and b_scale, bit for
+    bit. The shards' float forward is the unsharded layer's rows; their kernels (TRITON_INTERPRET) the reference."""
+    from spear.kernels.pack import pack_ec, pack_w4
+    from spear.kernels.reference import w4_linear_ref
+    from spear.runtime.tp import column_shard
+
+    args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
+    model = random_model(args, QuantConfig(group_size=32), ec_fraction=1.0, rank=8, dtype=torch.float32, seed=1, kernels=False)
+    lin = model.layers[0].feed_forward.w_gate  # 128 × 64, a gated EC of rank 8; groups of 32 (the kernels' smallest)
+    lin.ec.B.data.mul_(30)
+    lin.ec.factor_bits = 8
+    lin.ec.alpha.data.fill_(0.37)
+    lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
+    packed = pack_ec(lin.ec)
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        expected = lin(x)
+        shards = [column_shard(lin, rank, 2) for rank in (0, 1)]
+        assert all(s.ec.A.dtype == s.ec.B.dtype == torch.int8 and s.ec.B.shape == (64, 8) for s in shards)
+        assert shards[0].ec.nbytes() == 8 * 64 + 64 * 8 + 2 * 2 * 8 + 2 * (8 * 8 + 8 + 8 * 8 + 8 + 1)
+        torch.testing.assert_close(torch.cat([s(x) for s in shards], dim=-1), expected, rtol=1e-6, atol=1e-6)
+        assert all(s.use_kernels() for s in shards)
+        for rank, s in enumerate(shards):
+            assert s.packed_ec.int8 and torch.equal(s.packed_ec.B, packed.B[64 * rank : 64 * (rank + 1)])
+            assert torch.equal(s.packed_ec.b_scale, packed.b_scale) and torch.equal(s.packed_ec.A, packed.A)
+        x16 = x.half()
+        got = torch.cat([s(x16) for s in shards], dim=-1)
+        ref = w4_linear_ref(x16, pack_w4(lin.qweight), packed, lin.bias.half())
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("bits", [16, 8])
 def test_symmetric_path_equals_the_unsharded_layer(bits):
     """SymmetricReduce over two shards of a W4 + gated-EC row-parallel layer with a bias, in one process: the
-    all-reduce stand-in adds rank 1's staged [y_r | u_r] rows to rank 0's, whose output is then the whole layer's.
-    (Int8 factors: the epilogue kernel rounds the dequantized B to fp16, as the W4 kernels take it; the float32
-    layer does not.)"""
-    from spear.runtime.tp import SymmetricReduce
+    all-reduce stand-in adds rank 1's staged [y_r | u_r] rows to rank 0's, whose output is then the whole layer's
+    as the epilogue kernel's specification gives it (ec_epilogue_ref on the unsharded layer's y and u: int8 B
+    dequantized to fp16, as the W4 kernels take it), and, fp16 B's rounding apart, the float32 layer's."""
+    from spear.kernels.reference import ec_epilogue_ref
+    from spear.runtime.tp import SymmetricReduce, epilogue_weights
 
-    args = ModelArgs(dim=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=1, vocab=64)
-    lin = build(args, "w4+ec").layers[0].feed_forward.w_down
+    lin = ec_layer(bits)
     assert lin.ec is not None and lin.ec.gate is not None
-    lin.ec.factor_bits = bits
     lin.bias = torch.nn.Parameter(torch.randn(lin.out_features))
     x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         expected = lin(x)
+        u = x @ lin.ec.factors()[0].t()
         shards = [RowParallelLinear(lin, rank, 2) for rank in (0, 1)]
         width = lin.out_features + lin.ec.rank
         staged = {}
@@ -162,7 +231,9 @@ def test_symmetric_path_equals_the_unsharded_layer(bits):
         half = lin.in_features // 2
         shards[1](x[:, half:])
         got = shards[0](x[:, :half])
-    tol = 1e-4 if bits == 16 else 2e-3
+        spec = ec_epilogue_ref(x @ lin.weight_hat.t(), u, **epilogue_weights(shards[0].ec), bias=lin.bias)
+    torch.testing.assert_close(got, spec, atol=1e-5, rtol=1e-5)
+    tol = 1e-4 if bits == 16 else 1e-3  # int8: B's fp16 rounding (the W4 kernels' operand), alone
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 

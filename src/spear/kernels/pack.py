@@ -21,8 +21,9 @@ The EC is packed as the kernels read it (ec(x) = alpha · B (gamma(A x) ⊙ A x)
 An EC with 8-bit factors (ErrorCompensator factor_bits 8) is packed as it is stored: A int8 [R, K] with a_scale
 float32 [R] (A's row scales), B int8 [N, R] with b_scale float32 [R] (alpha times B's column scales: alpha goes
 into the scale, not into B); padded rank directions have zero codes and scale 0. The kernels read the int8 codes
-and dequantize each tile in registers, q · scale in float32 rounded once to fp16: dense_A() / dense_B()'s numbers,
-which the PyTorch paths and the reference take.
+and dequantize each tile in registers, q · scale in float32 rounded once to fp16 (dequantize_factor): dense_A() /
+dense_B()'s numbers, which the PyTorch paths and the reference take. served_factors folds alpha, for pack_ec and
+for tensor parallelism's shards (runtime.tp) alike.
 
 Linears over the same input fuse into one launch (concat_w4, concat_ec): the weights' rows stack,
 the ECs go block-diagonal.
@@ -94,12 +95,12 @@ class PackedEC:
         return self.padded_rank, self.W1.shape[0], bool(self.gated), self.int8
 
     def dense_A(self) -> torch.Tensor:
-        """A [R, K] in fp16 as the kernels multiply by it (f16_factor)."""
-        return self.A if not self.int8 else f16_factor(self.A, self.a_scale, 1)
+        """A [R, K] in fp16 as the kernels multiply by it (dequantize_factor)."""
+        return self.A if not self.int8 else dequantize_factor(self.A, self.a_scale, 1)
 
     def dense_B(self) -> torch.Tensor:
-        """alpha·B [N, R] in fp16 as the kernels multiply by it (f16_factor)."""
-        return self.B if not self.int8 else f16_factor(self.B, self.b_scale, 0)
+        """alpha·B [N, R] in fp16 as the kernels multiply by it (dequantize_factor)."""
+        return self.B if not self.int8 else dequantize_factor(self.B, self.b_scale, 0)
 
     def scale_args(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' scale pointers (a_scale, b_scale): an fp16 EC's kernels read none, and get A twice."""
@@ -118,10 +119,24 @@ class PackedEC:
         return PackedEC(**{k: t.to(device) for k, t in self.tensors().items()}, rank=self.rank, gated=self.gated)
 
 
-def f16_factor(codes: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
-    """An int8 factor in fp16 as the kernels multiply by it: the codes times their rank directions' scales (float32
-    [R], along `dim`: 1 for A's rows, 0 for B's columns) in float32, rounded once to fp16."""
-    return (codes.float() * scale.float().unsqueeze(dim)).half()
+def dequantize_factor(codes: torch.Tensor, scale: torch.Tensor, dim: int,
+                      dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """An int8 factor as a float one: the codes times their rank directions' scales (float32 [R], along `dim`: 1 for
+    A's rows, 0 for B's columns) in float32, rounded once to `dtype`; in fp16 the kernels' numbers (in float32 the
+    float model's: ErrorCompensator.factors)."""
+    return (codes.float() * scale.float().unsqueeze(dim)).to(dtype)
+
+
+def served_factors(ec: ErrorCompensator, dtype: torch.dtype = torch.float16) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(A [r, K], alpha·B [N, r], a_scale, b_scale): the EC's factors as served, alpha folded into B here and only
+    here. An 8-bit EC's as stored (ErrorCompensator.int8_factors): int8 codes, a_scale float32 [r] A's row scales and
+    b_scale float32 [r] alpha times B's column scales; else A and alpha·B in `dtype`, the scales None."""
+    alpha = ec.alpha.detach().float()
+    if ec.factor_bits == 8:
+        (qa, sa), (qb, sb) = ec.int8_factors()
+        return qa, qb, sa.float(), alpha * sb.float()
+    return ec.A.detach().to(dtype), (alpha * ec.B.detach().float()).to(dtype), None, None
 
 
 def pow2_at_least_16(n: int) -> int:
@@ -168,19 +183,13 @@ def pack_ec(ec: ErrorCompensator) -> PackedEC:
     n = ec.B.shape[0]
     R = pow2_at_least_16(r)
     dev = ec.A.device
-    alpha = ec.alpha.detach().float()
+    a, b, a_scale, b_scale = served_factors(ec)
+    A, B = torch.zeros(R, k, dtype=a.dtype, device=dev), torch.zeros(n, R, dtype=b.dtype, device=dev)
+    A[:r], B[:, :r] = a, b
     scales = {}
-    if ec.factor_bits == 8:
-        (qa, sa), (qb, sb) = ec.int8_factors()
-        A, B = torch.zeros(R, k, dtype=torch.int8, device=dev), torch.zeros(n, R, dtype=torch.int8, device=dev)
-        A[:r], B[:, :r] = qa, qb
+    if a_scale is not None:
         scales = {name: torch.zeros(R, dtype=torch.float32, device=dev) for name in ("a_scale", "b_scale")}
-        scales["a_scale"][:r] = sa.float()
-        scales["b_scale"][:r] = alpha * sb.float()
-    else:
-        A, B = torch.zeros(R, k, dtype=torch.float16, device=dev), torch.zeros(n, R, dtype=torch.float16, device=dev)
-        A[:r] = ec.A.detach().half()
-        B[:, :r] = (alpha * ec.B.detach().float()).half()
+        scales["a_scale"][:r], scales["b_scale"][:r] = a_scale, b_scale
     h = max(ec.gate_hidden, 1)
     H = pow2_at_least_16(h)
     W1 = torch.zeros(H, R, dtype=torch.float16, device=dev)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spear.kernels.pack import PackedEC, PackedW4, f16_factor, unpack_w4
+from spear.kernels.pack import PackedEC, PackedW4, dequantize_factor, unpack_w4
 
 
 def dequantize_w4(packed: PackedW4) -> torch.Tensor:
@@ -50,7 +50,7 @@ def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | N
                     b_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The EC epilogue y + bias + (alpha·B)(gamma(u) ⊙ u) on reduced partials: y [M, N], u [M, r] (None: no EC),
     B [N, r] (alpha folded in; int8 codes with `b_scale` [r], alpha folded into it, as the kernel dequantizes them:
-    f16_factor), gate W1 [h, r], b1 [h], W2 [r, h], b2 [r], bias [N]; the result in `dtype` (default y's)."""
+    dequantize_factor), gate W1 [h, r], b1 [h], W2 [r, h], b2 [r], bias [N]; the result in `dtype` (default y's)."""
     out = y.float()
     if bias is not None:
         out = out + bias.float()
@@ -59,5 +59,5 @@ def ec_epilogue_ref(y: torch.Tensor, u: torch.Tensor | None, B: torch.Tensor | N
         if W1 is not None:
             hidden = F.silu(g @ W1.float().t() + b1.float())
             g = g * (1 + torch.tanh(hidden @ W2.float().t() + b2.float()))
-        out = out + g @ (B if b_scale is None else f16_factor(B, b_scale, 0)).float().t()
+        out = out + g @ (B if b_scale is None else dequantize_factor(B, b_scale, 0)).float().t()
     return out.to(dtype or y.dtype)

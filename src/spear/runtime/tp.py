@@ -18,9 +18,10 @@ scales are replicated), the EC's A columns. Each rank has partials
 and the gate needs the summed u, so both partials are reduced first; every rank then
 applies the gate and B (replicated) to identical data (spear.kernels.ec_epilogue on CUDA).
 
-An EC with int8 factors stays int8 in the row-parallel layers (RankSpaceEC): A's scales run along its
-rows, so a split of its columns keeps them. A column shard holds its int8 values as floats: B's column
-scales span every rank's rows, and the shard's rows alone would round to other scales.
+An EC with int8 factors stays int8 on every rank, as kernels.pack holds it on one GPU: in the row-parallel layers
+(RankSpaceEC) A's scales run along its rows, so a split of its columns keeps them; a column shard (ShardEC) keeps
+its rows of B's codes with the whole EC's column scales, which span every rank's rows (the shard's rows alone
+would round to other scales).
 
 The reduction has three implementations, chosen per model with `set_reduction` (serving: p2p on GPUs):
 
@@ -65,8 +66,8 @@ from torch import nn
 from spear.errors import SpearError
 from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
-from spear.kernels.pack import PackedEC, pow2_at_least_16
-from spear.layer import ErrorCompensator, LinearMethod, SpearLinear, int8_dequantize
+from spear.kernels.pack import PackedEC, dequantize_factor, pow2_at_least_16, served_factors
+from spear.layer import ErrorCompensator, LinearMethod, SpearLinear
 from spear.record import QuantizedWeight
 from spear.runtime.linear import DenseLinear
 from spear.runtime.model import Transformer
@@ -117,48 +118,74 @@ def column_shard(lin: DenseLinear | SpearLinear, rank: int, world: int) -> Dense
                              q.bits, q.group_size)
     shard = SpearLinear(record, _rows(lin.bias, rank, world), lin.dtype)
     if lin.ec is not None:
-        # an 8-bit EC's shard holds its int8 values as floats: B's column scales span every rank's rows
-        A, B = (t.detach() for t in lin.ec.factors())
-        ec = ErrorCompensator(lin.in_features, shard.out_features, lin.ec.rank)
-        ec.A, ec.alpha, ec.gate = _param(A), lin.ec.alpha, lin.ec.gate
-        ec.B = _param(_rows(B, rank, world))
-        shard.ec = ec
+        ec = lin.ec
+        if ec.factor_bits == 8:
+            shard.ec = ShardEC(ec, rank, world)
+        else:  # A replicated (the same tensor), B's rows
+            shard.ec = ErrorCompensator(lin.in_features, shard.out_features, ec.rank)
+            shard.ec.A, shard.ec.alpha, shard.ec.gate = _param(ec.A.detach()), ec.alpha, ec.gate
+            shard.ec.B = _param(_rows(ec.B.detach(), rank, world))
     return shard
 
 
+class ShardEC(ErrorCompensator):
+    """A column shard of an 8-bit EC, int8 as the whole EC stores it: A's codes and row scales (replicated), this
+    rank's rows of B's codes, and B's column scales, which span every rank's rows. int8_factors() gives these (so
+    kernels.pack packs the unsharded packing's rows of B and its b_scale), factors() their float values (the rows
+    of the unsharded EC's factors(), bit for bit); there are no float masters to train."""
+
+    def __init__(self, ec: ErrorCompensator, rank: int, world: int):
+        (qa, sa), (qb, sb) = ec.int8_factors()
+        super().__init__(qa.shape[1], qb.shape[0] // world, ec.rank, factor_bits=8)
+        self.A, self.B = _param(qa), _param(_rows(qb, rank, world))  # int8 [r, in], int8 [out / world, r]
+        self.alpha, self.gate = ec.alpha, ec.gate
+        self.register_buffer("a_scale", sa)  # fp16 [r], as int8_factors gives them
+        self.register_buffer("b_scale", sb)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_factor(self.A, self.a_scale, 1, torch.float32),
+                dequantize_factor(self.B, self.b_scale, 0, torch.float32))
+
+    def int8_factors(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        return (self.A, self.a_scale), (self.B, self.b_scale)
+
+
 class RankSpaceEC(nn.Module):
-    """A row-parallel layer's EC: this rank's columns of A; alpha·B and the gate replicated. An 8-bit EC's A and B
-    stay int8 codes with float32 scales, as kernels.pack holds them: a_scale A's row scales (a split of A's columns
-    keeps them), b_scale alpha times B's column scales."""
+    """A row-parallel layer's EC: this rank's columns of A; alpha·B and the gate replicated, in the model's dtype. An
+    8-bit EC's A and B stay int8 codes with float32 scales, as kernels.pack holds them (served_factors): a_scale A's
+    row scales (a split of A's columns keeps them), b_scale alpha times B's column scales. A is held with its rank
+    padded to the W4 kernels' (padded_rank: zero rows, scale 0), so the packing their u-programs read is a view."""
 
     def __init__(self, ec: ErrorCompensator, rank: int, world: int, dtype: torch.dtype):
         super().__init__()
         self.rank = ec.rank
-        alpha = ec.alpha.detach().float()
-        if ec.factor_bits == 8:
-            (a, a_scale), (b, b_scale) = ec.int8_factors()
-            a_scale, b_scale = a_scale.float(), alpha * b_scale.float()
-        else:
-            a, b = ec.A.detach().to(dtype), (alpha * ec.B.detach().float()).to(dtype)
-            a_scale = b_scale = None
-        self.register_buffer("A", _cols(a, rank, world))  # [r, in / world]
+        a, b, a_scale, b_scale = served_factors(ec, dtype)
+        A = torch.zeros(self.padded_rank, a.shape[1] // world, dtype=a.dtype, device=a.device)
+        A[: self.rank] = _cols(a, rank, world)
+        self.register_buffer("A", A)  # [padded_rank, in / world]
         self.register_buffer("B", b)  # [N, r]
-        self.register_buffer("a_scale", a_scale)  # float32 [r] (int8 A), else None
-        self.register_buffer("b_scale", b_scale)
+        if a_scale is not None:
+            a_scale = torch.cat([a_scale, a_scale.new_zeros(self.padded_rank - self.rank)])
+        self.register_buffer("a_scale", a_scale)  # float32 [padded_rank] (int8 A), else None
+        self.register_buffer("b_scale", b_scale)  # float32 [r]
         gate = [None] * 4 if ec.gate is None else [ec.gate[0].weight, ec.gate[0].bias, ec.gate[2].weight, ec.gate[2].bias]
         for name, t in zip(("W1", "b1", "W2", "b2"), gate):
             self.register_buffer(name, None if t is None else t.detach().to(dtype))
 
     def dense_A(self, dtype: torch.dtype) -> torch.Tensor:
-        """A_r [r, in / world] in `dtype` (int8: the codes times their scales in float32, rounded once)."""
-        return self.A.to(dtype) if self.a_scale is None else int8_dequantize(self.A, self.a_scale, 1).to(dtype)
+        """A_r [r, in / world] in `dtype` (int8: kernels.pack.dequantize_factor)."""
+        a = self.A[: self.rank]
+        return a.to(dtype) if self.a_scale is None else dequantize_factor(a, self.a_scale[: self.rank], 1, dtype)
 
     def dense_B(self, dtype: torch.dtype) -> torch.Tensor:
         """alpha·B [N, r] in `dtype`, likewise."""
-        return self.B.to(dtype) if self.b_scale is None else int8_dequantize(self.B, self.b_scale, 0).to(dtype)
+        return self.B.to(dtype) if self.b_scale is None else dequantize_factor(self.B, self.b_scale, 0, dtype)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """u_r = x_r A_rᵀ  [M, r]."""
+        """u_r = x_r A_rᵀ  [M, r]. An int8 A is dequantized each call, not cached (a cache would hold it at three
+        bytes an entry): served on GPUs (the p2p reduction) decode steps take u_r from the W4 kernel's u-programs,
+        which read the int8 codes, and this runs for steps past the reduction's rows (prefill: r × in / world entries
+        against a GEMM of thousands of rows), or on decode steps with the baseline reductions only."""
         return x @ self.dense_A(x.dtype).t()
 
     @property
@@ -167,21 +194,16 @@ class RankSpaceEC(nn.Module):
         return pow2_at_least_16(self.rank)
 
     def packed_a(self) -> PackedEC:
-        """A_r for the W4 decode kernel's u-programs (fp16 or int8 with its scales, rank padded to padded_rank); B
-        and the gate act after the reduction, so the packed ones are placeholders. Cached."""
+        """A_r for the W4 decode kernel's u-programs (fp16 or int8 with its scales, rank padded to padded_rank): a
+        view of A (a float32 model's A in fp16, a copy); B and the gate act after the reduction, so the packed ones
+        are placeholders. Cached."""
         if getattr(self, "_packed_a", None) is None:
             padded = self.padded_rank
-            a = torch.zeros(padded, self.A.shape[1], dtype=torch.int8 if self.a_scale is not None else torch.float16,
-                            device=self.A.device)
-            a[: self.rank] = self.A
+            a = self.A if self.A.dtype in (torch.int8, torch.float16) else self.A.half()
             f16 = dict(dtype=torch.float16, device=self.A.device)
             gate = (torch.zeros(16, padded, **f16), torch.zeros(16, **f16), torch.zeros(padded, 16, **f16),
                     torch.zeros(padded, **f16))
-            scales = {}
-            if self.a_scale is not None:
-                scale = torch.zeros(padded, dtype=torch.float32, device=self.A.device)
-                scale[: self.rank] = self.a_scale
-                scales = dict(a_scale=scale, b_scale=scale)
+            scales = {} if self.a_scale is None else dict(a_scale=self.a_scale, b_scale=self.a_scale)
             self._packed_a = PackedEC(a, a, *gate, self.rank, gated=False, **scales)
         return self._packed_a
 

@@ -370,6 +370,9 @@ def w4_prefill(x: torch.Tensor, w: PackedW4, ec: PackedEC | None = None, bias: t
     1.35–1.43× there with g first).
     """
     n, k = w.out_features, w.in_features
+    # an int8 EC's alpha·B is dequantized each call (ec.dense_B()), not cached (a cache would hold B at three bytes an
+    # entry): its N × R entries are R / K of the weight's N × K this path dequantizes each call too (1.6% at R = 64,
+    # K = 4096), before a GEMM of more than DECODE_PATH_MAX_M rows
     side = _side_stream(x.device) if ec is not None and x.is_cuda else None
     if side is not None:
         main = torch.cuda.current_stream()
