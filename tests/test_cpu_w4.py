@@ -217,10 +217,10 @@ def test_a_layer_served_on_the_cpu_is_its_pytorch_forward(gate_hidden, gen):
         for p in layer.ec.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     x = torch.randn(40, 256, generator=gen)
-    want = layer(x)
+    want, ec = layer(x), layer.ec(x)
     assert layer.use_cpu_kernels(Scratch(64 * 256))
     layer.release_for_serving()
-    ec = layer.ec(x)
+    assert layer.ec is None and layer.has_ec  # the snapshot alone serves
     assert torch.allclose(layer.cpu_ec(x), ec, atol=1e-6)  # the snapshot is the same function
     served = layer.cpu_ec  # through mm / addmm on transposed views: F.linear's own products, bit for bit
     u = F.linear(x, served.At.t())

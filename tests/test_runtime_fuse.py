@@ -23,7 +23,7 @@ from spear.layer import SpearLinear
 from spear.record import QuantConfig, rtn_quantize
 from spear.runtime.kv_cache import Batch, Chunk, KVCache
 from spear.runtime.linear import DenseLinear, FusedDenseLinear, FusedLinear
-from spear.runtime.model import ModelArgs, fuse_projections
+from spear.runtime.model import ModelArgs, Transformer, fuse_projections
 
 K = 128
 SIZES = [128, 64, 64]  # q, k, v-like: out sizes must be multiples of 64
@@ -133,19 +133,26 @@ def test_fused_model_matches_separate_layers(gen):
     assert err < 1e-2, f"fused vs separate logits: {err:.2e}; seed {SEED}"
 
 
+def int8_ec_model() -> tuple[Transformer, list[SpearLinear]]:
+    """A one-layer W4 model with a gated EC of rank 8 on every linear, int8 factors but on v (q|k|v stacks in fp16,
+    gate|up in int8), unpacked; and its SpearLinears."""
+    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=1, vocab=64)
+    model = random_model(args, QuantConfig(4, -1), ec_fraction=1.0, rank=8, device=DEVICE, kernels=False,
+                         seed=SEED % 1000)
+    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
+    for m in linears:
+        m.ec.factor_bits = 16 if m is model.layers[0].attention.wv else 8
+    return model, linears
+
+
 def test_a_model_with_int8_ecs_serves_int8_factors(gen):
     """ECs stored in 8 bits stay int8 where the model is served: each packed layer's EC, and a fused launch's where
     every part's is int8 (gate|up; q|k|v with an fp16 part beside: fp16), a byte a factor entry in what the model
     holds (runtime.model.held_bytes); the logits those of the unpacked model."""
     from spear.runtime.model import held_bytes
 
-    args = ModelArgs(dim=128, intermediate=192, n_heads=4, n_kv_heads=2, head_dim=32, n_layers=1, vocab=64)
-    model = random_model(args, QuantConfig(4, -1), ec_fraction=1.0, rank=8, device=DEVICE, kernels=False,
-                         seed=SEED % 1000)
-    a, f = model.layers[0].attention, model.layers[0].feed_forward
-    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
-    for m in linears:
-        m.ec.factor_bits = 16 if m is a.wv else 8
+    model, linears = int8_ec_model()
+    a, f, args = model.layers[0].attention, model.layers[0].feed_forward, model.args
     ids = torch.randint(0, args.vocab, (6,), generator=gen).tolist()
     ref = logits(model, ids, prefill=5)
 
@@ -162,6 +169,31 @@ def test_a_model_with_int8_ecs_serves_int8_factors(gen):
     out = logits(model, ids, prefill=5)
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, f"int8 ECs served vs unpacked logits: {err:.2e}; seed {SEED}"
+
+
+def test_a_served_model_holds_each_ec_once(gen):
+    """Served as on CUDA (each layer packed and released: use_kernels(drop_dense=True); q/k/v and gate/up stacked),
+    every EC is held once, as the W4 kernels read it: no EC module beside a packed EC (has_ec and nbytes still count
+    it), and a stacked launch's parts point at the stacked EC (their rows of B), as they do at the stacked weight.
+    A part's EC so re-pointed is still its own function (the reference)."""
+    from spear.layer import ErrorCompensator
+    from spear.runtime.model import held_bytes
+
+    model, linears = int8_ec_model()
+    a, f = model.layers[0].attention, model.layers[0].feed_forward
+    nbytes = [m.nbytes() for m in linears]
+    assert all(m.use_kernels(drop_dense=True) for m in linears)
+    assert all(m.ec is None and m.has_ec for m in linears) and [m.nbytes() for m in linears] == nbytes
+    assert not any(isinstance(m, ErrorCompensator) for m in model.modules())
+    parts = [a.wq, a.wk, a.wv, f.w_gate, f.w_up]
+    x = torch.randn(3, model.args.dim, generator=gen).half().to(DEVICE)
+    alone = [w4_linear_ref(x, m.packed, m.packed_ec) for m in parts]
+    assert fuse_projections(model) == 2
+    for m, stack, y in zip(parts, [a.wqkv] * 3 + [f.w_gate_up] * 2, alone):
+        assert m.packed_ec.B.untyped_storage().data_ptr() == stack.packed_ec.B.untyped_storage().data_ptr()
+        torch.testing.assert_close(w4_linear_ref(x, m.packed, m.packed_ec), y)
+    launches = [a.wqkv, a.wo, f.w_gate_up, f.w_down]
+    assert held_bytes(model)["packed"] == sum(m.packed.nbytes() + m.packed_ec.nbytes() for m in launches)
 
 
 def test_checkpoint_fused_projections_become_one_w4_launch(gen):

@@ -8,7 +8,7 @@ import torch
 from spear import api
 from spear.kernels import options
 from spear.kernels.cpu_w4 import CPU_W4_MAX_ROWS, has_int4_op
-from spear.layer import SpearLinear
+from spear.layer import ErrorCompensator, SpearLinear
 from spear.quant.pipeline import QuantSettings
 from spear.record import QuantConfig
 from spear.runtime.engine import EngineConfig, make_runner
@@ -30,13 +30,32 @@ def artifact(tiny_model_dir, tmp_path_factory):
     return api.quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, -1)), tmp_path_factory.mktemp("a") / "art")
 
 
+def add_ecs(model: torch.nn.Module, gen: torch.Generator) -> int:
+    """Random ECs of rank 4 on every other SpearLinear (float32; int8 factors on every second one, gated on every
+    second pair); returns the bytes of their float32 parameters, alpha apart (what ServedEC holds of them)."""
+    held = 0
+    for i, m in enumerate(mod for mod in model.modules() if isinstance(mod, SpearLinear)):
+        if i % 2:
+            continue
+        m.ec = ErrorCompensator(m.in_features, m.out_features, 4, gate_hidden=8 if i % 8 < 4 else 0,
+                                factor_bits=8 if i % 4 else 16)
+        with torch.no_grad():
+            for p in m.ec.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        held += sum(p.nbytes for name, p in m.ec.named_parameters() if name != "alpha")
+    return held
+
+
 def test_served_model_holds_the_packed_bytes_embeddings_norms_and_kv(artifact, cpu_w4):
     """Every tensor the runtime model and its KV cache hold, counted: the int4 packing and nibble codes of each
-    linear, one shared scratch, the float embeddings and norms, the KV cache; no dense copy, no record."""
+    linear, one shared scratch, each EC once as the CPU path reads it (float32, ServedEC: no EC module beside it),
+    the float embeddings and norms, the KV cache; no dense copy, no record."""
     hf = api.load(str(artifact), CPU, serving=True).model
+    ec_bytes = add_ecs(hf, torch.Generator().manual_seed(0))
     model = build_runtime_model(hf)
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
     assert len(linears) == 14 and all(m.cpu_w4 is not None and m.codes is None for m in linears)
+    assert sum(m.has_ec for m in linears) == 7 and all(m.ec is None for m in linears)
     held = held_bytes(model)
     assert held["dense"] == 0 and held["codes"] == 0
     scratch = linears[0].cpu_scratch
@@ -48,7 +67,7 @@ def test_served_model_holds_the_packed_bytes_embeddings_norms_and_kv(artifact, c
     # q/k/v and gate/up stacked (FusedCPULinear): the parts' codes are views of the stack's, its scales its own
     stacks = [m for m in model.modules() if isinstance(m, FusedCPULinear)]
     assert len(stacks) == 2  # gate/up (k/v's 32 rows are not whole blocks of the packing: q/k/v stay apart)
-    assert held["packed"] == packed + sum(m.cpu_w4.scales_and_zeros.nbytes for m in stacks)
+    assert held["packed"] == packed + sum(m.cpu_w4.scales_and_zeros.nbytes for m in stacks) + ec_bytes
     weights = sum(m.out_features * m.in_features for m in linears)
     assert packed - scratch.nbytes() <= 0.7 * weights  # 0.5 bytes a weight and the scales, against 4 dense
     # the embedding and head: float32, or a CompactTable's values (and scales) where they hold every value; tied: once

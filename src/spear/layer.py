@@ -199,7 +199,8 @@ class SpearLinear(LinearMethod):
     """The record's codes are held packed at `bits` a weight (record.pack_codes: the artifact's layout), with its
     scales and zeros; `weight_hat`, the dequantized weight in the compute dtype, is there for the PyTorch path
     (calibration, evaluation) unless built with `dense=False` (loading for serving), where that path dequantizes on
-    the fly. `release_for_serving` keeps only what the serving path reads (vLLM's process_weights_after_loading)."""
+    the fly. `release_for_serving` keeps only what the serving path reads (vLLM's process_weights_after_loading): the
+    EC too, where a kernel's snapshot of it (packed_ec, cpu_ec) is what forward reads."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                  dense: bool = True):
@@ -235,6 +236,7 @@ class SpearLinear(LinearMethod):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         self.record_bytes = QuantizedWeight.nbytes_of(self.out_features, in_features, bits, scales, g_idx, offsets)
         self.ec: ErrorCompensator | None = None
+        self.released_ec_bytes = 0  # ec.nbytes() of an EC release_for_serving freed (its snapshot serves)
         self.packed = None  # PackedW4 once use_kernels() ran
         self.packed_ec = None  # PackedEC snapshot of self.ec, likewise
         self.cpu_w4: PackedCPUW4 | None = None  # once use_cpu_kernels() ran: the CPU int4 kernel's packing
@@ -307,8 +309,9 @@ class SpearLinear(LinearMethod):
 
     def release_for_serving(self) -> None:
         """Free what the serving path does not read: with a kernel packing (CUDA or CPU), the record and the dense
-        copy (the packing holds the codes, scales and zeros); without one, the record (forward reads the dense
-        copy, made here if it was not)."""
+        copy (the packing holds the codes, scales and zeros) and the EC module (packed_ec or cpu_ec holds the EC as
+        forward reads it; has_ec and nbytes still count it); without one, the record (forward reads the dense copy,
+        made here if it was not, and the EC module)."""
         if self.codes is None:  # released already
             return
         kernels = self.packed is not None or self.cpu_w4 is not None
@@ -316,7 +319,14 @@ class SpearLinear(LinearMethod):
             self.weight_hat = self.qweight.dequantize(self.dtype)
         if kernels:
             self.weight_hat = None
+        if self.ec is not None and (self.packed_ec is not None or self.cpu_ec is not None):
+            self.released_ec_bytes, self.ec = self.ec.nbytes(), None
         self.codes = self.scales = self.zeros = self.g_idx = self.offsets = None
+
+    @property
+    def has_ec(self) -> bool:
+        """Whether an EC is applied: the module, or the kernels' snapshot of it after release_for_serving."""
+        return self.ec is not None or self.packed_ec is not None or self.cpu_ec is not None
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -351,7 +361,7 @@ class SpearLinear(LinearMethod):
         """The record at `bits` a weight (QuantizedWeight.nbytes_packed), the bias in fp16 and the EC as stored
         (ErrorCompensator.nbytes: int8 factors a byte an entry)."""
         bias = 0 if self.bias is None else self.bias.numel() * 2
-        return self.record_bytes + bias + (0 if self.ec is None else self.ec.nbytes())
+        return self.record_bytes + bias + (self.released_ec_bytes if self.ec is None else self.ec.nbytes())
 
     def stack_key(self) -> tuple | None:
         """Packed layers of one input width and group size stack into one W4 launch (runtime.linear.FusedLinear);
@@ -378,4 +388,6 @@ class SpearLinear(LinearMethod):
     def extra_repr(self) -> str:
         ec = "none" if self.ec is None else (f"rank={self.ec.rank}, gate_hidden={self.ec.gate_hidden}"
                                              + ("" if self.ec.factor_bits == 16 else f", factor_bits={self.ec.factor_bits}"))
+        if self.ec is None and self.has_ec:  # released: the kernels' snapshot
+            ec = f"served, rank={self.packed_ec.rank if self.packed_ec is not None else self.cpu_ec.At.shape[1]}"
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, ec={ec}"

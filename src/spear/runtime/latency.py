@@ -163,7 +163,7 @@ def device_name(device: torch.device) -> str:
 def ec_density(model: torch.nn.Module) -> float:
     """The share of the model's SpearLinear layers that carry an error compensator."""
     linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
-    return sum(m.ec is not None for m in linears) / len(linears) if linears else 0.0
+    return sum(m.has_ec for m in linears) / len(linears) if linears else 0.0
 
 
 def profile(runner: ModelRunner, batch_sizes=DEFAULT_BATCH_SIZES, prefill_tokens=DEFAULT_PREFILL_TOKENS,

@@ -9,6 +9,8 @@ SplitLinear runs until then.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -109,7 +111,8 @@ class FusedLinear(LinearMethod):
     weight (concat_w4), the concatenated bias and the block-diagonal EC (concat_ec): exact. The output splits
     as the parts', or as `sizes` where given (one part holding several projections: SplitLinear).
 
-    The parts are re-pointed at their rows of the stacked weight, so it is held once."""
+    The parts are re-pointed at their rows of the stacked weight, and their ECs at the stacked EC with their rows of
+    B (exact: the others' rank columns are zero in those rows, their gate blocks apart), so both are held once."""
 
     def __init__(self, parts: list[LinearMethod], sizes: list[int] | None = None):
         super().__init__()
@@ -128,6 +131,8 @@ class FusedLinear(LinearMethod):
             w = self.packed
             m.packed = PackedW4(w.qweight[start : start + n], w.scales[start : start + n], w.zeros[start : start + n],
                                 w.group_size, w.in_features)
+            if m.packed_ec is not None:
+                m.packed_ec = dataclasses.replace(self.packed_ec, B=self.packed_ec.B[start : start + n])
             start += n
 
     def _apply(self, fn, recurse=True):

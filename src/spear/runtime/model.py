@@ -549,11 +549,12 @@ def use_dense_kernels(model: Transformer, tune: bool = True) -> int:
 
 def held_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of every tensor `model` holds, each storage counted once, by kind: "packed" (a kernel's packing: the
-    W4 kernels' codes, scales, zeros and packed ECs on CUDA; the CPU int4 kernel's, the nibble codes and the shared
-    scratch on a CPU), "codes" (records' packed codes, scales, zeros: what a layer keeps until
-    release_for_serving), "dense" (dequantized copies of 4-bit weights), and "other" (embeddings, norms, float
-    linears, EC parameters, RoPE tables). A served linear holds its packing, or a dense copy where no kernel
-    applies, never both, and no "codes"."""
+    W4 kernels' codes, scales, zeros and packed ECs on CUDA; the CPU int4 kernel's, the nibble codes, the shared
+    scratch and the float32 ECs (ServedEC) on a CPU), "codes" (records' packed codes, scales, zeros: what a layer
+    keeps until release_for_serving), "dense" (dequantized copies of 4-bit weights), and "other" (embeddings,
+    norms, float linears, EC modules, RoPE tables). A served linear holds its packing, or a dense copy where no
+    kernel applies, never both, and no "codes"; its EC once, as its forward reads it (no EC module beside a
+    packed one)."""
     seen: set[int] = set()
     held = {"packed": 0, "codes": 0, "dense": 0, "other": 0}
 
@@ -567,10 +568,11 @@ def held_bytes(model: nn.Module) -> dict[str, int]:
 
     for module in model.modules():
         for packing in (getattr(module, n, None) for n in ("packed", "packed_ec", "cpu_w4", "cpu_nibbles",
-                                                            "cpu_scratch")):
+                                                            "cpu_scratch", "cpu_ec")):
             for value in ([] if packing is None else vars(packing).values()):
-                if isinstance(value, torch.Tensor):
-                    count("packed", value)
+                for tensor in value if isinstance(value, tuple) else (value,):  # ServedEC's gate: a tuple
+                    if isinstance(tensor, torch.Tensor):
+                        count("packed", tensor)
         for name, buffer in module.named_buffers(recurse=False):
             kind = {"codes": "codes", "scales": "codes", "zeros": "codes", "g_idx": "codes", "offsets": "codes",
                     "weight_hat": "dense"}.get(name, "other") if isinstance(module, SpearLinear) else "other"
