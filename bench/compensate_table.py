@@ -115,7 +115,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--only", nargs="*", default=None, help="run only rows whose label contains one of these")
     p.add_argument("--seed", type=int, default=0, help="the compensators' seed (batch order, gate init): a draw")
-    p.add_argument("--ec-bits", type=int, default=16, choices=[16, 8], help="EC factors of every row in fp16 or int8")
+    p.add_argument("--ec-bits", type=int, default=16, choices=[16, 8, 4],
+                   help="EC factors of every row in fp16, int8 or int4")
     p.add_argument("--refit-rounds", type=int, default=0,
                    help="joint fitting of RTN codes and the ECs before calibration, this many rounds (every row)")
     p.add_argument("--json", required=True)

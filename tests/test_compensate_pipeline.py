@@ -191,12 +191,33 @@ def test_int8_rounding_is_idempotent_and_passes_gradients_straight_through():
     assert torch.equal(leaf.grad, torch.ones_like(t))
     from spear.compensate.cost import ec_nbytes
 
-    for bits in (16, 8):
+    for bits in (16, 8, 4):
         ec = ErrorCompensator(96, 64, rank=8, gate_hidden=4, factor_bits=bits)
         assert ec.nbytes() == ec_nbytes(64, 96, 8, 4, bits)
     assert ec_nbytes(64, 96, 8, 4, 8) < 0.6 * ec_nbytes(64, 96, 8, 4)
-    with pytest.raises(SpearError, match="16 or 8"):
-        ErrorCompensator(96, 64, rank=8, factor_bits=4)
+    assert ec_nbytes(64, 96, 8, 4, 4) < 0.6 * ec_nbytes(64, 96, 8, 4, 8)
+    with pytest.raises(SpearError, match="16, 8 or 4"):
+        ErrorCompensator(96, 64, rank=8, factor_bits=2)
+    q4, scale4 = int8_quantize(t, dim=1, bits=4)  # the 4-bit measurement option: codes -7..7, a step of absmax / 7
+    assert q4.abs().max() == 7 and torch.equal(int8_round(int8_dequantize(q4, scale4, 1), 1, 4),
+                                               int8_dequantize(q4, scale4, 1))
+    assert ((int8_dequantize(q4, scale4, 1) - t).abs() <= scale4.float()[:, None] / 2 + 1e-6).all()
+
+
+def test_four_bit_factors_are_refused_by_the_artifact(float_and_quantized, tiny_model_dir, tmp_path):
+    """4-bit EC factors are a measurement (they lose to int8 at equal bytes, BENCHMARKS §2): an artifact refuses them
+    in one line and leaves nothing behind."""
+    from dataclasses import replace
+
+    from spear.models import load_float_model
+
+    teacher, quantized, ids = float_and_quantized
+    cfg = CompensateConfig(budget=0.1, calibrate=replace(FAST, steps=1), planner=PlannerConfig(factor_bits=4))
+    compensate(quantized, teacher, ids, cfg)
+    tokenizer = load_float_model(str(tiny_model_dir), torch.device("cpu"), torch.float32).tokenizer
+    with pytest.raises(SpearError, match="stored in 16 or 8 bits; .* has 4-bit factors"):
+        save_artifact(quantized, tokenizer, tmp_path / "art", ArtifactInfo("tiny", {"method": "rtn"}))
+    assert not (tmp_path / "art").exists()
 
 
 def test_int8_factors_buy_more_rank_train_and_roundtrip(float_and_quantized, tiny_model_dir, tmp_path):

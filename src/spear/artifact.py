@@ -36,6 +36,7 @@ FORMAT = "spear-artifact"
 FORMAT_VERSION = 2  # 2: codes packed at their bits, floats at 16 bits, sharded; 1: one uint8 a code, one file
 READABLE_VERSIONS = (1, 2)
 RECORD_PARTS = ("codes", "scales", "zeros", "g_idx", "offsets")
+STORED_FACTOR_BITS = (16, 8)  # an artifact's EC factors: fp16, or int8 codes with their scales
 INT8_FACTOR_DIMS = {"A": 1, "B": 0}  # an 8-bit EC factor's scales run along its rank directions: A's rows, B's columns
 
 
@@ -68,6 +69,10 @@ def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: Artifa
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes, metadata={"format": FORMAT})
         tied = tied_parameters(model)
+        unstorable = sorted(n for n, ec in ecs.items() if ec.factor_bits not in STORED_FACTOR_BITS)
+        if unstorable:  # 4-bit factors: a measurement (BENCHMARKS §2), not an artifact format
+            raise SpearError(f"EC factors are stored in 16 or 8 bits; {unstorable[0]} has "
+                             f"{ecs[unstorable[0]].factor_bits}-bit factors")
         int8_ecs = {f"{n}.ec" for n, ec in ecs.items() if ec.factor_bits == 8}
         for name, tensor in model.state_dict().items():
             module, _, part = name.rpartition(".")

@@ -84,14 +84,26 @@ class LinearMethod(nn.Module, ABC):
         raise NotImplementedError(f"{type(self).__name__} folds no norm")
 
 
-FACTOR_BITS = (16, 8)
+FACTOR_BITS = (16, 8, 4)
 INT8_MAX = 127
 
 
-def int8_quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8, scale fp16) with t ≈ q · scale, one scale per slice along `dim` (absmax / 127, rounded to fp16)."""
-    scale = (t.detach().abs().amax(dim=dim, keepdim=True).float() / INT8_MAX).half().clamp(min=torch.finfo(torch.half).tiny)
-    q = torch.round(t.detach().float() / scale.float()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+def factor_bits_text() -> str:
+    """FACTOR_BITS for an error message: '16, 8 or 4'."""
+    return ", ".join(map(str, FACTOR_BITS[:-1])) + f" or {FACTOR_BITS[-1]}"
+
+
+def code_max(bits: int) -> int:
+    """The largest code of a symmetric `bits`-bit factor grid: 127 for int8, 7 for int4 (codes in -qmax..qmax)."""
+    return 2 ** (bits - 1) - 1
+
+
+def int8_quantize(t: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, scale fp16) with t ≈ q · scale, one scale per slice along `dim` (absmax / qmax, rounded to fp16); with
+    `bits` 4 the codes lie in -7..7 (held in int8)."""
+    qmax = code_max(bits)
+    scale = (t.detach().abs().amax(dim=dim, keepdim=True).float() / qmax).half().clamp(min=torch.finfo(torch.half).tiny)
+    q = torch.round(t.detach().float() / scale.float()).clamp(-qmax, qmax).to(torch.int8)
     return q, scale.squeeze(dim)
 
 
@@ -99,9 +111,10 @@ def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Ten
     return q.float() * scale.float().unsqueeze(dim)
 
 
-def int8_round(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """t rounded to its int8 form (int8_quantize), in t's dtype, with a straight-through gradient; idempotent."""
-    q, scale = int8_quantize(t, dim)
+def int8_round(t: torch.Tensor, dim: int, bits: int = 8) -> torch.Tensor:
+    """t rounded to its int8 (or int4) form (int8_quantize), in t's dtype, with a straight-through gradient;
+    idempotent."""
+    q, scale = int8_quantize(t, dim, bits)
     return t + (int8_dequantize(q, scale, dim).to(t.dtype) - t).detach()
 
 
@@ -110,7 +123,7 @@ class ErrorCompensator(nn.Module):
                  factor_bits: int = 16):
         super().__init__()
         if factor_bits not in FACTOR_BITS:
-            raise SpearError(f"EC factors are stored in {' or '.join(map(str, FACTOR_BITS))} bits, not {factor_bits}")
+            raise SpearError(f"EC factors are held in {factor_bits_text()} bits, not {factor_bits}")
         self.rank = rank
         self.factor_bits = factor_bits
         self.A = nn.Parameter(torch.zeros(rank, in_features))
@@ -135,16 +148,16 @@ class ErrorCompensator(nn.Module):
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) as the EC applies them: the parameters, or in 8 bits their int8 rounding per rank direction
         (A's rows, B's columns) with a straight-through gradient."""
-        if self.factor_bits == 8:
-            return int8_round(self.A, dim=1), int8_round(self.B, dim=0)
+        if self.factor_bits < 16:
+            return int8_round(self.A, 1, self.factor_bits), int8_round(self.B, 0, self.factor_bits)
         return self.A, self.B
 
     def int8_factors(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """An 8-bit EC's factors as stored: ((A's int8 codes [r, in], its row scales [r]), (B's int8 codes [out, r],
         its column scales [r])), scales in fp16 (int8_quantize); int8_dequantize of each is factors()' value."""
-        if self.factor_bits != 8:
+        if self.factor_bits == 16:
             raise SpearError(f"this EC keeps its factors in {self.factor_bits} bits, not int8")
-        return int8_quantize(self.A, dim=1), int8_quantize(self.B, dim=0)
+        return int8_quantize(self.A, 1, self.factor_bits), int8_quantize(self.B, 0, self.factor_bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         A, B = self.factors()
@@ -160,8 +173,8 @@ class ErrorCompensator(nn.Module):
         and alpha in fp16 (compensate.cost.ec_nbytes)."""
         rest = sum(p.numel() for name, p in self.named_parameters() if name not in ("A", "B"))
         factors = self.A.numel() + self.B.numel()
-        if self.factor_bits == 8:
-            return factors + 2 * 2 * self.rank + 2 * rest
+        if self.factor_bits < 16:
+            return (factors * self.factor_bits + 7) // 8 + 2 * 2 * self.rank + 2 * rest
         return 2 * (factors + rest)
 
     @torch.no_grad()

@@ -36,7 +36,7 @@ from torch import nn
 from spear.compensate.cka import SensitivityTable
 from spear.compensate.cost import BytesCost, CostModel, ec_nbytes
 from spear.errors import SpearError
-from spear.layer import FACTOR_BITS
+from spear.layer import FACTOR_BITS, factor_bits_text
 from spear.models.layerwise import quantizable_linears
 from spear.record import QuantizedWeight
 
@@ -83,8 +83,7 @@ class PlannerConfig:
         if self.max_rank < 1 or self.max_beta < 1:
             raise SpearError(f"max_rank must be ≥ 1 and max_beta ≥ 1, got {self.max_rank} and {self.max_beta}")
         if self.factor_bits not in FACTOR_BITS:
-            bits = " or ".join(map(str, FACTOR_BITS))
-            raise SpearError(f"EC factors are stored in {bits} bits, not {self.factor_bits}")
+            raise SpearError(f"EC factors are held in {factor_bits_text()} bits, not {self.factor_bits}")
 
     @property
     def rank_cap(self) -> int:
