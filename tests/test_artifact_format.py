@@ -175,28 +175,32 @@ def test_commands_refuse_what_cannot_fit_before_loading(tiny_model_dir, tmp_path
 
 
 def test_compensate_estimates_its_peak_and_refuses_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """compensate_bytes: the student as loaded, the teacher's parameters, and the larger stage; bfloat16
-    training and checkpointed layers estimate less than float32 and whole activations. `spear compensate` refuses
+    """compensate_bytes: the student as loaded with the loader's own, the teacher's parameters, and the largest
+    stage; bfloat16 training and checkpointed layers estimate less than float32 and whole activations. `spear compensate` refuses
     a plan that cannot fit with one line, exit 2, the artifact untouched."""
     from dataclasses import replace
 
     from spear import memory
     from spear.artifact import load_bytes, read_artifact_config
     from spear.cli import main
-    from spear.compensate.calibrate import CalibrateConfig
-    from spear.compensate.precision import compensate_bytes
+    from spear.compensate.pipeline import CompensateConfig
+    from spear.compensate.precision import LOADER_BYTES, compensate_bytes
 
     art = quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, -1)), tmp_path / "art")
     config = read_artifact_config(art)
     from spear import api
 
     float_params = sum(p.numel() for p in api.load(str(tiny_model_dir), CPU).model.parameters())
-    cal = CalibrateConfig(precision="float32")
-    parts = compensate_bytes(art, config, torch.float32, CPU, 128, 64, cal)
-    assert parts["student"] == load_bytes(art, config, torch.float32, dense=True)
+    cfg = CompensateConfig()
+    cfg = replace(cfg, calibrate=replace(cfg.calibrate, precision="float32"))
+    calib = CalibConfig(num_sequences=64, seq_len=128)
+    parts = compensate_bytes(art, config, torch.float32, CPU, cfg, calib)
+    assert parts["student"] == load_bytes(art, config, torch.float32, dense=True) + LOADER_BYTES
     assert parts["teacher"] == 4 * float_params and parts["statistics"] > 0
-    bf16 = compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, precision="bfloat16"))
-    ckpt = compensate_bytes(art, config, torch.float32, CPU, 128, 64, replace(cal, checkpoint_layers=True))
+    bf16 = compensate_bytes(art, config, torch.float32, CPU, replace(cfg, calibrate=replace(cfg.calibrate,
+                            precision="bfloat16")), calib)
+    ckpt = compensate_bytes(art, config, torch.float32, CPU, replace(cfg, calibrate=replace(cfg.calibrate,
+                            checkpoint_layers=True)), calib)
     assert bf16["training in bfloat16"] < parts["training in float32"]
     assert ckpt["training in float32"] < parts["training in float32"]
 

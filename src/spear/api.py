@@ -103,20 +103,22 @@ def _method_options(settings: QuantSettings) -> dict:
 def _check_compensate_memory(path: Path, config: dict, cfg: "CompensateConfig", calib: CalibConfig,
                              device: torch.device | None) -> None:
     """Refuse, before loading anything, a compensation whose estimated peak does not fit the device
-    (compensate.precision.compensate_bytes): one line naming the parts and what to change."""
+    (compensate.precision.compensate_bytes, with HEADROOM over what is to come, beside what the process holds):
+    one line naming the parts and what to change."""
     from spear.compensate.precision import compensate_bytes
-    from spear.memory import gib, require
+    from spear.memory import HEADROOM, gib, process_bytes, require
     from spear.models.loading import default_dtype
 
     device = device or default_device()
-    parts = compensate_bytes(path, config, default_dtype(device), device, calib.seq_len, cfg.stats_sequences,
-                             cfg.calibrate)
+    parts = compensate_bytes(path, config, default_dtype(device), device, cfg, calib)
     student, teacher = parts.pop("student"), parts.pop("teacher")
     stage, peak = max(parts.items(), key=lambda kv: kv[1])
-    detail = f"student {gib(student)} + teacher {gib(teacher)} + {stage} {gib(peak)}"
-    require(student + teacher + peak, device, f"compensating {path} ({detail})",
+    held, to_come = process_bytes(device), student + teacher + peak
+    detail = f"process {gib(held)} + student {gib(student)} + teacher {gib(teacher)} + {stage} {gib(peak)}"
+    require(to_come, device, f"compensating {path} ({detail})",
             "try --calib-precision bfloat16, --checkpoint-layers, or a device with more memory")
-    print(f"compensate: estimated peak {gib(student + teacher + peak)} ({detail})", file=sys.stderr, flush=True)
+    print(f"compensate: estimated peak {gib(held + HEADROOM * to_come)} ({detail}, "
+          f"+{HEADROOM - 1:.0%} for the allocator)", file=sys.stderr, flush=True)
 
 
 def compensate_artifact(

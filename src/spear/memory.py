@@ -3,12 +3,14 @@ cannot fit with one line that says what to change, instead of an out-of-memory k
 
 The estimates count the tensors a command holds (weights in their compute dtype, dense copies, records at their
 bits), not the allocator's slack or activations; `HEADROOM` covers those. On a CPU the budget is the host's
-available memory (MemAvailable: free plus reclaimable page cache), on CUDA the device's free memory.
+available memory (MemAvailable: free plus reclaimable page cache), on CUDA the device's free memory. What the
+process holds already (`process_bytes`: its resident memory, or the CUDA context) is part of a peak, not of the budget.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 from spear.errors import SpearError
 
 HEADROOM = 1.1  # activations, allocator slack, the tokenizer: 10% over the tensors' bytes
+CUDA_CONTEXT = 512 * 2**20  # the device memory a CUDA context takes before any tensor (~0.5 GiB on an H100)
 
 
 def gib(nbytes: float) -> str:
@@ -33,9 +36,18 @@ def available_bytes(device: torch.device) -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def process_bytes(device: torch.device) -> int:
+    """What this process holds already where `device` counts: the CUDA context on a GPU, else its resident memory
+    (/proc/self/statm: the interpreter, torch, transformers' modules imported so far)."""
+    if device.type == "cuda":
+        return CUDA_CONTEXT
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError, AttributeError):  # no /proc (not Linux)
+        return 0
 
 
 def require(nbytes: int, device: torch.device, what: str, advice: str) -> None:

@@ -151,24 +151,39 @@ def tf32_matmuls() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch.device, seq_len: int,
-                     stats_sequences: int, calibrate) -> dict[str, int]:
-    """The peak of `spear compensate` on the artifact at `path`, by part, from its headers and config alone: the
-    student with its dense copies (load_bytes), the float teacher, and the larger of the two stages that follow,
-    the input statistics (one decoder layer's float64 R_xx and the walk's hidden states) and training (the
-    student's extra copy in float32, or the float32 head of a bfloat16 one; a step's activations, by
-    `calibrate.checkpoint_layers`; the logits of one chunk). Activations count ~12·hidden + 4·intermediate values
-    a token a layer (norm inputs, q/k/v, attention output, the MLP's gate, up and product, the ECs' inputs)."""
+# What loading adds on a CPU beyond the tensors it counts (BENCHMARKS §8): transformers' model classes (0.22 GB),
+# the tokenizer and the loader's leftovers in the heap; the default model's student took 1.10 GB for 0.64 counted
+LOADER_BYTES = 500 * 2**20
+KL_CHUNK_COPIES = 6  # a logits chunk's float32 copies alive at once in OnlineTeacher.kl (compensate_bytes)
+
+
+def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch.device, cfg, calib) -> dict[str, int]:
+    """The peak of `spear compensate` on the artifact at `path` under `cfg` (CompensateConfig) and `calib`
+    (CalibConfig), by part, from its headers and config alone, beside what the process holds already
+    (memory.process_bytes): the student with its dense copies (load_bytes) and, on a CPU, what loading adds beyond
+    the tensors (LOADER_BYTES); the float teacher; and the largest of the stages that follow:
+      statistics  one decoder layer's float64 R_xx, the walk's hidden states, and every module's whitened-error
+                  vectors (float64 [out, rank cap]) that the plan and the inits read;
+      refit       the same, and the largest module's float64 temporaries while its codes are re-rounded and its
+                  error decomposed (~80 bytes a weight and 8 a square of its larger side, measured on a CPU);
+      training    the student's extra copy in float32 (or the float32 head of a bfloat16 one); a step's
+                  activations, by `checkpoint_layers`, ~12·hidden + 4·intermediate values a token a layer (norm
+                  inputs, q/k/v, attention output, the MLP's gate, up and product, the ECs' inputs); the KL's six
+                  float32 copies of a logits chunk (the teacher's log-probs and their exp, the student's logits and
+                  log-probs, their difference and the product), training's or scoring's; the online teacher's
+                  cached last hidden states (or the top-k targets)."""
     from spear.artifact import load_bytes
     from spear.shards import ShardReader
 
     reader, size = ShardReader(path), torch.finfo(dtype).bits // 8
     quantized = config["quantized_modules"]
-    params = 0
+    params, shapes = 0, []
     for name in reader.names():
         entry, module = reader.entry(name), name.rpartition(".")[0]
         if module in quantized:
-            params += entry.shape[0] * quantized[module]["in_features"] if name.endswith(".codes") else 0
+            if name.endswith(".codes"):
+                shapes.append((entry.shape[0], quantized[module]["in_features"]))
+                params += entry.shape[0] * quantized[module]["in_features"]
         elif ".ec." not in name:
             params += entry.numel
     model = config["model_config"]
@@ -177,13 +192,28 @@ def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch
     inter, vocab = model.get("intermediate_size", 4 * hidden), model["vocab_size"]
     heads = model.get("num_attention_heads", 1)
     q_dim = heads * (model.get("head_dim") or hidden // heads)
-    precision = auto_precision(device, params) if calibrate.precision == "auto" else calibrate.precision
+    sequences = calib.num_sequences // calib.pack
+    seq_len = calib.seq_len + (calib.pack - 1) * (calib.seq_len - 1)
+    train = cfg.calibrate
+    precision = auto_precision(device, params) if train.precision == "auto" else train.precision
     train_size = 4 if precision == "float32" else 2
-    tokens = calibrate.batch_size * seq_len
+    tokens = train.batch_size * seq_len
     per_layer = tokens * (12 * hidden + 4 * inter) * train_size
-    activations = per_layer + tokens * hidden * train_size * layers if calibrate.checkpoint_layers else per_layer * layers
+    activations = per_layer + tokens * hidden * train_size * layers if train.checkpoint_layers else per_layer * layers
     extra = params * (4 - size) if precision == "float32" else vocab * hidden * 4  # the upcast, or the float32 head
-    training = extra + activations + 4 * calibrate.chunk_tokens * vocab * 4
-    statistics = 8 * (2 * hidden**2 + q_dim**2 + inter**2) + 2 * stats_sequences * seq_len * hidden * size
-    return {"student": load_bytes(path, config, dtype, dense=True), "teacher": params * size,
-            "statistics": statistics, f"training in {precision}": training}
+    rows = min(train.chunk_tokens, max(train.batch_size, train.eval_batch_size) * seq_len)
+    if train.teacher_mode == "topk":
+        targets = sequences * seq_len * (8 * train.topk + 4)
+    else:
+        targets = 0 if train.hidden_weight else min(int(train.teacher_cache_gb * 2**30), sequences * seq_len * hidden * size)
+    training = extra + activations + KL_CHUNK_COPIES * rows * vocab * 4 + targets
+    vectors = 8 * cfg.planner.rank_cap * sum(out for out, _ in shapes) if cfg.planner.allocation == "marginal" else 0
+    statistics = (8 * (2 * hidden**2 + q_dim**2 + inter**2) + 2 * min(cfg.stats_sequences, sequences) * seq_len * hidden
+                  * size + vectors)
+    parts = {"student": load_bytes(path, config, dtype, dense=True) + (LOADER_BYTES if device.type == "cpu" else 0),
+             "teacher": params * size, "statistics": statistics}
+    if cfg.refit_rounds_for(config["quant"].get("method") == "rtn"):
+        parts["refit"] = statistics + max(80 * out * in_ + 8 * max(out, in_) ** 2 for out, in_ in shapes)
+    if cfg.trained:
+        parts[f"training in {precision}"] = training
+    return parts
