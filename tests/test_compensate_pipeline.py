@@ -202,6 +202,15 @@ def test_int8_rounding_is_idempotent_and_passes_gradients_straight_through():
     assert q4.abs().max() == 7 and torch.equal(int8_round(int8_dequantize(q4, scale4, 1), 1, 4),
                                                int8_dequantize(q4, scale4, 1))
     assert ((int8_dequantize(q4, scale4, 1) - t).abs() <= scale4.float()[:, None] / 2 + 1e-6).all()
+    from spear.kernels.pack import pack_ec
+
+    ec4 = ErrorCompensator(96, 64, rank=8, gate_hidden=4, factor_bits=4)
+    ec4.A.data.normal_(), ec4.B.data.normal_()
+    packed = pack_ec(ec4)  # served as the int8 form, the rounded factors the EC applies
+    A4, B4 = ec4.factors()
+    assert packed.int8 and packed.A.abs().max() <= 7
+    assert torch.allclose(packed.dense_A()[:8].float(), A4.float(), rtol=1e-3, atol=1e-4)
+    assert torch.allclose(packed.dense_B()[:, :8].float(), B4.float(), rtol=1e-3, atol=1e-4)
 
 
 def test_four_bit_factors_are_refused_by_the_artifact(float_and_quantized, tiny_model_dir, tmp_path):

@@ -131,9 +131,10 @@ def served_factors(ec: ErrorCompensator, dtype: torch.dtype = torch.float16) -> 
         torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(A [r, K], alpha·B [N, r], a_scale, b_scale): the EC's factors as served, alpha folded into B here and only
     here. An 8-bit EC's as stored (ErrorCompensator.int8_factors): int8 codes, a_scale float32 [r] A's row scales and
-    b_scale float32 [r] alpha times B's column scales; else A and alpha·B in `dtype`, the scales None."""
+    b_scale float32 [r] alpha times B's column scales (a 4-bit EC's codes, -7..7, are held the same way); else A and
+    alpha·B in `dtype`, the scales None."""
     alpha = ec.alpha.detach().float()
-    if ec.factor_bits == 8:
+    if ec.factor_bits < 16:
         (qa, sa), (qb, sb) = ec.int8_factors()
         return qa, qb, sa.float(), alpha * sb.float()
     return ec.A.detach().to(dtype), (alpha * ec.B.detach().float()).to(dtype), None, None

@@ -119,7 +119,7 @@ def column_shard(lin: DenseLinear | SpearLinear, rank: int, world: int) -> Dense
     shard = SpearLinear(record, _rows(lin.bias, rank, world), lin.dtype)
     if lin.ec is not None:
         ec = lin.ec
-        if ec.factor_bits == 8:
+        if ec.factor_bits < 16:  # int8 codes (a 4-bit EC's too)
             shard.ec = ShardEC(ec, rank, world)
         else:  # A replicated (the same tensor), B's rows
             shard.ec = ErrorCompensator(lin.in_features, shard.out_features, ec.rank)
