@@ -92,7 +92,7 @@ def main() -> None:
     args = p.parse_args()
 
     lm = api.load(args.artifact, torch.device("cpu"), serving=True)
-    torch.set_num_threads(cpu_serving_threads())
+    torch.set_num_threads(cpu_serving_threads(ServeConfig().engine_process))
     config = _engine_config(ServeConfig(), torch.device("cpu"))
     engine = build_engine(lm.model, lm.tokenizer, config)
     tokenizer = lm.tokenizer

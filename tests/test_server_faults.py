@@ -51,6 +51,16 @@ def ranks(launcher: int) -> list[int]:
     return sorted(pid for pid in children(launcher) if spawned(pid))
 
 
+def interrupted_stream(url: str, interrupt) -> list[str]:
+    """The data lines of a long stream after its first, `interrupt()` called once that first has come."""
+    body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        interrupt()
+        return [line for line in lines if line.startswith("data:")]
+
+
 def stop(proc: subprocess.Popen) -> None:
     """Whatever the test left running: the server and its ranks."""
     for pid in children(proc.pid):
@@ -73,12 +83,7 @@ def test_corrupt_artifact_is_one_line_exit_2(tiny_model_dir, tmp_path, capsys):
 def test_sigterm_ends_streams_in_flight_with_an_error_event(tiny_model_dir):
     proc, url = start_server(str(tiny_model_dir), "--max-model-len", "512")
     try:
-        body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data:")]
+        rest = interrupted_stream(url, lambda: proc.send_signal(signal.SIGTERM))
         assert json.loads(rest[-1][6:])["error"]["message"] == "the server is shutting down"
         assert len(rest) < 499 and "data: [DONE]" not in rest
         assert proc.wait(timeout=30) == 0  # a stop asked for, cleanly done (uvicorn would re-raise it: 143)

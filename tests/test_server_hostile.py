@@ -572,16 +572,18 @@ def test_cpu_serving_prefills_in_small_chunks():
     assert chunk(ServeConfig(chunk_tokens=300), "cpu") == 300  # what the user asks for stays
 
 
-def test_cpu_serving_leaves_a_core_to_the_http_server(monkeypatch):
-    """OpenMP threads on every core spin against the event loop: 8.3 tokens/s over HTTP on 2 cores, 13.2 with one."""
+def test_cpu_serving_threads_leave_a_core_to_the_http_server_in_its_process(monkeypatch):
+    """OpenMP threads on every core spin against the event loop: 8.3 tokens/s over HTTP on 2 cores, 13.2 with one.
+    In a process of its own, the engine takes every core."""
     from spear.server.launch import cpu_serving_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert cpu_serving_threads() == 1
+    assert cpu_serving_threads(engine_process=False) == 1
+    assert cpu_serving_threads(engine_process=True) == 2
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert cpu_serving_threads() == 15
+    assert cpu_serving_threads(engine_process=False) == 15
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
-    assert cpu_serving_threads() == 1
+    assert cpu_serving_threads(engine_process=False) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
-    assert cpu_serving_threads() == torch.get_num_threads()
+    assert cpu_serving_threads(engine_process=False) == cpu_serving_threads(engine_process=True) == torch.get_num_threads()

@@ -186,6 +186,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._serve()
+        except SystemExit as e:  # the engine is gone: a tensor-parallel rank, or the engine's process
+            self._stop_reason = f"the engine stopped ({e}); the server is stopping"
         finally:  # however the thread ends (shutdown, a fatal step, SystemExit: a rank gone), no request waits on
             self._stopping = True
             self._fail_all(EngineDeadError(self._stop_reason))

@@ -25,6 +25,7 @@ from spear.server.guard import GuardConfig, raise_open_file_limit, uvicorn_confi
 
 if TYPE_CHECKING:
     from spear.server.async_engine import AsyncEngine
+    from spear.server.engine_process import EngineProcess
     from spear.runtime.engine import Engine, EngineConfig
     from spear.runtime.latency import LatencyTable
     from spear.runtime.tp_serve import StepChannel
@@ -59,6 +60,9 @@ class ServeConfig:
     # the names requests may give as `model`, responses giving the first (none: served_model_names' default)
     served_model_name: tuple[str, ...] = ()
     kv_cache_dtype: str = "auto"  # "auto" (the model's), or on a CPU "bfloat16" / "float16" (EngineConfig)
+    # on a CPU (one rank): the engine in a process of its own, on every core (spear.server.engine_process), rather
+    # than in the server's on one core fewer (cpu_serving_threads)
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -110,14 +114,16 @@ def serve(spec: str, config: ServeConfig, device: torch.device | None = None) ->
 class EngineServer(uvicorn.Server):
     """uvicorn's server bound to the engine's life: a signal stops the engine first, so that requests in flight end
     at once with an error (an error event in a stream) rather than holding the exit; and the server exits by itself
-    when the engine has stopped (a failed tensor-parallel step)."""
+    when the engine has stopped (a failed tensor-parallel step, its process gone)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, process: EngineProcess | None = None):
         super().__init__(config)
         self.engine = engine
+        self.process = process  # the engine's own process, if it has one: its death stops the server too
 
     async def on_tick(self, counter: int) -> bool:
-        return await super().on_tick(counter) or not self.engine.is_running()
+        engine_gone = not self.engine.is_running() or (self.process is not None and not self.process.is_alive())
+        return await super().on_tick(counter) or engine_gone
 
     async def shutdown(self, sockets=None) -> None:
         await asyncio.to_thread(self.engine.shutdown)
@@ -133,47 +139,73 @@ class EngineServer(uvicorn.Server):
 
 
 def _serve(spec: str, config: ServeConfig, device: torch.device | None, channel: StepChannel | None = None) -> None:
-    """Serve on this process; with a `channel`, as rank 0 of a tensor-parallel group."""
-    from spear import api
-    from spear.runtime.engine import build_engine, kv_cache_summary
-    from spear.runtime.slo import SLOPolicy
-    from spear.runtime.tp_serve import leader_engine
+    """Serve on this process; with a `channel`, as rank 0 of a tensor-parallel group. On a CPU with one rank (and
+    ServeConfig.engine_process) the engine runs in a child process (spear.server.engine_process)."""
+    from spear.models.loading import default_device
+    from spear.runtime.engine import kv_cache_summary
     from spear.server.app import build_app
     from spear.server.async_engine import AsyncEngine
+    from spear.server.engine_process import EngineProcess
 
     sock = _listen(config.host, config.port)  # before the slow load, so a taken port fails at once
     threads = torch.get_num_threads()
     start = time.perf_counter()
+    process = None
     try:
-        lm = api.load(spec, device, serving=True)
-        loaded = time.perf_counter() - start
-        if lm.model.device.type == "cpu":
-            torch.set_num_threads(cpu_serving_threads())
-        engine_config = _engine_config(config, lm.model.device)
-        if channel is None:
-            engine = build_engine(lm.model, lm.tokenizer, engine_config)
+        own_process = channel is None and config.engine_process and (device or default_device()).type == "cpu"
+        if own_process:
+            engine = process = EngineProcess(spec, config, torch.device("cpu"), cpu_serving_threads(own_process))
+            tokenizer, kv_summary, stages = process.tokenizer, process.kv_cache_summary, process.startup_s
         else:
-            engine = leader_engine(lm.model, lm.tokenizer, engine_config, channel, config.tp_reduction)
-        tokenizer = lm.tokenizer
-        del lm  # under TP the full weights go; the engine holds this rank's shard
-        release_freed_memory()  # what loading freed (records, dense copies) leaves the process
-        if config.itl_slo_ms is not None:
-            table = serving_table(spec, engine)
-            if (warning := slo_warning(table, config.itl_slo_ms, config.max_num_seqs)) is not None:
-                print(warning, file=sys.stderr, flush=True)
-            engine.policy = SLOPolicy(table, config.itl_slo_ms, max_chunk=engine_config.policy.chunk_tokens)
+            engine, tokenizer, stages = load_engine(spec, config, device, cpu_serving_threads(own_process), channel)
+            kv_summary = kv_cache_summary(engine.runner)
         async_engine = AsyncEngine(engine, config.max_waiting, fatal_step_errors=channel is not None)
         app = build_app(async_engine, tokenizer, served_model_names(spec, config), engine.max_model_len)
         host, port = sock.getsockname()[:2]
         tp = "" if channel is None else f", tensor parallel over {config.tp} ranks"
         print(f"serving {spec} on http://{host}:{port}/v1 (context {engine.max_model_len} tokens{tp})", flush=True)
-        print(kv_cache_summary(engine.runner), flush=True)
-        print(startup_summary(time.perf_counter() - start, {"load": loaded, **engine.startup_s}), flush=True)
+        print(kv_summary, flush=True)
+        print(startup_summary(time.perf_counter() - start, stages), flush=True)
         raise_open_file_limit()
-        EngineServer(uvicorn_config(app, config.host, config.http, log_level="info"), async_engine).run(sockets=[sock])
+        EngineServer(uvicorn_config(app, config.host, config.http, log_level="info"), async_engine, process).run(
+            sockets=[sock])
+        if process is not None and not process.is_alive():
+            raise SpearError(f"the server stopped: {process.exit_description()}")
     finally:
         sock.close()
+        if process is not None:
+            process.close()
         torch.set_num_threads(threads)  # the process's own again (serve() called from Python)
+
+
+def load_engine(spec: str, config: ServeConfig, device: torch.device | None, threads: int,
+                channel: StepChannel | None = None) -> tuple[Engine, object, dict[str, float]]:
+    """The engine `spear serve` runs (on a CPU with `threads` PyTorch threads), its tokenizer, and the seconds its
+    stages took (startup_summary)."""
+    from spear import api
+    from spear.runtime.engine import build_engine
+    from spear.runtime.slo import SLOPolicy
+    from spear.runtime.tp_serve import leader_engine
+
+    start = time.perf_counter()
+    lm = api.load(spec, device, serving=True)
+    loaded = time.perf_counter() - start
+    if lm.model.device.type == "cpu":
+        torch.set_num_threads(threads)
+    engine_config = _engine_config(config, lm.model.device)
+    if channel is None:
+        engine = build_engine(lm.model, lm.tokenizer, engine_config)
+    else:
+        engine = leader_engine(lm.model, lm.tokenizer, engine_config, channel, config.tp_reduction)
+    tokenizer = lm.tokenizer
+    del lm  # under TP the full weights go; the engine holds this rank's shard
+    release_freed_memory()  # what loading freed (records, dense copies) leaves the process
+    if config.itl_slo_ms is not None:
+        table = serving_table(spec, engine)
+        if (warning := slo_warning(table, config.itl_slo_ms, config.max_num_seqs)) is not None:
+            print(warning, file=sys.stderr, flush=True)
+        engine.policy = SLOPolicy(table, config.itl_slo_ms, max_chunk=engine_config.policy.chunk_tokens)
+    return engine, tokenizer, {"load": loaded, **engine.startup_s}
 
 
 def startup_summary(total_s: float, stages: dict[str, float]) -> str:
@@ -218,15 +250,15 @@ def _serve_rank(spec: str, config: ServeConfig, cuda: bool) -> None:
         channel.send(None)
 
 
-def cpu_serving_threads() -> int:
-    """PyTorch's threads when serving on a CPU: one core fewer than the process may use (as vLLM's CPU backend
-    reserves one), for the HTTP server and tokenization; OMP_NUM_THREADS, when set, decides instead. OpenMP
-    threads that share their cores with the event loop spin against it: on 2 cores, 2 threads decoded 8.3 tokens/s
-    over HTTP and 1 thread 13.2 (bench/cpu_serve_compare.py)."""
+def cpu_serving_threads(engine_process: bool) -> int:
+    """PyTorch's threads when serving on a CPU: with the engine in its own process, every core the process may use;
+    in the server's process, one fewer (as vLLM's CPU backend reserves one), for the HTTP server and tokenization:
+    OpenMP threads that share their cores with the event loop spin against it (on 2 cores, 2 threads decoded 8.3
+    tokens/s over HTTP and 1 thread 13.2, bench/cpu_serve_compare.py). OMP_NUM_THREADS, when set, decides instead."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores - 1)
+    return cores if engine_process else max(1, cores - 1)
 
 
 def _engine_config(config: ServeConfig, device: torch.device) -> EngineConfig:
