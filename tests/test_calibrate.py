@@ -71,9 +71,10 @@ def test_mean_kl_is_the_full_vocabulary_kl_in_chunks():
     want = naive_kl(student, teacher, ids)
     assert want > 0
     assert mean_kl(student, teacher, ids, batch_size=3, chunk_tokens=7) == pytest.approx(want, rel=1e-4)
-    # top-k with k = vocab − 1: the rest bucket is one token, so the coarsened KL is the full KL
+    # top-k with k = vocab − 1: the rest bucket is one token, so the coarsened KL is the full KL, up to the float32
+    # rounding of that bucket's 1 − Σ p_top (~6e-8 on this 5e-4 KL with one thread, under 1e-4 of it with two)
     cache = teacher_topk(teacher, ids, k=255, batch_size=3, chunk_tokens=7)
-    assert mean_kl(student, cache, ids, chunk_tokens=5) == pytest.approx(want, rel=1e-4)
+    assert mean_kl(student, cache, ids, chunk_tokens=5) == pytest.approx(want, rel=1e-4, abs=2e-7)
     # fewer tokens: a lower bound
     assert mean_kl(student, teacher_topk(teacher, ids, k=8), ids) < want
 
