@@ -85,7 +85,15 @@ class LinearMethod(nn.Module, ABC):
 
 
 FACTOR_BITS = (16, 8, 4)
-INT8_MAX = 127
+
+
+def ec_nbytes(out_features: int, in_features: int, rank: int, gate_hidden: int, factor_bits: int = 16) -> int:
+    """Bytes of an EC (out, in, rank, gate_hidden, factor_bits) as stored: A and B in fp16, or as `factor_bits` codes
+    with an fp16 scale per rank direction of each; alpha and the gate r→h→r with biases in fp16."""
+    gate = 2 * rank * gate_hidden + gate_hidden + rank if gate_hidden > 0 else 0
+    if factor_bits < 16:
+        return (rank * (in_features + out_features) * factor_bits + 7) // 8 + 2 * 2 * rank + 2 * (1 + gate)
+    return (rank * (in_features + out_features) + 1 + gate) * 2
 
 
 def factor_bits_text() -> str:
@@ -169,13 +177,8 @@ class ErrorCompensator(nn.Module):
         return u @ (self.alpha * B).to(x.dtype).t()
 
     def nbytes(self) -> int:
-        """Bytes as stored: A and B in fp16, or in int8 with an fp16 scale per rank direction of each; the gate MLP
-        and alpha in fp16 (compensate.cost.ec_nbytes)."""
-        rest = sum(p.numel() for name, p in self.named_parameters() if name not in ("A", "B"))
-        factors = self.A.numel() + self.B.numel()
-        if self.factor_bits < 16:
-            return (factors * self.factor_bits + 7) // 8 + 2 * 2 * self.rank + 2 * rest
-        return 2 * (factors + rest)
+        """Bytes as stored (ec_nbytes)."""
+        return ec_nbytes(self.B.shape[0], self.A.shape[1], self.rank, self.gate_hidden, self.factor_bits)
 
     @torch.no_grad()
     def served(self, dtype: torch.dtype) -> ServedEC:

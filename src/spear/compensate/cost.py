@@ -28,17 +28,9 @@ from typing import Protocol
 import torch
 
 from spear.errors import SpearError
+from spear.layer import ec_nbytes  # the formula ErrorCompensator.nbytes() gives; the planner reads it here
 
 ROW_PARALLEL_SUFFIXES = ("o_proj", "down_proj")  # split along their input under TP: they reduce their outputs
-
-
-def ec_nbytes(out_features: int, in_features: int, rank: int, gate_hidden: int, factor_bits: int = 16) -> int:
-    """ErrorCompensator(in, out, rank, gate_hidden, factor_bits=...).nbytes(): A and B (fp16, or int8 with an fp16
-    scale per rank direction of each), alpha and the gate r→h→r with biases in fp16."""
-    gate = 2 * rank * gate_hidden + gate_hidden + rank if gate_hidden > 0 else 0
-    if factor_bits < 16:
-        return (rank * (in_features + out_features) * factor_bits + 7) // 8 + 2 * 2 * rank + 2 * (1 + gate)
-    return (rank * (in_features + out_features) + 1 + gate) * 2
 
 
 class CostModel(Protocol):
