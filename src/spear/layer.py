@@ -21,7 +21,7 @@ LinearMethod is the interface every linear of the serving runtime implements (Sp
 fused and tensor-parallel ones in spear.runtime): the runtime model calls it and never asks a linear's type.
 
 This module is the bottom of the model stack: quantizers, compensators, kernels and the runtime
-all import it; it imports only the quantized-weight record and (when packing) the kernels.
+all import it; it imports only the quantized-weight record and the kernels (their packing, kernels.pack, at once).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spear.errors import SpearError
+from spear.kernels.pack import dequantize_factor
 from spear.record import QuantizedWeight, pack_codes, packed_width, unpack_codes
 
 if TYPE_CHECKING:
@@ -116,7 +117,8 @@ def int8_quantize(t: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tenso
 
 
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
-    return q.float() * scale.float().unsqueeze(dim)
+    """int8_quantize's inverse in float32: the kernels' dequantization (kernels.pack.dequantize_factor)."""
+    return dequantize_factor(q, scale, dim, torch.float32)
 
 
 def int8_round(t: torch.Tensor, dim: int, bits: int = 8) -> torch.Tensor:
