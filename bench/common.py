@@ -30,6 +30,9 @@ def provenance() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
     }
+    if not torch.cuda.is_available():  # CPU figures follow the vector unit (AVX2 and AVX-512 kernels differ)
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        info["cpu_cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         import triton
 

@@ -216,7 +216,7 @@ def test_a_layer_served_on_the_cpu_is_its_pytorch_forward(gate_hidden, gen):
     with torch.no_grad():
         for p in layer.ec.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    x = torch.randn(40, 256, generator=gen)
+    x = torch.randn(CPU_W4_MAX_ROWS + 8, 256, generator=gen)
     want, ec = layer(x), layer.ec(x)
     assert layer.use_cpu_kernels(Scratch(64 * 256))
     layer.release_for_serving()
@@ -228,7 +228,7 @@ def test_a_layer_served_on_the_cpu_is_its_pytorch_forward(gate_hidden, gen):
         w1t, b1, w2t, b2 = served.gate
         u = u * (1 + torch.tanh(F.linear(F.silu(F.linear(u, w1t.t(), b1)), w2t.t(), b2)))
     assert torch.equal(served(x), F.linear(u, served.alpha_Bt.t()))
-    for rows in (1, 40):  # the int4 kernel (bfloat16), the scratch path (float32)
+    for rows in (1, CPU_W4_MAX_ROWS + 8):  # the int4 kernel (bfloat16), the scratch path (float32)
         tol = 2e-2 if rows == 1 else 1e-5
         assert torch.allclose(layer(x[:rows]), want[:rows], atol=tol, rtol=tol), rows
 

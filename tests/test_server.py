@@ -219,10 +219,12 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def test_serve_overlaps_steps_on_one_rank_only():
+def test_serve_overlaps_steps_on_one_gpu_only():
     from spear.server.launch import ServeConfig, _engine_config
 
-    cpu = torch.device("cpu")
-    assert _engine_config(ServeConfig(), cpu).overlap
-    assert not _engine_config(ServeConfig(overlap=False), cpu).overlap
-    assert not _engine_config(ServeConfig(tp=2), cpu).overlap  # the TP step channel needs every token on the host
+    gpu = torch.device("cuda")  # the config only reads the device's type
+    assert _engine_config(ServeConfig(), gpu).overlap
+    assert not _engine_config(ServeConfig(overlap=False), gpu).overlap
+    assert not _engine_config(ServeConfig(tp=2), gpu).overlap  # the TP step channel needs every token on the host
+    # a CPU's forward is the host's own work: overlapped, each token would only be handed out one step late
+    assert not _engine_config(ServeConfig(), torch.device("cpu")).overlap

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "peers, default), symmetric (one symmetric-memory all-reduce) or collective (NCCL)")
     s.add_argument("--no-overlap", action="store_true",
                    help="read each step's tokens before launching the next (default: the host's work for one step "
-                        "overlaps the GPU's next step; always off with --tp)")
+                        "overlaps the GPU's next step; always off with --tp and on a CPU)")
     s.add_argument("--engine-process", action="store_true",
                    help="on a CPU, run the engine in a process of its own on every core, as vLLM's engine core "
                         "(default: in the server's process on one core fewer); on 2 cores +11%% tokens/s at batch 8 "

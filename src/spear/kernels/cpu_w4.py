@@ -47,11 +47,19 @@ from spear.errors import SpearError
 from spear.record import QuantizedWeight
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 op takes, largest first
-# Steps of up to this many rows take the int4 kernel, longer ones the scratch path: on the 2-core AVX2 EPYC the int4
-# kernel in bfloat16 beat the scratch path up to 32 rows and lost from 64 (Llama-3.2-1B shapes, one thread, ms a
-# forward of the linears: 1592 vs 2113 at 32 rows, 3218 vs 2908 at 64; SmolLM2 flips between the same two;
-# bench/results/cpu_w4_epyc-avx2_t1_rows.json)
-CPU_W4_MAX_ROWS = 32
+
+
+def _int4_max_rows() -> int:
+    """Steps of up to this many rows take the int4 kernel, longer ones the scratch path. On a 2-core AVX2 EPYC the
+    int4 kernel in bfloat16 beat the scratch path up to 32 rows and lost from 64 (Llama-3.2-1B shapes, one thread, ms
+    a forward of the linears: 1592 vs 2113 at 32 rows, 3218 vs 2908 at 64; SmolLM2 flips between the same two;
+    bench/results/cpu_w4_epyc-avx2_t1_rows.json). Its AVX-512 loop wins up to 128 rows (SmolLM2, one thread of a
+    2-core AVX-512 EPYC: 190 vs 255 ms at 64 rows, 354 vs 391 at 128, 679 vs 661 at 256;
+    bench/results/cpu_w4_epyc-avx512_t1_rows.json)."""
+    return 128 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32
+
+
+CPU_W4_MAX_ROWS = _int4_max_rows()
 
 
 def has_int4_op() -> bool:

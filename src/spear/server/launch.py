@@ -50,7 +50,8 @@ class ServeConfig:
     tp: int = 1  # tensor-parallel ranks (spear.runtime.tp_serve)
     tp_reduction: str = "p2p"  # how row-parallel layers reduce on GPUs (spear.runtime.tp.set_reduction)
     # the engine's host work overlapped with the GPU step (EngineConfig.overlap; single rank only): 2-6% less
-    # per decode step on the H200 (BENCHMARKS §5)
+    # per decode step on the H200 (BENCHMARKS §5). Never on a CPU, whose forward is the host's work: there it only
+    # handed each token out one step late (a streamed first token at 92-116 ms instead of 52)
     overlap: bool = True
     http: GuardConfig = field(default_factory=GuardConfig)  # body size, read timeout, connections, Host names
     # The KV cache's size (EngineConfig): bytes, or None for gpu_memory_utilization of a GPU's memory less what the
@@ -269,7 +270,8 @@ def _engine_config(config: ServeConfig, device: torch.device) -> EngineConfig:
     return EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         kv_cache_memory=config.kv_cache_memory, gpu_memory_utilization=config.gpu_memory_utilization,
                         kv_cache_dtype=None if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype),
-                        policy=StaticChunkPolicy(chunk_tokens), overlap=config.overlap and config.tp == 1)
+                        policy=StaticChunkPolicy(chunk_tokens),
+                        overlap=config.overlap and config.tp == 1 and device.type == "cuda")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -335,8 +337,11 @@ def _listen(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise SpearError(f"cannot resolve host {host!r}: {e.strerror}") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    # proto: IPPROTO_TCP, not 0. asyncio turns Nagle off (TCP_NODELAY) only on sockets that name TCP, and an accepted
+    # socket names what the listening one does; with Nagle on, a keep-alive response's second write waited for the
+    # client's delayed ACK: 40 ms on every request after a connection's first (a /health took 43 ms, not 1)
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
