@@ -310,18 +310,17 @@ def packed_fused_model(n_layers: int):
 def test_swiglu_in_the_epilogue_keeps_the_model_logits(monkeypatch, gen):
     """The runtime model with options' fuse_swiglu (gate/up's activation from the launch's epilogue, the default) against
     the separate SiLU·up op: the fused launch runs on every decode-sized step (the 5-token prefill included) and
-    the logits stay the same."""
-    from spear.runtime import model as model_module
-
-    model = packed_fused_model(n_layers=2)
+    the logits stay the same. The switch is read when the launches are fused (fuse_projections)."""
+    # fold_norm off: test_folded_norms_keep_the_model_logits
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fuse_swiglu=False, fold_norm=False))
+    reference = packed_fused_model(n_layers=2)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fuse_swiglu=True))
+    model = packed_fused_model(n_layers=2)  # the same weights (one seed)
     ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fuse_swiglu=False))
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=False))  # test_folded_norms_keep_the_model_logits
-    ref = logits(model, ids, prefill=5)
+    ref = logits(reference, ids, prefill=5)
     calls = []
     fused = FusedLinear.swiglu
     monkeypatch.setattr(FusedLinear, "swiglu", lambda self, x, **kw: calls.append(x.shape[0]) or fused(self, x, **kw))
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fuse_swiglu=True))
     out = logits(model, ids, prefill=5)
     assert calls == [5, 5, 1, 1, 1, 1], f"swiglu launches by rows: {calls}"
     err = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -332,19 +331,19 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
     """The runtime model with options' fold_norm (each layer's two add + RMSNorm launches folded into the W4 launches
     around them, kernels.w4.FoldedNorm) against the separate norm op: on every decode-sized step, the 5-token
     prefill included, o and down hand a FoldedNorm on (down's to the next layer only: the last layer's goes to
-    the final norm) and the logits stay the same."""
+    the final norm) and the logits stay the same. The switch is read when the launches are fused (fuse_projections)."""
     from spear.kernels import w4 as w4_module
-    from spear.runtime import model as model_module
 
-    model = packed_fused_model(n_layers=3)
-    ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
     monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=False))
-    ref = logits(model, ids, prefill=5)
+    reference = packed_fused_model(n_layers=3)
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=True))
+    model = packed_fused_model(n_layers=3)  # the same weights (one seed)
+    ids = torch.randint(0, model.args.vocab, (7,), generator=gen).tolist()
+    ref = logits(reference, ids, prefill=5)
     folds = []
     add_norm = w4_module.w4_decode_add_norm
     monkeypatch.setattr(w4_module, "w4_decode_add_norm",
                         lambda x, *a, **kw: folds.append(x.shape[0]) or add_norm(x, *a, **kw))
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=True))
     out = logits(model, ids, prefill=5)
     per_step = 2 * model.args.n_layers - 1  # o in every layer, down in all but the last
     assert folds == [5] * per_step + [1] * per_step * 2, f"folded norms by rows: {folds}"
@@ -353,9 +352,10 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
 
 
 def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypatch, gen):
-    """runtime.model._folds_norm asks the producer (LinearMethod.folds_norm) and needs a packed consumer: a packed
-    SpearLinear folds with options' fold_norm; a row-parallel layer (tp.RowParallelLinear) only with options'
-    fold_norm_tp as well, and only where its reduction (p2p) takes the rows."""
+    """runtime.model._folds_norm asks the producer (LinearMethod.folds_norm) and the consumer
+    (LinearMethod.takes_folded_norm: a W4 launch built with options' fold_norm, on a decode step): a packed
+    SpearLinear folds; a row-parallel layer (tp.RowParallelLinear) only with options' fold_norm_tp as well, and only
+    where its reduction (p2p) takes the rows."""
     from types import SimpleNamespace
 
     from spear.runtime import model as model_module
@@ -365,19 +365,18 @@ def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypa
     row_parallel = RowParallelLinear(w4, rank=0, world=2)
     row_parallel.reduce = PeerReduce(None, None, None, SimpleNamespace(width=64), max_rows=4)  # 64 = its [y] width
     assert w4.use_kernels()
-    consumer = SimpleNamespace(packed=w4.packed)
+    consumer = FusedLinear([w4], fold_norm=True)
     x = torch.zeros(2, K // 2, dtype=torch.float16)
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=True, fold_norm_tp=False))
+    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=False))
     assert model_module._folds_norm(w4, consumer, x)
     assert not model_module._folds_norm(row_parallel, consumer, x)
     monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=True))
     assert model_module._folds_norm(row_parallel, consumer, x)
     assert not model_module._folds_norm(row_parallel, consumer, torch.zeros(5, K // 2, dtype=torch.float16))
     assert not model_module._folds_norm(row_parallel, None, x)  # no fused consumer
-    assert not model_module._folds_norm(row_parallel, SimpleNamespace(packed=None), x)  # a float consumer
+    float_consumer = DenseLinear(torch.nn.Parameter(torch.zeros(64, K // 2)), None)
+    assert not model_module._folds_norm(row_parallel, float_consumer, x)
     assert not model_module._folds_norm(row_parallel, consumer, x.float())  # not the kernels' dtype
     row_parallel.reduce = CollectiveReduce()
     assert not model_module._folds_norm(row_parallel, consumer, x)
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm=False))
-    assert not model_module._folds_norm(w4, consumer, x)
-
+    assert not model_module._folds_norm(w4, FusedLinear([w4], fold_norm=False), x)  # built without options' fold_norm

@@ -50,12 +50,18 @@ class LinearMethod(nn.Module, ABC):
     vLLM's quantized linear method (LinearMethodBase: create_weights, then apply(layer, x, bias)) without
     create_weights, since our layers hold their weights before the runtime sees them: `forward(x)` is the apply,
     where each implementation launches its kernel (cuBLAS or the fp16 GEMV, the W4 kernels with the EC fused, a
-    tensor-parallel reduction). The runtime model (spear.runtime.model) asks its linears only this:
+    tensor-parallel reduction). The runtime model (spear.runtime.model) asks its linears only this; what each can do
+    is settled when the model is built (kernels packed, launches fused, options read), a step asks only whether its
+    rows and dtype take it:
 
-      packed, packed_ec      the weight and EC as the W4 kernels take them (kernels.pack); None: no W4 launch
       stack_key()            linears over one input with equal keys stack into one launch (model.fuse_projections)
+      fuses_swiglu, swiglu   a stacked [gate; up] that runs silu(gate) ⊙ up in its decode launch's epilogue
+      takes_folded_norm      a launch that takes the RMSNorm folded into the launch before it: forward(x.hw, rms=x)
       folds_norm, add_norm   the add + RMSNorm after this linear, folded into its decode launch (kernels.norm_fold)
       nbytes()               the bytes of its weights as served
+
+    The builders (model.use_kernels, held_bytes) read `packed` and `packed_ec`, the weight and EC as the W4 kernels
+    take them (kernels.pack; None: no W4 launch), to tune and count them.
 
     Implementations: SpearLinear (W4 + EC once packed, else the PyTorch reference), runtime.linear's DenseLinear,
     FusedDenseLinear and FusedLinear, and tp.RowParallelLinear.
@@ -75,6 +81,18 @@ class LinearMethod(nn.Module, ABC):
     def stack_key(self) -> tuple | None:
         """Linears over one input whose keys are equal stack into one launch; None: this one runs alone."""
         return None
+
+    def fuses_swiglu(self, x: torch.Tensor) -> bool:
+        """Whether swiglu runs on the step x [T, in] (this linear a stacked [gate; up])."""
+        return False
+
+    def swiglu(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> torch.Tensor:
+        """silu(gate) ⊙ up [T, out / 2] in one launch (where fuses_swiglu); x = rms.hw with `rms`, as forward."""
+        raise NotImplementedError(f"{type(self).__name__} fuses no SwiGLU")
+
+    def takes_folded_norm(self, x: torch.Tensor) -> bool:
+        """Whether forward (and swiglu) take the step x [T, in] as a FoldedNorm: forward(rms.hw, rms=rms)."""
+        return False
 
     def folds_norm(self, rows: int) -> bool:
         """Whether add_norm runs on a decode step of `rows` fp16 rows."""

@@ -112,12 +112,19 @@ class FusedLinear(LinearMethod):
     as the parts', or as `sizes` where given (one part holding several projections: SplitLinear).
 
     The parts are re-pointed at their rows of the stacked weight, and their ECs at the stacked EC with their rows of
-    B (exact: the others' rank columns are zero in those rows, their gate blocks apart), so both are held once."""
+    B (exact: the others' rank columns are zero in those rows, their gate blocks apart), so both are held once.
 
-    def __init__(self, parts: list[LinearMethod], sizes: list[int] | None = None):
+    On the steps the W4 decode kernel takes, it runs a [gate; up] stack's SiLU·up in its epilogue with `fuse_swiglu`,
+    and takes the norm folded into the launch before with `fold_norm` (options' switches, read by fuse_projections)."""
+
+    def __init__(self, parts: list[LinearMethod], sizes: list[int] | None = None, fuse_swiglu: bool = False,
+                 fold_norm: bool = False):
         super().__init__()
         part_sizes = [m.packed.out_features for m in parts]
         self.sizes = sizes or part_sizes
+        self.fuse_swiglu, self.fold_norm = fuse_swiglu, fold_norm
+        if fuse_swiglu:
+            assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
         self.served_bytes = sum(m.nbytes() for m in parts)
         self.packed = concat_w4([m.packed for m in parts])
         device = self.packed.qweight.device
@@ -158,13 +165,18 @@ class FusedLinear(LinearMethod):
             y = w4_linear_ref(x, self.packed, self.packed_ec, self.bias)
         return y.split(self.sizes, dim=-1)
 
+    def fuses_swiglu(self, x: torch.Tensor) -> bool:
+        return self.fuse_swiglu and _decode_launch(x)
+
     def swiglu(self, x: torch.Tensor, rms: FoldedNorm | None = None) -> torch.Tensor:
         """silu(gate) ⊙ up [T, N / 2] of fused [gate; up] parts in one W4 decode launch (the activation in its
         epilogue), for fp16 x [T, K] with T ≤ DECODE_PATH_MAX_M (x = rms.hw with `rms`, as forward)."""
         from spear.kernels.w4 import w4_decode
 
-        assert len(self.sizes) == 2 and self.sizes[0] == self.sizes[1], f"not [gate; up]: {self.sizes}"
         return w4_decode(x, self.packed, self.packed_ec, self.bias, swiglu=True, rms=rms)
+
+    def takes_folded_norm(self, x: torch.Tensor) -> bool:
+        return self.fold_norm and _decode_launch(x)
 
     def nbytes(self) -> int:
         """As its parts serve them (SpearLinear.nbytes), measured when they were stacked."""
@@ -173,6 +185,16 @@ class FusedLinear(LinearMethod):
     def extra_repr(self) -> str:
         ec = "none" if self.packed_ec is None else f"rank={self.packed_ec.rank}, gated={self.packed_ec.gated}"
         return f"in={self.packed.in_features}, out={'+'.join(map(str, self.sizes))}, group={self.packed.group_size}, ec={ec}"
+
+
+def _decode_launch(x: torch.Tensor) -> bool:
+    """Whether a W4 launch on x [T, K] takes the decode kernel (fp16, T ≤ DECODE_PATH_MAX_M): the steps its epilogue
+    fusions apply to."""
+    if x.dtype != torch.float16:  # the kernels' dtype (checked first: triton may be missing off the GPU)
+        return False
+    from spear.kernels.w4 import DECODE_PATH_MAX_M
+
+    return x.shape[0] <= DECODE_PATH_MAX_M
 
 
 class FusedCPULinear(LinearMethod):

@@ -40,7 +40,8 @@ from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.runtime.linear import DenseLinear, FusedCPULinear, FusedDenseLinear, FusedLinear, SplitLinear
 from spear.runtime.tables import hold_tables_compact
 
-# The fusions kernels.options switches (options.OPTIONS):
+# The fusions kernels.options switches (options.OPTIONS), fuse_swiglu and fold_norm read once by fuse_projections
+# into the W4 launches it builds (FusedLinear's capabilities):
 # - fuse_swiglu: silu(gate) ⊙ up in the gate/up launch's epilogue (FusedLinear.swiglu) on the steps the W4 decode
 #   kernel takes, one launch a layer fewer (Llama-2-7B W4 on the H200, ms/token at batch 1 / 8: 2.38 / 4.24 fused,
 #   2.40 / 4.31 not). RoPE and the K/V write fused into the q/k/v launch's epilogue were slower at batch 1: removed.
@@ -191,21 +192,10 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, self.weight, self.eps, residual)
 
 
-def _decode_launch(x: torch.Tensor) -> bool:
-    """Whether a W4 launch on x [T, K] takes the decode kernel (fp16, T ≤ DECODE_PATH_MAX_M): the steps whose
-    epilogue fusion (options' fuse_swiglu) applies."""
-    if x.dtype != torch.float16:  # the kernels' dtype (checked first: triton may be missing off the GPU)
-        return False
-    from spear.kernels.w4 import DECODE_PATH_MAX_M
-
-    return x.shape[0] <= DECODE_PATH_MAX_M
-
-
 def _folds_norm(producer: LinearMethod, consumer: LinearMethod | None, x: torch.Tensor) -> bool:
-    """Whether the add + RMSNorm after `producer` (on the decode kernel's step x) folds into its launch
-    (producer.add_norm) and the consumer's W4 decode launch (options' fold_norm, kernels.norm_fold.FoldedNorm)."""
-    return (options.OPTIONS.fold_norm and consumer is not None and consumer.packed is not None and _decode_launch(x)
-            and producer.folds_norm(x.shape[0]))
+    """Whether the add + RMSNorm after `producer` (on the step x) folds into its launch (producer.add_norm) and the
+    consumer's (kernels.norm_fold.FoldedNorm)."""
+    return consumer is not None and consumer.takes_folded_norm(x) and producer.folds_norm(x.shape[0])
 
 
 class Attention(nn.Module):
@@ -264,8 +254,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up
-        if options.OPTIONS.fuse_swiglu and gate_up is not None and gate_up.packed is not None and _decode_launch(x):
-            return self.w_down(gate_up.swiglu(x))  # a packed [gate; up] is a FusedLinear
+        if gate_up is not None and gate_up.fuses_swiglu(x):
+            return self.w_down(gate_up.swiglu(x))
         return self.w_down(silu_mul(*self.gate_up(x)))
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,9 +301,11 @@ class Block(nn.Module):
                         next_block: Block | None = None) -> tuple[torch.Tensor | FoldedNorm, torch.Tensor]:
         """(attention output [T, H * D], residual) -> (FFN output, residual), as forward returns them."""
         ff = self.feed_forward
-        if options.OPTIONS.fuse_swiglu and _folds_norm(self.attention.wo, ff.w_gate_up, attn):  # o -> norm -> gate/up, folded
+        gate_up = ff.w_gate_up
+        # o -> norm -> gate/up, folded into the W4 decode launches
+        if gate_up is not None and gate_up.fuses_swiglu(attn) and _folds_norm(self.attention.wo, gate_up, attn):
             normed = self.attention.wo.add_norm(attn, residual, self.ffn_norm.weight, self.ffn_norm.eps)
-            act = ff.w_gate_up.swiglu(normed.hw, rms=normed)
+            act = gate_up.swiglu(normed.hw, rms=normed)
             if next_block is not None and _folds_norm(ff.w_down, next_block.attention.wqkv, act):
                 norm = next_block.attention_norm
                 return ff.w_down.add_norm(act, normed.h, norm.weight, norm.eps), normed.h
@@ -443,27 +435,29 @@ def fuse_projections(model: Transformer, dense: bool = True) -> int:
     (their weights become views of the fused one). A checkpoint's own fused linear (a SplitLinear: Phi-3) becomes
     the same launch over its one part."""
 
-    def fused(parts: list[LinearMethod], sizes: list[int] | None = None) -> LinearMethod | None:
+    def fused(parts: list[LinearMethod], sizes: list[int] | None = None, swiglu: bool = False) -> LinearMethod | None:
         key = parts[0].stack_key()
         if key is None or any(m.stack_key() != key for m in parts[1:]):
             return None
-        if key[0] == "w4":
-            return FusedLinear(parts, sizes)
+        if key[0] == "w4":  # options read once here: the launch's epilogue fusions
+            o = options.OPTIONS
+            return FusedLinear(parts, sizes, fuse_swiglu=swiglu and o.fuse_swiglu, fold_norm=o.fold_norm)
         if key[0] == "cpu_w4":
             return FusedCPULinear(parts, sizes)
         return FusedDenseLinear(parts, sizes) if dense else None
 
-    def fuse(current: LinearMethod | None, parts: list[LinearMethod]) -> LinearMethod | None:
+    def fuse(current: LinearMethod | None, parts: list[LinearMethod], swiglu: bool = False) -> LinearMethod | None:
         if isinstance(current, SplitLinear):
-            return fused([current.linear], current.sizes)
-        return fused(parts) if current is None else None
+            return fused([current.linear], current.sizes, swiglu)
+        return fused(parts, swiglu=swiglu) if current is None else None
 
+    swiglu = model.args.hidden_act == "silu"  # not Gemma's GeGLU
     count = 0
     for layer in model.layers:
         a, f = layer.attention, layer.feed_forward
         if (qkv := fuse(a.wqkv, [a.wq, a.wk, a.wv])) is not None:
             a.wqkv, count = qkv, count + 1
-        if (gate_up := fuse(f.w_gate_up, [f.w_gate, f.w_up])) is not None:
+        if (gate_up := fuse(f.w_gate_up, [f.w_gate, f.w_up], swiglu)) is not None:
             f.w_gate_up, count = gate_up, count + 1
     return count
 

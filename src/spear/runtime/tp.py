@@ -392,7 +392,8 @@ class RowParallelLinear(LinearMethod):
 
     def folds_norm(self, rows: int) -> bool:
         """Whether add_norm can fold the next add + RMSNorm into this layer's reduction (the p2p epilogue) for a
-        step of `rows` rows: with options' fold_norm_tp only."""
+        step of `rows` rows: with options' fold_norm_tp only (read each step: bench/tp_decode.py switches it on a built
+        model, p2p to p2p+fold)."""
         return options.OPTIONS.fold_norm_tp and isinstance(self.reduce, PeerReduce) and self.reduce.fits(
             rows, self._staged_width())
 
