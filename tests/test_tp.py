@@ -31,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 8
 PROMPTS = ([5, 17, 99, 3, 250, 41, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
 DECODE_STEPS = 3
+# Tests that hand CPU tensors to the Triton kernels: the interpreter's (CI's); on a GPU host CUDA launches refuse them
+# (the GPU's own TP paths: bench/tp_decode.py on two GPUs)
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="CPU tensors into Triton kernels: run under TRITON_INTERPRET=1")
 
 
 def tiny_args(world: int) -> ModelArgs:
@@ -92,7 +96,7 @@ def check_rank() -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_tp_matches_single_process(world, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    launch(check_rank, world)
+    launch(check_rank, world, cuda=False)  # gloo ranks on the CPU, whatever GPUs the host has
 
 
 def test_shape_errors():
@@ -207,6 +211,7 @@ def test_column_shards_keep_int8_ec_codes_and_scales():
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-3, atol=2e-3)
 
 
+@interpreter_only
 @pytest.mark.parametrize("bits", [16, 8])
 def test_symmetric_path_equals_the_unsharded_layer(bits):
     """SymmetricReduce over two shards of a W4 + gated-EC row-parallel layer with a bias, in one process: the
@@ -258,6 +263,7 @@ def p2p_shards(lin, world: int, max_rows: int):
     return shards, slots, signals
 
 
+@interpreter_only
 @pytest.mark.parametrize("bits", [16, 8])
 def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer(bits):
     """PeerReduce with two simulated ranks (TRITON_INTERPRET): each rank's W4 launch writes its [y_r | u_r] rows into
@@ -288,6 +294,7 @@ def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer(bits):
         assert [shard.reduce.state.tolist() for shard in shards] == [[call, 0]] * world
 
 
+@interpreter_only
 def test_p2p_epilogue_folds_the_next_norm_on_both_ranks(monkeypatch):
     """PeerReduce.receive_add_norm (the p2p epilogue with the next add + RMSNorm folded in, kernels.norm_fold): two
     simulated ranks (TRITON_INTERPRET) give the same h, h ⊙ w and Σ h² partials bit for bit, and h and the norm
@@ -325,6 +332,7 @@ def test_p2p_epilogue_folds_the_next_norm_on_both_ranks(monkeypatch):
     torch.testing.assert_close((folded.hw.float() * rstd), normed.float(), atol=3e-2, rtol=2e-2)
 
 
+@interpreter_only
 def test_tp_decode_bench_tiny_runs_end_to_end(tmp_path):
     out = tmp_path / "tp_decode.json"
     cmd = [sys.executable, str(ROOT / "bench" / "tp_decode.py"), "--tiny", "--batches", "2", "--json", str(out)]
