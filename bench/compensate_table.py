@@ -33,6 +33,7 @@ from spear.layer import ErrorCompensator  # noqa: E402
 from spear.compensate.basis import weights_in_float_basis  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
+from spear.compensate.refit import Rounding  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record  # noqa: E402
 from spear.eval import perplexity  # noqa: E402
 from spear.models import load_float_model  # noqa: E402
@@ -118,7 +119,7 @@ def main() -> None:
     p.add_argument("--ec-bits", type=int, default=16, choices=[16, 8, 4],
                    help="EC factors of every row in fp16, int8 or int4")
     p.add_argument("--refit-rounds", type=int, default=0,
-                   help="joint fitting of RTN codes and the ECs before calibration, this many rounds (every row)")
+                   help="joint fitting of RTN or GPTQ codes and the ECs before calibration, this many rounds (every row)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
 
@@ -167,7 +168,8 @@ def main() -> None:
         t = time.perf_counter()
         ec_init.ErrorCompensator = TokenScalarGateEC if label == TOKEN_GATE_ROW else ErrorCompensator
         report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity, rescaled=rescaled,
-                            rtn=settings.quant if args.method == "rtn" else None)
+                            rounding=Rounding.of(args.method, settings.quant, settings.gptq_damp,
+                                                 settings.gptq_act_order))
         ppl = evaluate(student)
         gates = gate_spread(student, ids[:8])
         row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,

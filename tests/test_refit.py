@@ -1,4 +1,4 @@
-"""Joint fitting (compensate.refit): RTN codes re-rounded with the EC's low-rank part in place, the EC refitted."""
+"""Joint fitting (compensate.refit): RTN and GPTQ codes re-rounded with the EC's low-rank part in place, the EC refitted."""
 
 import copy
 
@@ -9,13 +9,14 @@ from conftest import make_tiny_llama
 from spear.compensate.init import WhitenedError
 from spear.data.calibration import CalibConfig
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers
-from spear.compensate.refit import refit_module
+from spear.compensate.refit import Rounding, refit_module
 from spear.compensate.stats import collect_input_stats
 from spear.errors import SpearError
 from spear.quant.pipeline import QuantSettings, quantize_model
 from spear.record import QuantConfig, rtn_quantize
 
 CFG = QuantConfig(bits=3)
+RTN = Rounding("rtn", CFG)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +36,12 @@ def test_refit_keeps_the_round_of_least_whitened_residual(float_and_quantized):
     stats = collect_input_stats(teacher, ids, [name])[name]
     W = teacher.get_submodule(name).weight.detach()
     w_hat = rtn_quantize(W, CFG).dequantize()
-    none = refit_module(W, w_hat, stats, 4, CFG, 0)
+    none = refit_module(W, w_hat, stats, 4, RTN, 0)
     A0, B0 = WhitenedError.of(W, w_hat, stats, 4).factors(W, w_hat, 4)
     assert none.record is None and torch.equal(none.A, A0) and torch.equal(none.B, B0)
-    refit = refit_module(W, w_hat, stats, 4, CFG, 3)
+    refit = refit_module(W, w_hat, stats, 4, RTN, 3)
     assert len(refit.residuals) == 4 and refit.residuals[:1] == none.residuals
-    planned = refit_module(W, w_hat, stats, 4, CFG, 3, first=WhitenedError.of(W, w_hat, stats, 16))  # the planner's SVD
+    planned = refit_module(W, w_hat, stats, 4, RTN, 3, first=WhitenedError.of(W, w_hat, stats, 16))  # the planner's SVD
     assert planned.residuals == refit.residuals and torch.equal(planned.A, refit.A) and torch.equal(planned.B, refit.B)
     assert refit.residuals[refit.kept] == min(refit.residuals) < refit.residuals[0]  # the alternation helped here
     kept = refit.record.dequantize()
@@ -52,7 +53,7 @@ def test_refit_keeps_the_round_of_least_whitened_residual(float_and_quantized):
 def test_compensate_refits_the_planned_modules_codes_only(float_and_quantized):
     teacher, quantized, ids = float_and_quantized
     student = copy.deepcopy(quantized)
-    report = compensate(student, teacher, ids, CompensateConfig(kind="qera", budget=0.05, refit_rounds=2), rtn=CFG)
+    report = compensate(student, teacher, ids, CompensateConfig(kind="qera", budget=0.05, refit_rounds=2), rounding=RTN)
     planned = {e.name for e in report.plan.entries}
     before, after = quantized_layers(quantized), quantized_layers(student)
     changed = {n for n in after if not torch.equal(after[n].codes, before[n].codes)}
@@ -66,7 +67,7 @@ def test_compensate_refits_the_planned_modules_codes_only(float_and_quantized):
 
 def test_refit_is_refused_where_the_codes_are_not_rtns(float_and_quantized):
     teacher, quantized, ids = float_and_quantized
-    with pytest.raises(SpearError, match="not quantized by SPEAR's RTN"):
+    with pytest.raises(SpearError, match="not quantized by SPEAR's RTN or GPTQ"):
         compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", refit_rounds=1))
     with pytest.raises(SpearError, match="refits QERA's factors"):
         CompensateConfig(kind="lorc", refit_rounds=1)
@@ -81,7 +82,7 @@ def test_refit_rounds_default_to_three_where_the_codes_are_rtns(float_and_quanti
     assert [CompensateConfig(kind=k).refit_rounds_for(True) for k in ("adaptive", "qera", "lqer")] == [3, 3, 0]
     assert CompensateConfig().refit_rounds_for(False) == 0 and CompensateConfig(refit_rounds=1).refit_rounds_for(True) == 1
     teacher, quantized, ids = float_and_quantized
-    auto = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05), rtn=CFG)
+    auto = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05), rounding=RTN)
     assert auto.refit["rounds"] == REFIT_ROUNDS
     other = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05))
     assert other.refit is None and "refit" not in other.seconds
@@ -95,7 +96,27 @@ def test_refit_rounds_default_to_three_where_the_codes_are_rtns(float_and_quanti
 def test_cli_refuses_refit_of_codes_not_rtns_before_any_work(tiny_model_dir, tmp_path, capsys):
     from spear.cli import main
 
-    rc = main(["run", str(tiny_model_dir), "--method", "gptq", "--refit-rounds", "2", "--out", str(tmp_path / "r")])
+    rc = main(["run", str(tiny_model_dir), "--method", "awq", "--refit-rounds", "2", "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "--refit-rounds re-rounds RTN codes" in err
+    assert rc == 2 and len(err.splitlines()) == 1 and "--refit-rounds re-rounds RTN or GPTQ codes" in err
     assert not (tmp_path / "r").exists()  # nothing quantized, nothing written
+
+
+def test_gptq_codes_are_refit_by_gptq_on_the_ec_corrected_weight(float_and_quantized):
+    """GPTQ's codes are re-rounded by GPTQ of W − B A on the layer's input Hessian (Σ x xᵀ), not by RTN: the kept
+    round's record is that GPTQ's, and the alternation lowers the whitened residual as it does for RTN."""
+    from spear.quant.gptq import gptq_quantize
+
+    teacher, _, ids = float_and_quantized
+    name = "model.layers.0.mlp.down_proj"
+    stats = collect_input_stats(teacher, ids, [name])[name]
+    W = teacher.get_submodule(name).weight.detach()
+    gptq = Rounding("gptq", CFG)
+    w_hat = gptq_quantize(W, stats.sum_xx, CFG, act_order=True).dequantize()
+    one = refit_module(W, w_hat, stats, 4, gptq, 1)
+    A0, B0 = WhitenedError.of(W, w_hat, stats, 4).factors(W, w_hat, 4)
+    again = gptq_quantize(W - (B0.double() @ A0.double()).float(), stats.sum_xx, CFG, act_order=True)
+    assert len(one.residuals) == 2 and one.residuals[1] < one.residuals[0]
+    assert one.kept == 1 and torch.equal(one.record.codes, again.codes)
+    assert not torch.equal(again.codes, rtn_quantize(W - (B0.double() @ A0.double()).float(), CFG).codes)
+    assert Rounding.of("awq", CFG) is None and Rounding.of("gptq", CFG) == gptq

@@ -103,7 +103,7 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=CalibrateConfig.steps,
                    help=f"KL calibration steps (adaptive; default {CalibrateConfig.steps})")
     p.add_argument("--refit-rounds", type=int, default=None,
-                   help="joint fitting (RTN artifacts): re-round the codes with the EC's low-rank part in place and "
+                   help="joint fitting (RTN and GPTQ codes): re-round the codes with the EC's low-rank part in place and "
                         f"refit it, this many rounds, before calibration (default {REFIT_ROUNDS} where SPEAR rounded "
                         "the codes by RTN, else 0; compensate/refit.py)")
     p.add_argument("--calib-precision", default="auto", choices=["auto", "float32", "bfloat16"],

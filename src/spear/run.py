@@ -21,7 +21,7 @@ from spear.artifact import ArtifactInfo, save_artifact
 from spear.compensate.calibrate import CalibrateConfig
 from spear.compensate.cka import SensitivityConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
-from spear.compensate.refit import check_refit
+from spear.compensate.refit import Rounding, check_refit
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
 from spear.eval import perplexity
 from spear.models.layerwise import check_walkable
@@ -136,9 +136,10 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
 
     plan = None
     if config.compensate is not None:
-        rtn = config.settings.quant if config.settings.method == "rtn" else None
-        result = compensate(lm.model, float_model, ids, config.compensate, rescaled=config.settings.method == "awq",
-                            rtn=rtn)
+        q = config.settings
+        rounding = Rounding.of(q.method, q.quant, q.gptq_damp, q.gptq_act_order)
+        result = compensate(lm.model, float_model, ids, config.compensate, rescaled=q.method == "awq",
+                            rounding=rounding)
         del float_model
         plan = json.loads(result.plan.to_json())
         report.ec = result.summary()

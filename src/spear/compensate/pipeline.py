@@ -29,12 +29,11 @@ from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sen
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
 from spear.compensate.cost import BytesCost, CostModel
 from spear.compensate.planner import Plan, PlannerConfig, plan_ecs, quantized_model_bytes
-from spear.compensate.refit import refit_module, refit_summary
+from spear.compensate.refit import Rounding, refit_module, refit_summary
 from spear.compensate.stats import InputStats, collect_input_stats, walk_input_stats
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.memory import return_freed_memory
-from spear.record import QuantConfig
 
 KINDS = ("adaptive", "lorc", "lqer", "qera")
 # joint fitting's rounds where SPEAR rounded the codes by RTN and the EC starts from QERA: +1.6 / +1.5 points of the
@@ -57,8 +56,8 @@ class CompensateConfig:
     calibrate: CalibrateConfig = CalibrateConfig()
     gate: bool = True  # adaptive only: False trains a gate-less EC with the same KL loss (its bytes go to rank)
     stats_sequences: int = 1024  # input statistics (R_xx, E|x|) from at most the first this many calibration sequences
-    # joint fitting: re-round RTN codes with the EC in place, this many times (compensate.refit); None: REFIT_ROUNDS
-    # where the codes are SPEAR's RTN and the EC QERA-initialised (adaptive, qera), else 0
+    # joint fitting: re-round RTN or GPTQ codes with the EC in place, this many times (compensate.refit); None:
+    # REFIT_ROUNDS where the codes are SPEAR's RTN and the EC QERA-initialised (adaptive, qera), else 0
     refit_rounds: int | None = None
     seed: int = 0
 
@@ -149,18 +148,18 @@ def compensate(
     cfg: CompensateConfig = CompensateConfig(),
     sensitivity: SensitivityTable | None = None,
     rescaled: bool = False,
-    rtn: QuantConfig | None = None,
+    rounding: Rounding | None = None,
 ) -> CompensateReport:
     """Attach ECs to `student` (quantized, in place) and, for trained kinds, calibrate them against
     the float `teacher`. A sensitivity table computed earlier (same model and quantization) can be reused.
     `rescaled`: the student is AWQ's, with per-channel scales folded in (compensate.basis reads them back).
-    `rtn`: the student's codes are RTN's under this config, which joint fitting (cfg.refit_rounds) re-rounds."""
+    `rounding`: how SPEAR rounded the student's codes (RTN, GPTQ), which joint fitting (cfg.refit_rounds) redoes."""
     layers = quantized_layers(student)
     if not layers:
         raise SpearError("the model has no quantized layers: quantize it first")
-    if cfg.refit_rounds and rtn is None:
-        raise SpearError("joint fitting re-rounds the codes by RTN: this model was not quantized by SPEAR's RTN "
-                         "(GPTQ, AWQ and imported codes keep their own rounding); drop --refit-rounds")
+    if cfg.refit_rounds and rounding is None:
+        raise SpearError("joint fitting re-rounds the codes: this model was not quantized by SPEAR's RTN or GPTQ "
+                         "(AWQ, OmniQuant and imported codes keep their own rounding); drop --refit-rounds")
     teacher_linears = dict(teacher.named_modules())
     records = {n: m.qweight for n, m in layers.items()}
     w4_bytes = quantized_model_bytes(student, records)
@@ -209,7 +208,7 @@ def compensate(
     t = time.perf_counter()
     names = [e.name for e in plan.entries]
     refits = {}
-    refit_rounds = cfg.refit_rounds_for(rtn is not None)
+    refit_rounds = cfg.refit_rounds_for(rounding is not None and rounding.method == "rtn")
     if refit_rounds:
         ranks = {e.name: e.rank for e in plan.entries}
         walked = walk_input_stats(teacher, stats_ids, names) if not stats else [stats]
@@ -217,7 +216,7 @@ def compensate(
             for n, st in layer_stats.items():
                 if n in ranks:
                     W = teacher_linears[n].weight.to(layers[n].weight_hat.device)
-                    refits[n] = refit_module(W, w_hat[n], st, ranks[n], rtn, refit_rounds, errors.pop(n, None))
+                    refits[n] = refit_module(W, w_hat[n], st, ranks[n], rounding, refit_rounds, errors.pop(n, None))
                     if refits[n].record is not None:  # the layer takes the codes (packed) and its new dense copy;
                         layers[n].set_record(refits[n].record)  # the old copy and the unpacked codes go
                         w_hat[n], refits[n].record = layers[n].weight_hat, None

@@ -8,8 +8,9 @@ QERA's whitened norm:
 B A takes the error's largest directions; the codes then round W with them removed, whose rows span a smaller range
 on a per-channel grid, so the next error is smaller. The round with the least residual is kept (SmolLM2, rank 8-32:
 each round lowered it, by 5-18% in all after three). The adaptive EC then trains from that init as before
-(its gate starts at gamma ≡ 1, where its correction is B A). Imported checkpoints keep their codes: their
-rounding is not ours to redo.
+(its gate starts at gamma ≡ 1, where its correction is B A). GPTQ's codes are re-rounded the same way, by GPTQ on the
+layer's input Hessian (Σ x xᵀ, the statistics the EC is fitted in): Ŵ_{t+1} = GPTQ(W − B_t A_t). Imported, AWQ and
+OmniQuant codes keep theirs: their rounding is not ours to redo.
 """
 
 from __future__ import annotations
@@ -23,13 +24,39 @@ from spear.compensate.stats import InputStats
 from spear.errors import SpearError
 from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
 
+REFITTABLE = ("rtn", "gptq")  # the methods whose rounding joint fitting redoes
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How SPEAR rounded a model's codes, to round them again: RTN under `quant`, or GPTQ under `quant` with its
+    dampening and column order (quant.pipeline.QuantSettings) on the inputs' Hessian."""
+
+    method: str  # one of REFITTABLE
+    quant: QuantConfig
+    gptq_damp: float = 0.01
+    gptq_act_order: bool = True
+
+    @classmethod
+    def of(cls, method: str | None, quant: QuantConfig, gptq_damp: float = 0.01,
+           gptq_act_order: bool = True) -> "Rounding | None":
+        """The rounding of codes quantized by `method`; None where it is not SPEAR's to redo."""
+        return cls(method, quant, gptq_damp, gptq_act_order) if method in REFITTABLE else None
+
+    def round(self, W: torch.Tensor, stats: InputStats) -> QuantizedWeight:
+        if self.method == "rtn":
+            return rtn_quantize(W, self.quant)
+        from spear.quant.gptq import gptq_quantize
+
+        return gptq_quantize(W, stats.sum_xx, self.quant, self.gptq_damp, act_order=self.gptq_act_order)
+
 
 def check_refit(rounds: int, method: str | None) -> None:
-    """Refuse joint fitting of codes that SPEAR did not round by RTN, in one line, before any work (`spear run`
+    """Refuse joint fitting of codes that SPEAR did not round (RTN, GPTQ), in one line, before any work (`spear run`
     before quantizing, `spear compensate` before loading); compensate() itself refuses them too, later."""
-    if rounds and method != "rtn":
-        raise SpearError(f"--refit-rounds re-rounds RTN codes; {method} codes keep their own rounding: drop "
-                         f"--refit-rounds or quantize with --method rtn")
+    if rounds and method not in REFITTABLE:
+        raise SpearError(f"--refit-rounds re-rounds RTN or GPTQ codes; {method} codes keep their own rounding: drop "
+                         f"--refit-rounds or quantize with --method rtn or gptq")
 
 
 @dataclass
@@ -47,9 +74,9 @@ class Refit:
         return min(range(len(self.residuals)), key=self.residuals.__getitem__)
 
 
-def refit_module(W: torch.Tensor, w_hat: torch.Tensor, stats: InputStats, rank: int, quant: QuantConfig,
+def refit_module(W: torch.Tensor, w_hat: torch.Tensor, stats: InputStats, rank: int, rounding: Rounding,
                  rounds: int, first: WhitenedError | None = None) -> Refit:
-    """`rounds` alternations from the codes `w_hat` (W's RTN rounding under `quant`); the round of least residual.
+    """`rounds` alternations from the codes `w_hat` (W's rounding by `rounding`); the round of least residual.
     `first`: w_hat's whitened error where the planner has it already (at least `rank` vectors), round 0's."""
     W = W.detach().float()
     best = None
@@ -57,7 +84,7 @@ def refit_module(W: torch.Tensor, w_hat: torch.Tensor, stats: InputStats, rank: 
     record, current = None, w_hat.detach().float()
     for t in range(rounds + 1):
         if t:
-            record = rtn_quantize(W - (B.double() @ A.double()).float(), quant)
+            record = rounding.round(W - (B.double() @ A.double()).float(), stats)
             current = record.dequantize(torch.float32).to(W.device)
         reuse = t == 0 and first is not None and first.U.shape[1] >= rank
         error = first if reuse else WhitenedError.of(W, current, stats, rank)
