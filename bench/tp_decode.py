@@ -45,7 +45,6 @@ from shapes import MODELS
 from fixtures import random_model
 from torch.multiprocessing.spawn import ProcessException
 
-from spear.kernels import options
 from spear.record import QuantConfig
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime.model import ModelArgs, Transformer, use_kernels
@@ -159,7 +158,6 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
             current = None
             for reduction in reductions:
                 base_reduction = reduction.removesuffix("+fold")
-                options.OPTIONS = dataclasses.replace(options.OPTIONS, fold_norm_tp=reduction.endswith("+fold"))
                 if reduction != "-" and base_reduction != current:
                     set_reduction(model, "collective" if reduction == "none" else base_reduction, max(opts["batches"]))
                     current = base_reduction
@@ -167,6 +165,9 @@ def worker(opts: dict, header: dict, prior_rows: list[dict], logits_dir: str) ->
                         for m in model.modules():
                             if isinstance(m, RowParallelLinear):
                                 m.reduce = SkippedReduce()
+                for m in model.modules():  # p2p and p2p+fold share the reduction: only the fold switches
+                    if isinstance(m, RowParallelLinear):
+                        m.fold_norm = reduction.endswith("+fold")
                 for batch in opts["batches"]:
                     if not go_on(opts["deadline"]):
                         return

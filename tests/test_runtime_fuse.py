@@ -351,11 +351,11 @@ def test_folded_norms_keep_the_model_logits(monkeypatch, gen):
     assert err < 1e-2, f"folded norms vs the separate op, logits: {err:.2e}; seed {SEED}"
 
 
-def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypatch, gen):
+def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(gen):
     """runtime.model._folds_norm asks the producer (LinearMethod.folds_norm) and the consumer
     (LinearMethod.takes_folded_norm: a W4 launch built with options' fold_norm, on a decode step): a packed
-    SpearLinear folds; a row-parallel layer (tp.RowParallelLinear) only with options' fold_norm_tp as well, and only
-    where its reduction (p2p) takes the rows."""
+    SpearLinear folds; a row-parallel layer (tp.RowParallelLinear) only when built with options' fold_norm_tp as
+    well (its fold_norm), and only where its reduction (p2p) takes the rows."""
     from types import SimpleNamespace
 
     from spear.runtime import model as model_module
@@ -367,10 +367,9 @@ def test_fold_dispatch_takes_row_parallel_layers_only_with_fold_norm_tp(monkeypa
     assert w4.use_kernels()
     consumer = FusedLinear([w4], fold_norm=True)
     x = torch.zeros(2, K // 2, dtype=torch.float16)
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=False))
     assert model_module._folds_norm(w4, consumer, x)
-    assert not model_module._folds_norm(row_parallel, consumer, x)
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=True))
+    assert not model_module._folds_norm(row_parallel, consumer, x)  # built without fold_norm_tp
+    row_parallel.fold_norm = True  # as tp.set_reduction sets it from options' fold_norm_tp
     assert model_module._folds_norm(row_parallel, consumer, x)
     assert not model_module._folds_norm(row_parallel, consumer, torch.zeros(5, K // 2, dtype=torch.float16))
     assert not model_module._folds_norm(row_parallel, None, x)  # no fused consumer

@@ -295,13 +295,10 @@ def test_p2p_path_two_ranks_in_one_process_equal_the_unsharded_layer(bits):
 
 
 @interpreter_only
-def test_p2p_epilogue_folds_the_next_norm_on_both_ranks(monkeypatch):
+def test_p2p_epilogue_folds_the_next_norm_on_both_ranks():
     """PeerReduce.receive_add_norm (the p2p epilogue with the next add + RMSNorm folded in, kernels.norm_fold): two
     simulated ranks (TRITON_INTERPRET) give the same h, h ⊙ w and Σ h² partials bit for bit, and h and the norm
     they imply match ops.add_rms_norm over the unsharded layer's output."""
-    import dataclasses
-
-    from spear.kernels import options
     from spear.kernels.ops import add_rms_norm_ref
     from spear.runtime.tp import PEER_BLOCK_N
 
@@ -310,7 +307,9 @@ def test_p2p_epilogue_folds_the_next_norm_on_both_ranks(monkeypatch):
     lin = model.layers[0].feed_forward.w_down  # 192 × 128: two epilogue blocks of columns, the second partial
     world, max_rows = 2, 4
     shards, slots, signals = p2p_shards(lin, world, max_rows)
-    monkeypatch.setattr(options, "OPTIONS", dataclasses.replace(options.OPTIONS, fold_norm_tp=True))
+    assert not any(shard.folds_norm(3) for shard in shards)  # built without options' fold_norm_tp
+    for shard in shards:
+        shard.fold_norm = True  # as set_reduction sets it with fold_norm_tp
     assert all(shard.folds_norm(3) for shard in shards) and not shards[0].folds_norm(max_rows + 1)
     gen = torch.Generator().manual_seed(5)
     half = lin.in_features // 2

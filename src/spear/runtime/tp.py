@@ -354,6 +354,7 @@ class RowParallelLinear(LinearMethod):
             raise SpearError(f"{lin.in_features} input features do not split over {world} ranks")
         self.in_features, self.out_features = lin.in_features // world, lin.out_features
         self.bias = lin.bias  # added once, after the reduction
+        self.fold_norm = False  # the next add + RMSNorm folded into the p2p epilogue: options' fold_norm_tp (set_reduction)
         self.ec: RankSpaceEC | None = None
         if not isinstance(lin, SpearLinear):  # the weight's format decides how it splits
             self.base = DenseLinear(_param(_cols(lin.weight.detach(), rank, world)), None)
@@ -392,9 +393,8 @@ class RowParallelLinear(LinearMethod):
 
     def folds_norm(self, rows: int) -> bool:
         """Whether add_norm can fold the next add + RMSNorm into this layer's reduction (the p2p epilogue) for a
-        step of `rows` rows: with options' fold_norm_tp only (read each step: bench/tp_decode.py switches it on a built
-        model, p2p to p2p+fold)."""
-        return options.OPTIONS.fold_norm_tp and isinstance(self.reduce, PeerReduce) and self.reduce.fits(
+        step of `rows` rows: built with it (fold_norm)."""
+        return self.fold_norm and isinstance(self.reduce, PeerReduce) and self.reduce.fits(
             rows, self._staged_width())
 
     def nbytes(self) -> int:
@@ -466,6 +466,7 @@ def set_reduction(model: Transformer, reduction: Reduction, max_rows: int = 32) 
             else:  # u_r's columns padded to the kernel's rank (packed_a)
                 m.reduce = PeerReduce.create(max_rows, m.out_features + (0 if m.ec is None else m.ec.padded_rank),
                                              model.device)
+            m.fold_norm = options.OPTIONS.fold_norm_tp  # read once, here
 
 
 def _free_port() -> int:
