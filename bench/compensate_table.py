@@ -168,8 +168,7 @@ def main() -> None:
         t = time.perf_counter()
         ec_init.ErrorCompensator = TokenScalarGateEC if label == TOKEN_GATE_ROW else ErrorCompensator
         report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity, rescaled=rescaled,
-                            rounding=Rounding.of(args.method, settings.quant, settings.gptq_damp,
-                                                 settings.gptq_act_order))
+                            rounding=Rounding.of(settings))
         ppl = evaluate(student)
         gates = gate_spread(student, ids[:8])
         row = {"row": label, **ppl, "ec_memory_pct": report.ec_memory_pct, "mode": report.plan.mode, "why": report.plan.why,

@@ -16,7 +16,7 @@ from spear.quant.pipeline import QuantSettings, quantize_model
 from spear.record import QuantConfig, rtn_quantize
 
 CFG = QuantConfig(bits=3)
-RTN = Rounding("rtn", CFG)
+RTN = Rounding(QuantSettings("rtn", CFG))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_gptq_codes_are_refit_by_gptq_on_the_ec_corrected_weight(float_and_quant
     name = "model.layers.0.mlp.down_proj"
     stats = collect_input_stats(teacher, ids, [name])[name]
     W = teacher.get_submodule(name).weight.detach()
-    gptq = Rounding("gptq", CFG)
+    gptq = Rounding(QuantSettings("gptq", CFG))
     w_hat = gptq_quantize(W, stats.sum_xx, CFG, act_order=True).dequantize()
     one = refit_module(W, w_hat, stats, 4, gptq, 1)
     A0, B0 = WhitenedError.of(W, w_hat, stats, 4).factors(W, w_hat, 4)
@@ -119,4 +119,5 @@ def test_gptq_codes_are_refit_by_gptq_on_the_ec_corrected_weight(float_and_quant
     assert len(one.residuals) == 2 and one.residuals[1] < one.residuals[0]
     assert one.kept == 1 and torch.equal(one.record.codes, again.codes)
     assert not torch.equal(again.codes, rtn_quantize(W - (B0.double() @ A0.double()).float(), CFG).codes)
-    assert Rounding.of("awq", CFG) is None and Rounding.of("gptq", CFG) == gptq
+    assert Rounding.of(QuantSettings("awq", CFG)) is None and Rounding.of(QuantSettings("gptq", CFG)) == gptq
+    assert Rounding.of(None) is None

@@ -130,7 +130,7 @@ def compensate_artifact(
     """Add ECs to a quantized artifact, in place (atomically); the float model is its base model."""
     from spear.artifact import read_artifact_config
     from spear.compensate.pipeline import compensate
-    from spear.compensate.refit import Rounding, check_refit
+    from spear.compensate.refit import REFITTABLE, Rounding, check_refit
 
     config = read_artifact_config(artifact_dir)
     if config["base_model"] is None:
@@ -145,7 +145,9 @@ def compensate_artifact(
     check_walkable(teacher.model, calib.seq_len)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
     sampled = time.perf_counter()
-    rounding = Rounding.of(method, QuantConfig.from_dict(config["quant"]))  # GPTQ's settings: QuantSettings' defaults
+    # the artifact records the grid, not GPTQ's dampening and order: those are QuantSettings' defaults
+    rounding = Rounding.of(QuantSettings(method, QuantConfig.from_dict(config["quant"])) if method in REFITTABLE
+                           else None)
     report = compensate(student.model, teacher.model, ids, cfg, rescaled=method == "awq", rounding=rounding)
     report.seconds = {"load": loaded - start, "calibration_ids": sampled - loaded} | report.seconds
     info = ArtifactInfo(config["base_model"], config["quant"], calibration_record(calib, ids),

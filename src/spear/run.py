@@ -140,7 +140,7 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
     plan = None
     if config.compensate is not None:
         q = config.settings
-        rounding = Rounding.of(q.method, q.quant, q.gptq_damp, q.gptq_act_order)
+        rounding = Rounding.of(q)
         result = compensate(lm.model, float_model, ids, config.compensate, rescaled=q.method == "awq",
                             rounding=rounding)
         del float_model

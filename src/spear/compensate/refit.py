@@ -22,33 +22,35 @@ import torch
 from spear.compensate.init import WhitenedError
 from spear.compensate.stats import InputStats
 from spear.errors import SpearError
-from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
+from spear.quant.pipeline import QuantSettings
+from spear.record import QuantizedWeight, rtn_quantize
 
 REFITTABLE = ("rtn", "gptq")  # the methods whose rounding joint fitting redoes
 
 
 @dataclass(frozen=True)
 class Rounding:
-    """How SPEAR rounded a model's codes, to round them again: RTN under `quant`, or GPTQ under `quant` with its
-    dampening and column order (quant.pipeline.QuantSettings) on the inputs' Hessian."""
+    """How SPEAR rounded a model's codes, to round them again: RTN under `settings.quant`, or GPTQ with the settings'
+    dampening, block size and column order on the inputs' Hessian."""
 
-    method: str  # one of REFITTABLE
-    quant: QuantConfig
-    gptq_damp: float = 0.01
-    gptq_act_order: bool = True
+    settings: QuantSettings  # its method is one of REFITTABLE
 
     @classmethod
-    def of(cls, method: str | None, quant: QuantConfig, gptq_damp: float = 0.01,
-           gptq_act_order: bool = True) -> "Rounding | None":
-        """The rounding of codes quantized by `method`; None where it is not SPEAR's to redo."""
-        return cls(method, quant, gptq_damp, gptq_act_order) if method in REFITTABLE else None
+    def of(cls, settings: QuantSettings | None) -> "Rounding | None":
+        """The rounding of codes quantized under `settings`; None where it is not SPEAR's to redo."""
+        return cls(settings) if settings is not None and settings.method in REFITTABLE else None
+
+    @property
+    def method(self) -> str:
+        return self.settings.method
 
     def round(self, W: torch.Tensor, stats: InputStats) -> QuantizedWeight:
-        if self.method == "rtn":
-            return rtn_quantize(W, self.quant)
+        s = self.settings
+        if s.method == "rtn":
+            return rtn_quantize(W, s.quant)
         from spear.quant.gptq import gptq_quantize
 
-        return gptq_quantize(W, stats.sum_xx, self.quant, self.gptq_damp, act_order=self.gptq_act_order)
+        return gptq_quantize(W, stats.sum_xx, s.quant, s.gptq_damp, s.gptq_block_size, act_order=s.gptq_act_order)
 
 
 def check_refit(rounds: int, method: str | None) -> None:
