@@ -120,6 +120,8 @@ def main() -> None:
                    help="EC factors of every row in fp16, int8 or int4")
     p.add_argument("--refit-rounds", type=int, default=0,
                    help="joint fitting of RTN or GPTQ codes and the ECs before calibration, this many rounds (every row)")
+    p.add_argument("--joint-rounds", type=int, default=0,
+                   help="after calibration: codes re-rounded against the trained ECs, then trained again (SPEAR rows)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
 
@@ -143,7 +145,7 @@ def main() -> None:
                                                "source": "text file" if calib.text_file else "self-sampled"},
                                "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch, "cost": args.cost,
                                "norm_lr": args.norm_lr, "seed": args.seed, "ec_bits": args.ec_bits,
-                               "refit_rounds": args.refit_rounds,
+                               "refit_rounds": args.refit_rounds, "joint_rounds": args.joint_rounds,
                                "rows": rows})
 
     fp = evaluate(lm.model)
@@ -161,6 +163,7 @@ def main() -> None:
         if args.only and not any(key in label for key in args.only):
             continue
         cfg = replace(cfg, seed=args.seed, refit_rounds=args.refit_rounds if cfg.kind in ("adaptive", "qera") else 0,
+                      joint_rounds=args.joint_rounds if cfg.kind == "adaptive" else 0,
                       planner=replace(cfg.planner, factor_bits=args.ec_bits), calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch,
                                                              norm_lr=args.norm_lr, progress=False),
                       cost=LatencyCost() if args.cost == "latency" else cfg.cost)
@@ -176,7 +179,7 @@ def main() -> None:
                "calibration": None if report.calibration is None else report.calibration.to_dict(),
                "gate": gates,
                "modules": len(report.plan.entries), "ranks": sorted({e.rank for e in report.plan.entries}),
-               "refit": report.refit,
+               "refit": report.refit, "joint_kl": report.joint_kl,
                "gap_closed": {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in datasets},
                "seconds": time.perf_counter() - t}
         rows.append(row)

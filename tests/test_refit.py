@@ -98,7 +98,7 @@ def test_cli_refuses_refit_of_codes_not_rtns_before_any_work(tiny_model_dir, tmp
 
     rc = main(["run", str(tiny_model_dir), "--method", "awq", "--refit-rounds", "2", "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "--refit-rounds re-rounds RTN or GPTQ codes" in err
+    assert rc == 2 and len(err.splitlines()) == 1 and "--joint-rounds re-round RTN or GPTQ codes" in err
     assert not (tmp_path / "r").exists()  # nothing quantized, nothing written
 
 
@@ -121,3 +121,60 @@ def test_gptq_codes_are_refit_by_gptq_on_the_ec_corrected_weight(float_and_quant
     assert not torch.equal(again.codes, rtn_quantize(W - (B0.double() @ A0.double()).float(), CFG).codes)
     assert Rounding.of(QuantSettings("awq", CFG)) is None and Rounding.of(QuantSettings("gptq", CFG)) == gptq
     assert Rounding.of(None) is None
+
+
+def test_reround_under_ecs_removes_the_trained_ecs_mean_linear_part(float_and_quantized):
+    """After calibration the codes are RTN of W − α B diag(E γ(A x)) A: the gate's mean over the tokens, measured by
+    hooks on the ECs, scales A's rows; the EC itself is left as it is."""
+    from spear.compensate.init import attach_ec
+    from spear.compensate.refit import mean_gates, reround_under_ecs
+
+    teacher, quantized, ids = float_and_quantized
+    student = copy.deepcopy(quantized)
+    name = "model.layers.1.self_attn.o_proj"
+    layer = quantized_layers(student)[name]
+    g = torch.Generator().manual_seed(1)
+    attach_ec(layer, 0.1 * torch.randn(4, layer.in_features, generator=g),
+              0.1 * torch.randn(layer.out_features, 4, generator=g), gate_hidden=8)
+    with torch.no_grad():
+        layer.ec.gate[2].weight.normal_(0, 0.5, generator=g)
+        layer.ec.alpha.fill_(0.7)
+    seen = []
+    hook = layer.register_forward_pre_hook(lambda m, inputs: seen.append(inputs[0].reshape(-1, m.in_features)))
+    gates = mean_gates(student, ids[:4], batch_size=2)
+    hook.remove()
+    x = torch.cat(seen)
+    A, B = layer.ec.factors()
+    expected = layer.ec.gamma(x @ A.t()).mean(0)
+    assert set(gates) == {name} and torch.allclose(gates[name], expected, atol=1e-5)
+    assert not torch.allclose(expected, torch.ones_like(expected), atol=1e-2)  # a gate that moves
+    W = teacher.get_submodule(name).weight.detach()
+    ec_before = {k: v.clone() for k, v in layer.ec.state_dict().items()}
+    assert reround_under_ecs(quantized_layers(student), {name: W}, RTN, gates) == 1
+    target = W - 0.7 * (B.double() @ (gates[name][:, None] * A).double()).float()
+    assert torch.equal(layer.qweight.codes, rtn_quantize(target, CFG).codes)
+    assert all(torch.equal(v, layer.ec.state_dict()[k]) for k, v in ec_before.items())
+    others = [n for n in quantized_layers(student) if n != name]
+    assert all(torch.equal(quantized_layers(student)[n].codes, quantized_layers(quantized)[n].codes) for n in others)
+
+
+def test_joint_rounds_keep_the_training_of_least_kl(float_and_quantized):
+    """`joint_rounds` trainings after the first, each after a re-rounding; the report lists every training's
+    held-out KL and the state kept is the least's: its codes are the re-rounded ones only when a later round won."""
+    teacher, quantized, ids = float_and_quantized
+    student = copy.deepcopy(quantized)
+    cfg = CompensateConfig(budget=0.05, refit_rounds=0, joint_rounds=2)
+    cfg = CompensateConfig(budget=0.05, refit_rounds=0, joint_rounds=2,
+                           calibrate=type(cfg.calibrate)(steps=6, batch_size=4, eval_every=2, progress=False))
+    report = compensate(student, teacher, ids, cfg, rounding=RTN)
+    kl = report.joint_kl
+    assert len(kl) == 3 and report.calibration.final_heldout_kl == min(kl)
+    assert report.calibration.steps <= 6 // 3 and report.summary()["joint_kl"] == kl
+    with_ec = {n for n, m in quantized_layers(student).items() if m.ec is not None}
+    moved = {n for n in quantized_layers(student)
+             if not torch.equal(quantized_layers(student)[n].codes, quantized_layers(quantized)[n].codes)}
+    assert moved <= with_ec and bool(moved) == (kl.index(min(kl)) > 0)
+    with pytest.raises(SpearError, match="adaptive EC only"):
+        CompensateConfig(kind="qera", joint_rounds=1)
+    with pytest.raises(SpearError, match="not quantized by SPEAR's RTN or GPTQ"):
+        compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(joint_rounds=1))

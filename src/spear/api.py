@@ -136,7 +136,7 @@ def compensate_artifact(
     if config["base_model"] is None:
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
     method = config["quant"].get("method")
-    check_refit(cfg.refit_rounds, method)
+    check_refit(cfg.refit_rounds or cfg.joint_rounds, method)
     _check_compensate_memory(Path(artifact_dir), config, cfg, calib, device)
     start = time.perf_counter()
     student = load_artifact(artifact_dir, device)

@@ -106,6 +106,10 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                    help="joint fitting (RTN and GPTQ codes): re-round the codes with the EC's low-rank part in place and "
                         f"refit it, this many rounds, before calibration (default {REFIT_ROUNDS} where SPEAR rounded "
                         "the codes by RTN, else 0; compensate/refit.py)")
+    p.add_argument("--joint-rounds", type=int, default=0,
+                   help="after calibration (RTN and GPTQ codes, adaptive EC): re-round the codes against the trained "
+                        "EC and train it again, this many rounds, the steps split evenly; the round of least KL is "
+                        "kept (default 0)")
     p.add_argument("--calib-precision", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the frozen student's dtype while the ECs train (they and Adam stay float32): auto is "
                         "bfloat16 on CUDA above 2B parameters, float32 otherwise")
@@ -137,7 +141,8 @@ def _compensate_config(args):
         raise SpearError(f"--no-gate applies to --kind adaptive; {args.kind} has no gate")
     budget, base = args.budget
     cfg = CompensateConfig(kind=args.kind, budget=budget, budget_base=base, seed=args.seed, cost=cost,
-                           gate=not args.no_gate, refit_rounds=args.refit_rounds)
+                           gate=not args.no_gate, refit_rounds=args.refit_rounds,
+                           joint_rounds=args.joint_rounds)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank, factor_bits=args.ec_bits),
                    calibrate=replace(cfg.calibrate, steps=args.steps, precision=args.calib_precision,
                                      checkpoint_layers=args.checkpoint_layers))

@@ -29,7 +29,7 @@ from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sen
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
 from spear.compensate.cost import BytesCost, CostModel
 from spear.compensate.planner import Plan, PlannerConfig, plan_ecs, quantized_model_bytes
-from spear.compensate.refit import Rounding, refit_module, refit_summary
+from spear.compensate.refit import Rounding, mean_gates, refit_module, refit_summary, reround_under_ecs
 from spear.compensate.stats import InputStats, collect_input_stats, walk_input_stats
 from spear.errors import SpearError
 from spear.layer import SpearLinear
@@ -59,6 +59,10 @@ class CompensateConfig:
     # joint fitting: re-round RTN or GPTQ codes with the EC in place, this many times (compensate.refit); None:
     # REFIT_ROUNDS where the codes are SPEAR's RTN and the EC QERA-initialised (adaptive, qera), else 0
     refit_rounds: int | None = None
+    # after calibration: re-round the codes against the trained EC's mean linear part and train again, this many
+    # times (compensate.refit.reround_under_ecs); the steps are split evenly over the trainings, the round of least
+    # KL is kept. Opt-in: BENCHMARKS §2 has what it measured
+    joint_rounds: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +78,9 @@ class CompensateConfig:
             raise SpearError(f"stats_sequences must be positive, got {self.stats_sequences}")
         if self.refit_rounds is not None and self.refit_rounds < 0:
             raise SpearError(f"refit rounds must be 0 or more, got {self.refit_rounds}")
+        if self.joint_rounds < 0 or (self.joint_rounds and self.kind != "adaptive"):
+            raise SpearError(f"joint rounds re-train the EC after re-rounding: 0 or more, with the adaptive EC only "
+                             f"(got {self.joint_rounds} with {self.kind})")
         if self.refit_rounds and self.kind in ("lorc", "lqer"):
             raise SpearError(f"joint fitting refits QERA's factors; the {self.kind} EC has its own: use qera or adaptive")
 
@@ -103,6 +110,7 @@ class CompensateReport:
     seconds: dict = field(default_factory=dict)
     linear_bytes: int = 0  # the quantized linears' share of w4_bytes
     refit: dict | None = None  # joint fitting's whitened residual by round (refit_summary), where it ran
+    joint_kl: list[float] | None = None  # after calibration: the KL of each training, round 0 first (joint_rounds)
 
     @property
     def ec_memory_pct(self) -> float:
@@ -133,6 +141,7 @@ class CompensateReport:
             "ranks": sorted({e.rank for e in self.plan.entries}), "w4_bytes": self.w4_bytes, "ec_bytes": self.ec_bytes,
             "ec_memory_pct": self.ec_memory_pct, "linear_bytes": self.linear_bytes,
             "ec_linears_pct": self.ec_linears_pct, "seconds": self.seconds, "refit": self.refit,
+            "joint_kl": self.joint_kl,
             "calibration": None if self.calibration is None else self.calibration.to_dict() | {"history": None},
         }
 
@@ -157,7 +166,7 @@ def compensate(
     layers = quantized_layers(student)
     if not layers:
         raise SpearError("the model has no quantized layers: quantize it first")
-    if cfg.refit_rounds and rounding is None:
+    if (cfg.refit_rounds or cfg.joint_rounds) and rounding is None:
         raise SpearError("joint fitting re-rounds the codes: this model was not quantized by SPEAR's RTN or GPTQ "
                          "(AWQ, OmniQuant and imported codes keep their own rounding); drop --refit-rounds")
     teacher_linears = dict(teacher.named_modules())
@@ -240,13 +249,57 @@ def compensate(
     del stats, errors, w_hat, spectra
     return_freed_memory()
 
-    calibration = None
+    calibration, joint_kl = None, None
     if cfg.trained and plan.entries:
-        calib_cfg = replace(cfg.calibrate, train_gate=cfg.gated, seed=cfg.seed)
+        steps = max(1, cfg.calibrate.steps // (cfg.joint_rounds + 1))
+        calib_cfg = replace(cfg.calibrate, train_gate=cfg.gated, seed=cfg.seed, steps=steps)
         calibration = calibrate_ecs(student, teacher, calib_ids, calib_cfg)
         seconds["calibrate"] = calibration.seconds
+        if cfg.joint_rounds:
+            t = time.perf_counter()
+            calibration, joint_kl = train_jointly(student, teacher, calib_ids, stats_ids, calib_cfg, rounding,
+                                                  cfg.joint_rounds, calibration)
+            seconds["joint"] = time.perf_counter() - t
     round_as_stored(student)  # the ECs as the artifact stores them (fp16): what is evaluated is what is served
     ec_bytes = sum(layers[n].ec.nbytes() for n in names)
     kind = "adaptive, no gate" if cfg.trained and not cfg.gated else cfg.kind
     refit = None if not refits else refit_summary(refits)
-    return CompensateReport(kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds, linear_bytes, refit)
+    return CompensateReport(kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds, linear_bytes, refit,
+                            joint_kl)
+
+
+def train_jointly(student: nn.Module, teacher: nn.Module, calib_ids: torch.Tensor, stats_ids: torch.Tensor,
+                  calib_cfg: CalibrateConfig, rounding: Rounding, rounds: int, first: CalibrationResult
+                  ) -> tuple[CalibrationResult, list[float]]:
+    """`rounds` alternations after the calibration `first`: re-round the codes under the trained ECs
+    (compensate.refit), train the ECs again. The round of least KL (held-out where there is a held-out set) is kept:
+    its codes, ECs and calibration result. Returns that result and every round's KL, round 0 first."""
+    def kl(result: CalibrationResult) -> float:
+        return result.final_heldout_kl if result.final_heldout_kl is not None else result.final_train_kl
+
+    layers = {n: m for n, m in quantized_layers(student).items() if m.ec is not None}
+    teacher_linears = dict(teacher.named_modules())
+
+    def snapshot() -> dict:  # set_record replaces a layer's tensors (never writes into them): the record stays valid
+        return {n: (m.qweight, {k: v.detach().clone() for k, v in m.ec.state_dict().items()}) for n, m in layers.items()}
+
+    history, calibration = [kl(first)], first
+    best = (history[0], snapshot(), first)
+    for _ in tqdm(range(rounds), desc="joint rounds", unit="round", disable=not calib_cfg.progress):
+        gates = mean_gates(student, stats_ids[:64])
+        weights = {n: teacher_linears[n].weight for n in layers}
+        if rounding.method == "gptq":  # GPTQ rounds on each layer's input Hessian: a decoder layer's at a time
+            for layer_stats in walk_input_stats(teacher, stats_ids, list(layers)):
+                part = {n: layers[n] for n in layer_stats}
+                reround_under_ecs(part, weights, rounding, gates, layer_stats)
+        else:
+            reround_under_ecs(layers, weights, rounding, gates)
+        calibration = calibrate_ecs(student, teacher, calib_ids, calib_cfg)
+        history.append(kl(calibration))
+        if history[-1] < best[0]:
+            best = (history[-1], snapshot(), calibration)
+    _, kept, calibration = best
+    for n, (record, ec_state) in kept.items():
+        layers[n].set_record(record)
+        layers[n].ec.load_state_dict(ec_state)
+    return calibration, history

@@ -57,8 +57,8 @@ def check_refit(rounds: int, method: str | None) -> None:
     """Refuse joint fitting of codes that SPEAR did not round (RTN, GPTQ), in one line, before any work (`spear run`
     before quantizing, `spear compensate` before loading); compensate() itself refuses them too, later."""
     if rounds and method not in REFITTABLE:
-        raise SpearError(f"--refit-rounds re-rounds RTN or GPTQ codes; {method} codes keep their own rounding: drop "
-                         f"--refit-rounds or quantize with --method rtn or gptq")
+        raise SpearError(f"--refit-rounds and --joint-rounds re-round RTN or GPTQ codes; {method} codes keep their own "
+                         f"rounding: drop them or quantize with --method rtn or gptq")
 
 
 @dataclass
@@ -106,3 +106,59 @@ def refit_summary(refits: dict[str, Refit]) -> dict:
     best = sum(r.residuals[r.kept] for r in refits.values())
     return {"rounds": rounds - 1, "residual_by_round": [x / total[0] for x in total], "residual_kept": best / total[0],
             "modules_by_kept_round": kept}
+
+
+# --- after calibration: the codes re-rounded against the trained EC, then the EC trained again ------------------
+#     Ŵ' = round(W − α B diag(E_x γ(A x)) A)   (the trained EC's mean linear part; γ ≡ 1 without a gate)
+
+
+@torch.no_grad()
+def mean_gates(model: torch.nn.Module, ids: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
+    """E_x γ(A x) per rank direction [r] of every gated EC of `model` (by its SpearLinear's name), over the tokens of
+    `ids`; an EC without a gate is absent (its γ is 1)."""
+    from spear.layer import SpearLinear
+
+    gated = {n: m.ec for n, m in model.named_modules()
+             if isinstance(m, SpearLinear) and m.ec is not None and m.ec.gate is not None}
+    sums = {n: torch.zeros(ec.rank, dtype=torch.float64) for n, ec in gated.items()}
+    tokens = 0
+
+    def hook(name: str):
+        def accumulate(ec, inputs, _output) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            A, _ = ec.factors()
+            sums[name] += ec.gamma(x @ A.to(x.dtype).t()).double().sum(0).cpu()
+        return accumulate
+
+    handles = [ec.register_forward_hook(hook(n)) for n, ec in gated.items()]
+    device = next(model.parameters()).device
+    try:
+        for i in range(0, len(ids), batch_size):
+            chunk = ids[i:i + batch_size].to(device)
+            model(input_ids=chunk)
+            tokens += chunk.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (s / max(tokens, 1)).float() for n, s in sums.items()}
+
+
+@torch.no_grad()
+def reround_under_ecs(layers: dict, weights: dict[str, torch.Tensor], rounding: Rounding,
+                      gates: dict[str, torch.Tensor], stats: dict[str, InputStats] | None = None) -> int:
+    """Re-round the codes of every layer of `layers` that has an EC to W − α B diag(ḡ) A, its trained EC's mean
+    linear part removed (`gates`: ḡ by name, absent = 1); `weights`: the float W by name; `stats`: the layers'
+    input statistics, which GPTQ's rounding needs (RTN's does not). The ECs stay as they are. Returns the count."""
+    count = 0
+    for name, layer in layers.items():
+        if layer.ec is None:
+            continue
+        A, B = (f.detach().float() for f in layer.ec.factors())
+        gate = gates.get(name)
+        if gate is not None:
+            A = gate.to(A.device)[:, None] * A
+        W = weights[name].detach().float().to(A.device)
+        correction = layer.ec.alpha.detach().float() * (B.double() @ A.double()).float()
+        layer.set_record(rounding.round(W - correction, None if stats is None else stats[name]))
+        count += 1
+    return count
