@@ -159,6 +159,9 @@ def suites(data_dir: str) -> dict[str, list[tuple[str, str, list[str]]]]:
             # WikiText-2 +6.1, PTB -8.9 points; BENCHMARKS §2)
             ("full_gptq_w4pc_int8_refit", table, G4 + FULL + ["--steps", "1500", "--ec-bits", "8", "--refit-rounds", "3",
                                                              "--only", "+SPEAR 1%"])
+        ] + [  # the defaults plus one joint round after calibration: 750 steps, re-round, 750 steps (equal steps)
+            ("full_rtn_w4pc_int8_joint1", table, PC + FULL + ["--steps", "1500", "--ec-bits", "8", "--refit-rounds", "3",
+                                                             "--joint-rounds", "1", "--only", "+SPEAR 1%"])
         ],
         "quant": [("quant_table", "quant_table.py", [])],
         "warm": [],
