@@ -11,6 +11,9 @@ each round lowered it, by 5-18% in all after three). The adaptive EC then trains
 (its gate starts at gamma ≡ 1, where its correction is B A). GPTQ's codes are re-rounded the same way, by GPTQ on the
 layer's input Hessian (Σ x xᵀ, the statistics the EC is fitted in): Ŵ_{t+1} = GPTQ(W − B_t A_t). Imported, AWQ and
 OmniQuant codes keep theirs: their rounding is not ours to redo.
+
+After calibration (`joint_rounds`, opt-in) the alternation goes on with the trained EC: the codes are re-rounded
+against its mean linear part, α B diag(E_x γ(A x)) A, and the EC is trained again (compensate.pipeline.train_jointly).
 """
 
 from __future__ import annotations
