@@ -163,9 +163,10 @@ def test_joint_rounds_keep_the_training_of_least_kl(float_and_quantized):
     held-out KL and the state kept is the least's: its codes are the re-rounded ones only when a later round won."""
     teacher, quantized, ids = float_and_quantized
     student = copy.deepcopy(quantized)
-    cfg = CompensateConfig(budget=0.05, refit_rounds=0, joint_rounds=2)
+    from spear.compensate.calibrate import CalibrateConfig
+
     cfg = CompensateConfig(budget=0.05, refit_rounds=0, joint_rounds=2,
-                           calibrate=type(cfg.calibrate)(steps=6, batch_size=4, eval_every=2, progress=False))
+                           calibrate=CalibrateConfig(steps=6, batch_size=4, eval_every=2, progress=False))
     report = compensate(student, teacher, ids, cfg, rounding=RTN)
     kl = report.joint_kl
     assert len(kl) == 3 and report.calibration.final_heldout_kl == min(kl)

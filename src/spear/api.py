@@ -136,7 +136,7 @@ def compensate_artifact(
     if config["base_model"] is None:
         raise SpearError(f"{artifact_dir} was imported without its float model: re-import it with --base MODEL")
     method = config["quant"].get("method")
-    check_refit(cfg.refit_rounds or cfg.joint_rounds, method)
+    check_refit(cfg.rerounds_codes, method)
     _check_compensate_memory(Path(artifact_dir), config, cfg, calib, device)
     start = time.perf_counter()
     student = load_artifact(artifact_dir, device)
@@ -145,7 +145,8 @@ def compensate_artifact(
     check_walkable(teacher.model, calib.seq_len)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
     sampled = time.perf_counter()
-    # the artifact records the grid, not GPTQ's dampening and order: those are QuantSettings' defaults
+    # the artifact records the grid, not GPTQ's dampening and order: those are QuantSettings' defaults; imported
+    # artifacts name no quantizer of SPEAR's (QuantSettings would refuse their method)
     rounding = Rounding.of(QuantSettings(method, QuantConfig.from_dict(config["quant"])) if method in REFITTABLE
                            else None)
     report = compensate(student.model, teacher.model, ids, cfg, rescaled=method == "awq", rounding=rounding)

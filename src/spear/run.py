@@ -76,7 +76,7 @@ class RunConfig:
               batch_size: int | None = None,
               compensate: CompensateConfig | None = CompensateConfig()) -> "RunConfig":
         if compensate is not None:
-            check_refit(compensate.refit_rounds or compensate.joint_rounds, settings.method)
+            check_refit(compensate.rerounds_codes, settings.method)
         if quick:
             calib, compensate = quick_calibration(calib, compensate, rtn_codes=settings.method == "rtn")
             max_windows = max_windows or QUICK_WINDOWS

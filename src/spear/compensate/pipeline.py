@@ -24,7 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.compensate.basis import weights_in_float_basis
-from spear.compensate.calibrate import CalibrateConfig, CalibrationResult, calibrate_ecs
+from spear.compensate.calibrate import (CalibrateConfig, CalibrationResult, calibrate_ecs, ec_state_dict,
+                                         load_ec_state_dict)
 from spear.compensate.cka import SensitivityConfig, SensitivityTable, module_sensitivity
 from spear.compensate.init import WhitenedError, attach_ec, init_ec
 from spear.compensate.cost import BytesCost, CostModel
@@ -83,6 +84,11 @@ class CompensateConfig:
                              f"(got {self.joint_rounds} with {self.kind})")
         if self.refit_rounds and self.kind in ("lorc", "lqer"):
             raise SpearError(f"joint fitting refits QERA's factors; the {self.kind} EC has its own: use qera or adaptive")
+
+    @property
+    def rerounds_codes(self) -> bool:
+        """Whether this config re-rounds the codes (refit rounds asked for, or joint rounds): RTN or GPTQ codes only."""
+        return bool(self.refit_rounds or self.joint_rounds)
 
     def refit_rounds_for(self, rtn_codes: bool) -> int:
         """The joint-fitting rounds this config runs on codes that SPEAR's RTN rounded (`rtn_codes`) or not."""
@@ -166,7 +172,7 @@ def compensate(
     layers = quantized_layers(student)
     if not layers:
         raise SpearError("the model has no quantized layers: quantize it first")
-    if (cfg.refit_rounds or cfg.joint_rounds) and rounding is None:
+    if cfg.rerounds_codes and rounding is None:
         raise SpearError("joint fitting re-rounds the codes: this model was not quantized by SPEAR's RTN or GPTQ "
                          "(AWQ, OmniQuant and imported codes keep their own rounding); drop --refit-rounds")
     teacher_linears = dict(teacher.named_modules())
@@ -280,8 +286,9 @@ def train_jointly(student: nn.Module, teacher: nn.Module, calib_ids: torch.Tenso
     layers = {n: m for n, m in quantized_layers(student).items() if m.ec is not None}
     teacher_linears = dict(teacher.named_modules())
 
-    def snapshot() -> dict:  # set_record replaces a layer's tensors (never writes into them): the record stays valid
-        return {n: (m.qweight, {k: v.detach().clone() for k, v in m.ec.state_dict().items()}) for n, m in layers.items()}
+    # set_record replaces a layer's tensors (never writes into them): a record taken here stays valid
+    def snapshot() -> tuple[dict, dict]:
+        return {n: m.qweight for n, m in layers.items()}, ec_state_dict(student)
 
     history, calibration = [kl(first)], first
     best = (history[0], snapshot(), first)
@@ -298,8 +305,8 @@ def train_jointly(student: nn.Module, teacher: nn.Module, calib_ids: torch.Tenso
         history.append(kl(calibration))
         if history[-1] < best[0]:
             best = (history[-1], snapshot(), calibration)
-    _, kept, calibration = best
-    for n, (record, ec_state) in kept.items():
+    _, (records, ec_state), calibration = best
+    for n, record in records.items():
         layers[n].set_record(record)
-        layers[n].ec.load_state_dict(ec_state)
+    load_ec_state_dict(student, ec_state)
     return calibration, history

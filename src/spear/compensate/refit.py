@@ -56,10 +56,10 @@ class Rounding:
         return gptq_quantize(W, stats.sum_xx, s.quant, s.gptq_damp, s.gptq_block_size, act_order=s.gptq_act_order)
 
 
-def check_refit(rounds: int, method: str | None) -> None:
+def check_refit(rerounds: bool, method: str | None) -> None:
     """Refuse joint fitting of codes that SPEAR did not round (RTN, GPTQ), in one line, before any work (`spear run`
     before quantizing, `spear compensate` before loading); compensate() itself refuses them too, later."""
-    if rounds and method not in REFITTABLE:
+    if rerounds and method not in REFITTABLE:
         raise SpearError(f"--refit-rounds and --joint-rounds re-round RTN or GPTQ codes; {method} codes keep their own "
                          f"rounding: drop them or quantize with --method rtn or gptq")
 
@@ -119,10 +119,9 @@ def refit_summary(refits: dict[str, Refit]) -> dict:
 def mean_gates(model: torch.nn.Module, ids: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
     """E_x γ(A x) per rank direction [r] of every gated EC of `model` (by its SpearLinear's name), over the tokens of
     `ids`; an EC without a gate is absent (its γ is 1)."""
-    from spear.layer import SpearLinear
+    from spear.compensate.calibrate import ec_modules
 
-    gated = {n: m.ec for n, m in model.named_modules()
-             if isinstance(m, SpearLinear) and m.ec is not None and m.ec.gate is not None}
+    gated = {n.removesuffix(".ec"): ec for n, ec in ec_modules(model).items() if ec.gate is not None}
     sums = {n: torch.zeros(ec.rank, dtype=torch.float64) for n, ec in gated.items()}
     tokens = 0
 
