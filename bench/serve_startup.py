@@ -11,6 +11,7 @@ Each build's seconds are split by timers wrapped around the functions that can t
     precompile            the tuner's candidates compiled in parallel processes first (kernels.w4.precompile)
     tune_w4 / tune_gemv   the decode kernels' configs timed per weight shape and row bucket (use_kernels)
     kv_budget             the warm-up step that sizes the KV cache from free memory (engine._cuda_kv_budget)
+    compile_ahead         the graphs' kernels compiled in parallel processes first (kernels.compile_ahead)
     decode_graphs         one CUDA graph of a whole step per row bucket (runner.DecodeGraph), with their warm-ups
     mixed_graphs          the piecewise graphs of mixed steps per token bucket (runner.MixedStepGraphs)
 and the counts of each (shapes tuned, graphs captured), and Triton's compiles in this process by the stage that
@@ -95,6 +96,7 @@ def timed_functions() -> list[tuple[object, str, str]]:
     return [(precompile, "precompile_w4", "precompile"), (w4, "tune_w4", "tune_w4"),
             (f16_gemv, "tune_gemv", "tune_gemv"),
             (engine_module, "_cuda_kv_budget", "kv_budget"),
+            (runner_module, "compile_ahead", "compile_ahead"),  # as the runner calls it
             (runner_module.DecodeGraph, "__init__", "decode_graphs"),  # a class's capture: its __init__
             (runner_module.MixedStepGraphs, "__init__", "mixed_graphs")]
 

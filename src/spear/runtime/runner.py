@@ -26,6 +26,7 @@ import torch
 from spear.errors import SpearError
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime.model import Transformer
+from spear.kernels.compile_ahead import compile_ahead
 from spear.kernels.ops import attention_tile_rows
 
 
@@ -131,14 +132,24 @@ class ModelRunner:
         self.mixed: dict[int, MixedStepGraphs] = {}
         self.on_step: Callable[[list[Chunk]], None] | None = None  # sees each step's chunks first (TP: sends them)
         capture = cuda_graphs and cache.device.type == "cuda"
+        sizes = sorted(graph_buckets(max(max_num_seqs, row_graph_tokens)), reverse=True)  # largest first
         with torch.inference_mode():
-            if capture:
+            if capture:  # every variant the warm-ups below would compile one by one, compiled in parallel first
+                compile_ahead(lambda: self._dry_steps(sizes, mixed_graph_tokens))
                 pool = torch.cuda.graph_pool_handle()
-                for size in sorted(graph_buckets(max(max_num_seqs, row_graph_tokens)), reverse=True):  # largest first
+                for size in sizes:
                     self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, self.tile_rows,
                                                     self.tile_slots(size), pool)
             for tokens in sorted(mixed_graph_tokens, reverse=True):
                 self.mixed[tokens] = MixedStepGraphs(model, cache, tokens, max_num_seqs, capture)
+
+    def _dry_steps(self, sizes: list[int], mixed_graph_tokens: tuple[int, ...]) -> None:
+        """The steps the graphs capture, run once eagerly (kernels.compile_ahead records their launches)."""
+        for size in sizes:
+            self.model(Batch.build([Chunk([0], 0, [])] * size, self.cache.block_size, self.cache.device,
+                                   self.table_width, self.tile_rows, self.tile_slots(size)), self.cache)
+        for tokens in mixed_graph_tokens:
+            MixedStepGraphs(self.model, self.cache, tokens, self.max_num_seqs, capture=False)
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], patch: TokenPatch | None = None) -> torch.Tensor:
