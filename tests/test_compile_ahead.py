@@ -99,7 +99,7 @@ def test_without_a_gpu_nothing_is_done():
 def test_compiled_ahead_the_real_launches_compile_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     gen = torch.Generator().manual_seed(0)
-    w = pack_w4(rtn_quantize(torch.randn(96, 128, generator=gen), QuantConfig(4, -1))).to(DEVICE)
+    w = pack_w4(rtn_quantize(torch.randn(128, 128, generator=gen), QuantConfig(4, -1))).to(DEVICE)
     xs = [torch.randn(m, 128, generator=gen).half().to(DEVICE) for m in (1, 3, 16)]
 
     def steps():
