@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from spear.kernels.compile_ahead import (Launch, TensorArg, compile_ahead, distinct, kernel_of, record_launches,
-                                         remade)
+from spear.kernels.compile_ahead import (Launch, TensorArg, compile_ahead, distinct, done_marker, kernel_of,
+                                         record_launches, remade)
 from spear.kernels.pack import pack_w4
 from spear.kernels.w4 import w4_decode
 from spear.record import QuantConfig, rtn_quantize
@@ -132,3 +132,14 @@ def test_the_dry_steps_run_what_the_graphs_capture_and_write_only_the_null_block
     assert rows == [4, 2, 1] and pieces == [4, 2, 1, 16]
     for before, after in ((k, runner.cache.k), (v, runner.cache.v)):  # [layers, blocks, block size, heads, dim]
         assert not (before != after)[:, 1:].any() and (before != after)[:, 0].any()
+
+
+def test_a_restart_with_the_same_launches_and_triton_cache_finds_its_marker(monkeypatch):
+    jobs = [Launch("m", "k", (TensorArg("float16", True), 32), {"BLOCK": 64}, frozenset({0, 1}))]
+    same = [Launch("m", "k", (TensorArg("float16", True), 64), {"BLOCK": 64}, frozenset({0, 1}))]  # one compile
+    other = [Launch("m", "k", (TensorArg("float16", True), 32), {"BLOCK": 128}, frozenset({0, 1}))]
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/a")
+    marker = done_marker(jobs)
+    assert done_marker(same) == marker and done_marker(other) != marker
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/b")
+    assert done_marker(jobs) != marker

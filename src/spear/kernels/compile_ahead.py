@@ -9,13 +9,15 @@ the outputs stay as allocated, so `fn` must not branch on what a kernel computes
 specialization (the kernel, each tensor's dtype and 16-byte alignment, each integer's == 1 and % 16 == 0 and width,
 every other argument as is), and has spawned worker processes compile those launches (`run(..., warmup=True)` on
 made-up tensors of the same dtypes and alignment) into Triton's on-disk cache (TRITON_CACHE_DIR, which the workers
-inherit). The real warm-ups then find every compile there. Fewer than two workers ($SPEAR_COMPILE_WORKERS), no GPU or
+inherit), each with its launcher. The real warm-ups then find every compile there; a restart that records the same
+launches for the same Triton cache skips the workers (done_marker). Fewer than two workers ($SPEAR_COMPILE_WORKERS), no GPU or
 Triton's interpreter: nothing is done. A failure is logged, and the warm-ups compile as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import inspect
 import logging
@@ -24,11 +26,13 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from spear.kernels.w4.precompile import default_workers
+from spear.util import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +162,28 @@ def compile_ahead(fn: Callable[[], Any], workers: int | None = None) -> int:
             fn()
         torch.cuda.synchronize()
         jobs = distinct(launches)
-        if not jobs:
+        done = done_marker(jobs)
+        if not jobs or done.exists():  # a restart: its warm-ups find every compile on disk (9 s of workers saved)
             return 0
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked once initialised
         with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
             list(pool.map(_compile_one, jobs))
+        done.touch()
         return len(jobs)
     except Exception as e:  # the warm-ups compile what this did not
         log.warning("compiling ahead failed (%s: %s); the warm-ups compile one kernel at a time", type(e).__name__, e)
         return 0
+
+
+def done_marker(jobs: list[Launch]) -> Path:
+    """The file that says these launches were compiled into this Triton cache by this Triton for this GPU (a
+    restart skips the workers; a Triton cache emptied since only costs the warm-ups their compiles)."""
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    triton_cache = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    what = repr((triton.__version__, device, triton_cache, sorted(repr(job.key()) for job in jobs)))
+    return cache_dir("compile_ahead") / hashlib.sha256(what.encode()).hexdigest()[:32]
 
 
 def remade(value: Any, device: torch.device) -> Any:
@@ -191,8 +208,11 @@ def _compile_one(launch: Launch) -> bool:
     device = torch.device("cuda")
     try:
         kernel = kernel_of(launch.module, launch.name)
-        kernel.run(*[remade(a, device) for a in launch.args], grid=(1,), warmup=True,
-                   **{k: remade(v, device) for k, v in launch.kwargs.items()})
+        compiled = kernel.run(*[remade(a, device) for a in launch.args], grid=(1,), warmup=True,
+                              **{k: remade(v, device) for k, v in launch.kwargs.items()})
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:  # its launcher too: a C stub built by the host compiler (~0.7 s), cached on disk
+            init()
         return True
     except Exception as e:  # its warm-up in the server compiles it, and says what is wrong
         log.debug("compiling %s.%s ahead failed: %s", launch.module, launch.name, e)
