@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,5 +142,6 @@ def test_a_restart_with_the_same_launches_and_triton_cache_finds_its_marker(monk
     monkeypatch.setenv("TRITON_CACHE_DIR", "/a")
     marker = done_marker(jobs)
     assert done_marker(same) == marker and done_marker(other) != marker
+    assert marker.parent.parent == Path("/a")  # in the Triton cache: emptied with it
     monkeypatch.setenv("TRITON_CACHE_DIR", "/b")
     assert done_marker(jobs) != marker

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from spear.kernels.w4.precompile import default_workers
-from spear.util import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +167,7 @@ def compile_ahead(fn: Callable[[], Any], workers: int | None = None) -> int:
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked once initialised
         with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
             list(pool.map(_compile_one, jobs))
+        done.parent.mkdir(parents=True, exist_ok=True)
         done.touch()
         return len(jobs)
     except Exception as e:  # the warm-ups compile what this did not
@@ -176,14 +176,14 @@ def compile_ahead(fn: Callable[[], Any], workers: int | None = None) -> int:
 
 
 def done_marker(jobs: list[Launch]) -> Path:
-    """The file that says these launches were compiled into this Triton cache by this Triton for this GPU (a
-    restart skips the workers; a Triton cache emptied since only costs the warm-ups their compiles)."""
+    """The file that says these launches were compiled by this Triton for this GPU, kept in the Triton cache they
+    went to (so a cache emptied since takes the marker with it)."""
     import triton
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    triton_cache = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
-    what = repr((triton.__version__, device, triton_cache, sorted(repr(job.key()) for job in jobs)))
-    return cache_dir("compile_ahead") / hashlib.sha256(what.encode()).hexdigest()[:32]
+    triton_cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    what = repr((triton.__version__, device, sorted(repr(job.key()) for job in jobs)))
+    return triton_cache / "spear_compile_ahead" / hashlib.sha256(what.encode()).hexdigest()[:32]
 
 
 def remade(value: Any, device: torch.device) -> Any:
