@@ -11,4 +11,6 @@
                     one shared scratch (prefill); no float copy of the weight
     options.py      the switches that remain (one frozen record, read from the environment once)
     offline.py      compile every launched variant for sm_90 without a GPU, and read its SASS
+    compile_ahead.py  the kernels a piece of code will launch (the CUDA graphs' warm-ups), recorded by a dry
+                    pass and compiled in parallel processes first
 """
