@@ -10,8 +10,8 @@ specialization (the kernel, each tensor's dtype and 16-byte alignment, each inte
 every other argument as is), and has spawned worker processes compile those launches (`run(..., warmup=True)` on
 made-up tensors of the same dtypes and alignment) into Triton's on-disk cache (TRITON_CACHE_DIR, which the workers
 inherit), each with its launcher. The real warm-ups then find every compile there; a restart that records the same
-launches for the same Triton cache skips the workers (done_marker). Fewer than two workers ($SPEAR_COMPILE_WORKERS), no GPU or
-Triton's interpreter: nothing is done. A failure is logged, and the warm-ups compile as before.
+launches for the same Triton cache skips the workers (done_marker). Fewer than two workers ($SPEAR_COMPILE_WORKERS),
+no GPU or Triton's interpreter: nothing is done. A failure is logged, and the warm-ups compile as before.
 """
 
 from __future__ import annotations
