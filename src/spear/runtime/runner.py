@@ -26,7 +26,6 @@ import torch
 from spear.errors import SpearError
 from spear.runtime.kv_cache import Batch, Chunk, KVCache, cdiv
 from spear.runtime.model import Transformer
-from spear.kernels.compile_ahead import compile_ahead
 from spear.kernels.ops import attention_tile_rows
 
 
@@ -135,7 +134,9 @@ class ModelRunner:
         sizes = sorted(graph_buckets(max(max_num_seqs, row_graph_tokens)), reverse=True)  # largest first
         with torch.inference_mode():
             if capture:  # every variant the warm-ups below would compile one by one, compiled in parallel first
-                compile_ahead(lambda: self._dry_steps(sizes, mixed_graph_tokens))
+                from spear.kernels import compile_ahead  # Triton's: a plain install has none (nor CUDA graphs)
+
+                compile_ahead.compile_ahead(lambda: self._dry_steps(sizes, mixed_graph_tokens))
                 pool = torch.cuda.graph_pool_handle()
                 for size in sizes:
                     self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, self.tile_rows,
