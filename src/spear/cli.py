@@ -115,6 +115,9 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                         "bfloat16 on CUDA above 2B parameters, float32 otherwise")
     p.add_argument("--checkpoint-layers", action="store_true",
                    help="recompute each decoder layer's activations in the backward (less memory, ~1/3 more time)")
+    p.add_argument("--calib-checkpoint", default=None, metavar="DIR",
+                   help="write the KL training's state to DIR at each held-out scoring and resume from it when "
+                        "started again (a run cut by a time limit or a preempted machine; compensate/resume.py)")
     p.add_argument("--cost", default="bytes", choices=["bytes", "latency"],
                    help="what a rank step costs the planner: bytes (default), or bytes + the decode µs the fused EC "
                         "adds (fit of the H200 kernel benchmark; compensate/cost.py)")
@@ -145,7 +148,7 @@ def _compensate_config(args):
                            joint_rounds=args.joint_rounds)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank, factor_bits=args.ec_bits),
                    calibrate=replace(cfg.calibrate, steps=args.steps, precision=args.calib_precision,
-                                     checkpoint_layers=args.checkpoint_layers))
+                                     checkpoint_layers=args.checkpoint_layers, checkpoint_dir=args.calib_checkpoint))
 
 
 # `spear bench SUITE`: the script of bench/ that runs it; each writes one JSON with date, commit, device and versions

@@ -59,6 +59,7 @@ from spear.compensate.graphed_step import GraphedStep
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
 from spear.compensate.precision import PRECISIONS, checkpointed_layers, student_in, tf32_matmuls, training_precision
+from spear.compensate.resume import CalibrationCheckpoint, TrainingState, fingerprint
 
 TEACHER_MODES = ("online", "topk")
 SCHEDULES = ("cosine", "constant")
@@ -89,6 +90,7 @@ class CalibrateConfig:
     cuda_graph: bool = True  # on CUDA, replay the training step as a captured graph (module docstring)
     precision: str = "auto"  # the frozen student's compute dtype while training (module docstring)
     checkpoint_layers: bool = False  # recompute each decoder layer's activations in the backward (module docstring)
+    checkpoint_dir: str | None = None  # write the training's state there at each scoring, resume from it (resume.py)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -456,19 +458,37 @@ def calibrate_ecs(
         trainable = [p for g in groups for p in g["params"]]
 
         probe = train[: cfg.max_holdout]  # the train KL before and after, on a fixed share of the training set
-        initial_train = score(probe)
-        best_kl = initial_held = score(held) if n_held else None
         norms = cfg.norm_lr > 0
-        best_step, best_state, bad = 0, _trained_state(student, norms), 0
-        history: list[dict] = []
+        saved = checkpoint = None
+        if cfg.checkpoint_dir is not None:
+            checkpoint = CalibrationCheckpoint(cfg.checkpoint_dir, fingerprint(cfg, calib_ids,
+                                                                               _trained_state(student, norms)))
+            saved = checkpoint.load(device)
+        if saved is None:
+            initial_train = score(probe)
+            best_kl = initial_held = score(held) if n_held else None
+            best_step, best_state, bad, step = 0, _trained_state(student, norms), 0, 0
+            history: list[dict] = []
+        else:  # resumed where the checkpoint was written (resume.py)
+            _load_trained_state(student, saved.trained, norms)
+            opt.load_state_dict({"state": saved.optimizer["state"], "param_groups": opt.state_dict()["param_groups"]})
+            for group, lr in zip(opt.param_groups, saved.lrs):
+                group["lr"] = lr
+            sched.last_epoch = saved.step
+            initial_train, initial_held, history = saved.initial_train_kl, saved.initial_heldout_kl, saved.history
+            best_kl, best_step, best_state, bad, step = (saved.best_kl, saved.best_step, saved.best, saved.bad,
+                                                         saved.step)
         running, running_steps = torch.zeros((), device=device), 0  # the train KL since the last evaluation
         batches = _batches(train, batch_size, gen)
+        for _ in range(step):  # a resumed training takes the batches an uninterrupted one would
+            next(batches)
         step_fn = GraphedStep(
             lambda batch_ids, prepared: _batch_loss(student, target, prepared, batch_ids, cfg.chunk_tokens, True,
                                                     cfg.hidden_weight),
             trainable, enabled=cfg.cuda_graph and ids.is_cuda)
-        bar = tqdm(range(1, cfg.steps + 1), desc="calibrating ECs (KL)", unit="step", disable=not cfg.progress)
-        step = 0
+        first = cfg.steps + 1 if n_held and bad >= cfg.patience else step + 1  # stopped early: nothing left
+        bar = tqdm(range(first, cfg.steps + 1), initial=first - 1, total=cfg.steps, desc="calibrating ECs (KL)",
+                   unit="step", disable=not cfg.progress)
         for step in bar:  # no host sync between evaluations: the host queues the next step while the GPU runs this one
             rows = next(batches)
             batch_ids = ids[rows.to(device, non_blocking=True)]
@@ -489,6 +509,10 @@ def calibrate_ecs(
                 else:
                     bad += 1
             history.append(entry)
+            if checkpoint is not None:
+                checkpoint.save(TrainingState(step, _trained_state(student, norms), best_state, best_step, best_kl, bad,
+                                              initial_train, initial_held, history, opt.state_dict(),
+                                              [group["lr"] for group in opt.param_groups]))
             bar.set_postfix(kl=f"{train_kl:.4f}", **({} if best_kl is None else {"heldout": f"{best_kl:.4f}"}))
             if n_held and bad >= cfg.patience:
                 break

@@ -84,6 +84,8 @@ class CompensateConfig:
                              f"(got {self.joint_rounds} with {self.kind})")
         if self.refit_rounds and self.kind in ("lorc", "lqer"):
             raise SpearError(f"joint fitting refits QERA's factors; the {self.kind} EC has its own: use qera or adaptive")
+        if self.joint_rounds and self.calibrate.checkpoint_dir is not None:
+            raise SpearError("a calibration checkpoint resumes one training; joint rounds run several: drop one")
 
     @property
     def rerounds_codes(self) -> bool:
