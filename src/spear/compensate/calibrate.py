@@ -463,7 +463,7 @@ def calibrate_ecs(
         if cfg.checkpoint_dir is not None:
             checkpoint = CalibrationCheckpoint(cfg.checkpoint_dir, fingerprint(cfg, calib_ids,
                                                                                _trained_state(student, norms)))
-            saved = checkpoint.load(device)
+            saved = checkpoint.load()
         if saved is None:
             initial_train = score(probe)
             best_kl = initial_held = score(held) if n_held else None

@@ -79,8 +79,10 @@ class CalibrationCheckpoint:
                   metadata={"spear": json.dumps(meta)})
         os.replace(tmp, self.path)
 
-    def load(self, device: torch.device) -> TrainingState | None:
-        """The saved state (None: no checkpoint yet); SpearError for a checkpoint of another training."""
+    def load(self) -> TrainingState | None:
+        """The saved state, on the host (None: no checkpoint yet); SpearError for a checkpoint of another training.
+        Adam's tensors go to their parameters' devices in Optimizer.load_state_dict, its step counts stay on the
+        host as Adam keeps them; the trained tensors are copied into place."""
         if not self.path.exists():
             return None
         from safetensors import safe_open
@@ -90,7 +92,7 @@ class CalibrationCheckpoint:
         if meta.get("fingerprint") != self.fingerprint:
             raise SpearError(f"{self.path} is the checkpoint of another calibration (other settings, calibration "
                              "ids or plan): remove it or give another --calib-checkpoint directory")
-        tensors = {k: v.to(device) for k, v in load_file(str(self.path)).items()}
+        tensors = load_file(str(self.path))
         optimizer_state: dict[int, dict] = {}
         for name, value in tensors.items():
             if name.startswith("adam."):
