@@ -609,3 +609,17 @@ def test_accepted_connections_have_nagle_off():
         return value
 
     assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
+
+
+def test_an_event_is_one_line_whatever_line_breaks_the_text_carries():
+    """Generated text may hold any character str.splitlines ends a line at (U+2028 from a random model cut an event
+    in httpx's aiter_lines); the event stays one line for such readers and decodes to the same text."""
+    from httpx._decoders import LineDecoder
+
+    from spear.server.app import _sse
+
+    text = "a\nb\rc\x0bd\x0ce\x1cf\x1dg\x1eh\x85i\u2028j\u2029k"
+    event = _sse({"choices": [{"text": text}]})
+    for lines in (event.splitlines(), LineDecoder().decode(event)):
+        data = [line for line in lines if line]
+        assert len(data) == 1 and json.loads(data[0].removeprefix("data: "))["choices"][0]["text"] == text

@@ -190,8 +190,14 @@ class OpenAIServing:
         self.metrics.finished.labels(last.finish_reason or "unknown").inc()
 
 
+# Characters that JSON leaves raw but str.splitlines (httpx's aiter_lines among readers) takes for line ends: a
+# generated U+2028 would cut an event in two. Escaped, the event is one line and decodes to the same text.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event: a single line of JSON, whatever text it carries."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
 def model_not_found(model: str, served: Sequence[str]) -> RequestError:
