@@ -90,17 +90,10 @@ def _recorded(value: Any) -> Any:
     """An argument as a worker can remake it (TensorArg for tensors); ValueError where it cannot."""
     if isinstance(value, torch.Tensor):
         return TensorArg(str(value.dtype).removeprefix("torch."), value.data_ptr() % 16 == 0)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.dtype):
-        return TensorArg(str(value).removeprefix("torch."), True)
-    try:
-        import triton.language as tl
+    import triton.language as tl
 
-        if isinstance(value, tl.dtype):
-            return value
-    except ImportError:
-        pass
+    if value is None or isinstance(value, (bool, int, float, str, tl.dtype)):
+        return value
     raise ValueError(f"an argument of type {type(value).__name__}")
 
 
