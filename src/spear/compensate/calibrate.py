@@ -459,15 +459,15 @@ def calibrate_ecs(
 
         probe = train[: cfg.max_holdout]  # the train KL before and after, on a fixed share of the training set
         norms = cfg.norm_lr > 0
+        initial_state = _trained_state(student, norms)
         saved = checkpoint = None
         if cfg.checkpoint_dir is not None:
-            checkpoint = CalibrationCheckpoint(cfg.checkpoint_dir, fingerprint(cfg, calib_ids,
-                                                                               _trained_state(student, norms)))
+            checkpoint = CalibrationCheckpoint(cfg.checkpoint_dir, fingerprint(cfg, calib_ids, initial_state))
             saved = checkpoint.load()
         if saved is None:
             initial_train = score(probe)
             best_kl = initial_held = score(held) if n_held else None
-            best_step, best_state, bad, step = 0, _trained_state(student, norms), 0, 0
+            best_step, best_state, bad, step = 0, initial_state, 0, 0
             history: list[dict] = []
         else:  # resumed where the checkpoint was written (resume.py)
             _load_trained_state(student, saved.trained, norms)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from spear.errors import SpearError
 
@@ -62,17 +63,17 @@ class CalibrationCheckpoint:
     def save(self, state: TrainingState) -> None:
         tensors = {f"trained.{k}": v for k, v in state.trained.items()}
         tensors |= {f"best.{k}": v for k, v in state.best.items()}
-        moments = {}
+        scalars = {}  # Adam's state that is not a tensor (its step count, in some torch versions)
         for index, entry in state.optimizer["state"].items():
             for key, value in entry.items():
                 if torch.is_tensor(value):
                     tensors[f"adam.{index}.{key}"] = value
                 else:
-                    moments[f"{index}.{key}"] = value
+                    scalars[f"{index}.{key}"] = value
         meta = {"fingerprint": self.fingerprint, "step": state.step, "best_step": state.best_step,
                 "best_kl": state.best_kl, "bad": state.bad, "initial_train_kl": state.initial_train_kl,
                 "initial_heldout_kl": state.initial_heldout_kl, "history": state.history, "lrs": state.lrs,
-                "moments": moments}
+                "scalars": scalars}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
@@ -85,20 +86,18 @@ class CalibrationCheckpoint:
         host as Adam keeps them; the trained tensors are copied into place."""
         if not self.path.exists():
             return None
-        from safetensors import safe_open
-
         with safe_open(str(self.path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("spear", "{}"))
-        if meta.get("fingerprint") != self.fingerprint:
-            raise SpearError(f"{self.path} is the checkpoint of another calibration (other settings, calibration "
-                             "ids or plan): remove it or give another --calib-checkpoint directory")
-        tensors = load_file(str(self.path))
+            if meta.get("fingerprint") != self.fingerprint:
+                raise SpearError(f"{self.path} is the checkpoint of another calibration (other settings, calibration "
+                                 "ids or plan): remove it or give another --calib-checkpoint directory")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
         optimizer_state: dict[int, dict] = {}
         for name, value in tensors.items():
             if name.startswith("adam."):
                 _, index, key = name.split(".", 2)
                 optimizer_state.setdefault(int(index), {})[key] = value
-        for name, value in meta["moments"].items():
+        for name, value in meta["scalars"].items():
             index, key = name.split(".", 1)
             optimizer_state.setdefault(int(index), {})[key] = value
         part = {prefix: {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
