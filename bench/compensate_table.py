@@ -34,7 +34,7 @@ from spear.compensate.basis import weights_in_float_basis  # noqa: E402
 from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: E402
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.compensate.refit import Rounding  # noqa: E402
-from spear.data.calibration import CalibConfig, calibration_ids, calibration_record  # noqa: E402
+from spear.data.calibration import FIRST_TOKENS, CalibConfig, calibration_ids, calibration_record  # noqa: E402
 from spear.eval import perplexity  # noqa: E402
 from spear.models import load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
@@ -102,7 +102,7 @@ def main() -> None:
     p.add_argument("--calib-batch", type=int, default=8, help="calibration sequences per KL step")
     p.add_argument("--calib-samples", type=int, default=CalibConfig.num_sequences)
     p.add_argument("--calib-len", type=int, default=512)
-    p.add_argument("--calib-first-token", default="bos", choices=["bos", "random"])
+    p.add_argument("--calib-first-token", default="bos", choices=list(FIRST_TOKENS))
     p.add_argument("--calib-start", default="bos", choices=["bos", "mid"])
     p.add_argument("--calib-temperature", type=float, default=CalibConfig.temperature)
     p.add_argument("--calib-surprise", type=float, default=CalibConfig.surprise,

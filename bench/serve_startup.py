@@ -15,7 +15,9 @@ Each build's seconds are split by timers wrapped around the functions that can t
     decode_graphs         one CUDA graph of a whole step per row bucket (runner.DecodeGraph), with their warm-ups
     mixed_graphs          the piecewise graphs of mixed steps per token bucket (runner.MixedStepGraphs)
 and the counts of each (shapes tuned, graphs captured), and Triton's compiles in this process by the stage that
-made them ("triton_compile in decode_graphs"). What is left of a stage is the rest (packing, allocation).
+made them ("triton_compile in decode_graphs"). What is left of a stage is the rest (packing, allocation). Each
+compile in the graphs' stages that takes longer than a disk-cache load (SLOW_COMPILE_S) is listed with its kernel and
+Triton's specialization of it ("slow_graph_compiles"): what compile_ahead did not compile for them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from spear.server.launch import ServeConfig, _engine_config
 from spear.shards import safetensors_bytes
 
 EC_RANK = 32
+SLOW_COMPILE_S = 0.1  # a compile found in Triton's disk cache loads in milliseconds
+GRAPH_STAGES = ("decode_graphs", "mixed_graphs")
 
 
 class StageTimers:
@@ -102,6 +106,31 @@ def timed_functions() -> list[tuple[object, str, str]]:
             (runner_module.MixedStepGraphs, "__init__", "mixed_graphs")]
 
 
+def log_slow_compiles(timers: StageTimers, log: list[dict]) -> None:
+    """Wrap Triton's (already timed) compile once more: each call made in a graph stage that takes longer than
+    SLOW_COMPILE_S goes to `log` with its kernel's name and specialization (signature, attributes, constexprs)."""
+    import triton.compiler
+
+    timed = triton.compiler.compile
+
+    @functools.wraps(timed)
+    def logged(src, *args, **kwargs):
+        stage = timers._active[-1] if timers._active else None
+        start = time.perf_counter()
+        try:
+            return timed(src, *args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - start
+            if stage in GRAPH_STAGES and seconds > SLOW_COMPILE_S:
+                fn = getattr(src, "fn", None)
+                log.append({"stage": stage, "kernel": getattr(fn, "__name__", str(fn)), "seconds": round(seconds, 3),
+                            **{k: str(getattr(src, k)) for k in ("signature", "attrs", "constexprs", "constants")
+                               if hasattr(src, k)}})
+
+    triton.compiler.compile = logged
+    timers._undo.append((triton.compiler, "compile", timed))
+
+
 def start_once(path: Path, device: torch.device) -> dict:
     """One start as `spear serve PATH` (default flags) makes it, without the HTTP server: seconds by stage."""
     timers = StageTimers()
@@ -110,6 +139,8 @@ def start_once(path: Path, device: torch.device) -> dict:
     import triton.compiler
 
     timers.wrap(triton.compiler, "compile", "triton_compile", sync=False)  # where the JIT looks it up
+    slow_compiles: list[dict] = []
+    log_slow_compiles(timers, slow_compiles)
     try:
         start = time.perf_counter()
         lm = api.load(str(path), device, serving=True)
@@ -122,7 +153,8 @@ def start_once(path: Path, device: torch.device) -> dict:
                "timed_s": dict(timers.seconds), "timed_calls": dict(timers.calls),
                "decode_graph_buckets": sorted(runner.graphs), "mixed_graph_buckets": sorted(runner.mixed),
                "kv_blocks": runner.cache.num_blocks, "kv_bytes": runner.cache.nbytes,
-               "max_num_seqs": config.max_num_seqs, "max_model_len": runner.max_model_len}
+               "max_num_seqs": config.max_num_seqs, "max_model_len": runner.max_model_len,
+               "slow_graph_compiles": slow_compiles}
         if device.type == "cuda":
             row["device_memory_peak"] = torch.cuda.max_memory_allocated(device)
     finally:

@@ -20,6 +20,7 @@ objective or the data does not reach the tasks' text.
 Levers (each a +SPEAR row at the same protocol, --calib-samples × --calib-len, --steps):
 - self: the default, sequences the float model samples from BOS;
 - random: each sample starts from one random vocabulary token after BOS (more topics and registers);
+- chat: each sample starts from the model's chat template opened for a user turn (questions and their answers);
 - text: WikiText-2's validation text instead of self-samples (real text: not data-free, a diagnostic of the data).
 The float and W4 models, the sensitivity table and each lever's calibration ids are computed once; the JSON is
 written after every row, the table printed last.
@@ -47,6 +48,7 @@ from spear.compensate.cka import SensitivityConfig, module_sensitivity  # noqa: 
 from spear.compensate.pipeline import CompensateConfig, compensate, quantized_layers  # noqa: E402
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record  # noqa: E402
 from spear.eval import perplexity  # noqa: E402
+from spear.eval.perplexity import data_dir  # noqa: E402
 from spear.eval.tasks import load_docs, loglikelihoods, parse_tasks  # noqa: E402
 from spear.models import load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
@@ -54,9 +56,8 @@ from spear.record import QuantConfig  # noqa: E402
 from spear.run import gap_closed  # noqa: E402
 
 W4_RTN_PC = QuantSettings("rtn", QuantConfig(bits=4, group_size=-1, sym=True, sym_grid="absmax"))
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-LEVERS = {"self": {}, "random": {"first_token": "random"},
-          "text": {"text_file": str(DATA / "wikitext-2-raw" / "wiki.valid.tokens.txt")}}
+LEVERS = {"self": {}, "random": {"first_token": "random"}, "chat": {"first_token": "chat"},
+          "text": {"text_file": str(data_dir() / "wikitext-2-raw" / "wiki.valid.tokens.txt")}}
 DATASETS = ("wikitext2", "ptb")
 DEFAULT_TASKS = "lambada_openai,hellaswag,piqa,arc_easy"
 
@@ -178,7 +179,7 @@ def plot(rows: list[dict], tasks: list[str], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--levers", nargs="+", default=["self", "text", "random"], choices=list(LEVERS))
+    p.add_argument("--levers", nargs="+", default=["self", "text", "random", "chat"], choices=list(LEVERS))
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=100, help="KL calibration steps of each +SPEAR row")

@@ -26,6 +26,44 @@ def test_random_first_token_follows_bos_and_is_never_special():
     assert bos.shape == (4, 8) and (bos[:, 0] == 1).all()
 
 
+class _ChatTok(_Tok):
+    chat_template = "<|user|>{content}<|end|>"
+
+    def apply_chat_template(self, messages, tokenize=False):
+        assert not tokenize
+        return "<|sys|>be brief<|end|><|user|>" + messages[0]["content"] + "<|end|>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("Encoded", (), {"input_ids": [3 + ord(c) % 250 for c in text]})()
+
+
+def test_chat_samples_open_the_template_and_may_end_turns():
+    """first_token="chat": every sequence starts with the template's text before the user's message, and the
+    end-of-sequence token (which ends a chat turn) stays drawable; other modes never draw it."""
+    from torch import nn
+
+    from spear.data.calibration import chat_prefix
+
+    model = make_tiny_llama()
+    head = nn.Linear(64, 256, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[2] = 6.0  # eos (2) likely at every step
+    model.lm_head = head
+    prefix = chat_prefix(_ChatTok())
+    assert prefix == [3 + ord(c) % 250 for c in "<|sys|>be brief<|end|><|user|>"]
+    ids = sample_from_model(model, _ChatTok(), CalibConfig(num_sequences=4, seq_len=40, first_token="chat"))
+    assert ids.shape == (4, 40) and (ids[:, : len(prefix)] == torch.tensor(prefix)).all()
+    assert (ids[:, len(prefix) :] == 2).any()
+    plain = sample_from_model(model, _ChatTok(), CalibConfig(num_sequences=4, seq_len=40))
+    assert not (plain[:, 1:] == 2).any()
+    with pytest.raises(SpearError, match="chat template"):
+        chat_prefix(_Tok())
+    with pytest.raises(SpearError, match="calib-len"):
+        sample_from_model(model, _ChatTok(), CalibConfig(num_sequences=2, seq_len=len(prefix), first_token="chat"))
+
+
 def test_mid_text_windows_have_no_bos_and_come_from_inside_one_sample():
     """start="mid": each sequence is a window of a longer sample, starting after its BOS at a seeded offset."""
     from spear.data.calibration import MID_MARGIN

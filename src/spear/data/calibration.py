@@ -5,7 +5,9 @@ cached on disk keyed by the model and the settings. The sampler's knobs set the
 diversity of the text: `temperature` and `top_p`, and `first_token`: "bos" starts every
 sequence from the BOS token alone (an instruct model then writes much the same kind of
 text each time), "random" puts one uniformly drawn vocabulary token after it (LLM-QAT's
-data-free generation), which sends each sequence to a different topic and register.
+data-free generation), which sends each sequence to a different topic and register, and "chat" starts every
+sequence with the model's own chat template opened for a user turn (an instruct model then writes a question, ends
+the turn and answers it: end-of-sequence tokens stay drawable in this mode only, since the chat's turns end with one).
 `start`: "bos" keeps each sequence as sampled, from BOS; "mid" samples MID_MARGIN tokens more and keeps a window
 that starts at a random one of them, so the sequence starts mid-text with no BOS, as the evaluation windows do
 (perplexity windows are cut from one token stream) and as text-file windows do.
@@ -46,7 +48,7 @@ from spear.errors import SpearError
 from spear.nucleus import top_k_top_p
 from spear.util import cache_dir
 
-FIRST_TOKENS = ("bos", "random")
+FIRST_TOKENS = ("bos", "random", "chat")
 STARTS = ("bos", "mid")
 SURPRISE_TEMPERATURE = 2.0  # `surprise` positions sample the whole vocabulary at this temperature
 MID_MARGIN = 64  # "mid": extra tokens sampled per sequence; the window starts at a random one of them
@@ -62,7 +64,7 @@ class CalibConfig:
     kv_cache_gb: float | None = None  # the sampler's KV cache stays under this (None: sampling_batch's default)
     temperature: float = 1.0
     top_p: float = 0.95
-    first_token: str = "bos"  # "bos" | "random" (module docstring)
+    first_token: str = "bos"  # "bos" | "random" | "chat" (module docstring)
     start: str = "bos"  # "bos": each sequence as sampled, from BOS; "mid": a window from inside it (module docstring)
     surprise: float = 0.0  # share of positions sampled at SURPRISE_TEMPERATURE, untruncated (module docstring)
     pack: int = 1  # samples put end to end per calibration sequence (module docstring)
@@ -145,6 +147,20 @@ def text_file_ids(tokenizer, path: Path, cfg: CalibConfig) -> torch.Tensor:
     return torch.stack([ids[s : s + cfg.seq_len] for s in starts.tolist()])
 
 
+CHAT_SENTINEL = "\x00SPEAR-USER-TURN\x00"
+
+
+def chat_prefix(tokenizer) -> list[int]:
+    """The token ids of the model's chat template up to where a user's first message goes (its system prompt, if
+    the template adds one, included)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise SpearError("first_token 'chat' needs a tokenizer with a chat template; this model has none")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_SENTINEL}], tokenize=False)
+    if CHAT_SENTINEL not in text:
+        raise SpearError("first_token 'chat': the chat template does not place the user's message in its text")
+    return tokenizer(text.split(CHAT_SENTINEL)[0], add_special_tokens=False).input_ids
+
+
 def _warp(logits: torch.Tensor, cfg: CalibConfig) -> torch.Tensor:
     """Next-token logits [B, V] (float32) after cfg's temperature and top-p, and its surprise positions (module
     docstring), as transformers' warpers apply them."""
@@ -163,8 +179,10 @@ def _warp(logits: torch.Tensor, cfg: CalibConfig) -> torch.Tensor:
 def sample_with_cache(model: nn.Module, first: torch.Tensor, length: int, cfg: CalibConfig) -> torch.Tensor:
     """Sequences [B, length] continuing `first` [B, k] one token a step through the model's KV cache, the draws on
     the device (no host sync per step, unlike generate's stopping checks). End-of-sequence tokens are never drawn
-    (generate's min_new_tokens does the same). Draws from torch's global generator."""
+    (generate's min_new_tokens does the same), except for first_token "chat", whose turns end with one. Draws from
+    torch's global generator."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = None if cfg.first_token == "chat" else eos
     eos = torch.tensor([] if eos is None else eos if isinstance(eos, list) else [eos], dtype=torch.long,
                        device=first.device)
     # transformers renamed the forward's `past_key_values` to `cache` (5.2x); the cache object grows in place
@@ -220,11 +238,16 @@ def sample_from_model(model: nn.Module, tokenizer, cfg: CalibConfig, batch: int 
     bos = tokenizer.bos_token_id
     special = set(tokenizer.all_special_ids)
     ordinary = torch.tensor([t for t in range(min(vocab, len(tokenizer))) if t not in special])
+    prefix = torch.tensor(chat_prefix(tokenizer)) if cfg.first_token == "chat" else None
+    if prefix is not None and len(prefix) >= cfg.sampled_len:
+        raise SpearError(f"the chat template's opening is {len(prefix)} tokens; --calib-len must be longer")
     out = []
     batch = batch or sampling_batch(model, cfg)
     for start in tqdm(range(0, cfg.num_sequences, batch), desc="self-sampling calibration data", unit="batch"):
         n = min(batch, cfg.num_sequences - start)
-        if bos is None:
+        if prefix is not None:
+            first = prefix.expand(n, -1)
+        elif bos is None:
             first = ordinary[torch.randint(0, len(ordinary), (n, 1))]
         elif cfg.first_token == "random":
             first = torch.cat([torch.full((n, 1), bos), ordinary[torch.randint(0, len(ordinary), (n, 1))]], 1)
