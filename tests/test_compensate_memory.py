@@ -90,3 +90,49 @@ def test_the_printed_estimate_bounds_the_resident_peak(rtn_artifact, tmp_path, c
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("compensate: estimated peak"))
     estimate = float(re.search(r"estimated peak ([\d.]+) GiB", line).group(1)) * 2**30
     assert peak[0] <= estimate + 0.05 * 2**30, (line, peak[0])  # the printed figure is rounded to 0.1 GiB
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_plan_aware_activations_match_what_autograd_keeps(precision):
+    """precision.plan_activation_bytes against the bytes autograd saves (bench/activation_bytes.py's hook), per token,
+    on a 4-layer Llama of SmolLM2's widths whose ECs cover some linears (shared inputs, the attention output, ranks
+    4-16): within 7%, where ECs of rank 16 on every linear would read a fifth more."""
+    from activation_bytes import model_of, saved_bytes_by_layer  # bench/, on sys.path through conftest
+
+    from spear.compensate.init import attach_ec
+    from spear.compensate.precision import plan_activation_bytes, student_in
+    from spear.layer import SpearLinear
+
+    plan = {"model.layers.0.self_attn.q_proj": 4, "model.layers.1.self_attn.q_proj": 8,
+            "model.layers.1.self_attn.v_proj": 4, "model.layers.1.mlp.down_proj": 16,
+            "model.layers.2.self_attn.o_proj": 8, "model.layers.2.mlp.gate_proj": 4, "model.layers.2.mlp.up_proj": 12}
+    widths = {}
+
+    def saved(tokens: int) -> list[int]:
+        model = model_of("smollm2", 4, 256)
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, SpearLinear)}
+        widths.update({n: m.in_features for n, m in linears.items()})
+        masters = []
+        for name, rank in plan.items():
+            m = linears[name]
+            attach_ec(m, torch.randn(rank, m.in_features) * 0.01, torch.randn(m.out_features, rank) * 0.01, 8, 8)
+            masters += list(m.ec.parameters())
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in masters:
+            p.requires_grad_(True)
+        with student_in(model, precision, masters):
+            return saved_bytes_by_layer(model, tokens)
+
+    short, long = saved(128), saved(512)
+    measured = sum(b - a for a, b in zip(short[1:], long[1:])) / 384  # layers 1-3, a token (the casts of A, B aside)
+
+    def estimate(ranks: dict[str, int], layers: int) -> int:
+        return plan_activation_bytes({n: (widths[n], r) for n, r in ranks.items()}, 576, 1536, layers, 1, precision,
+                                     False)
+
+    first = {n: r for n, r in plan.items() if ".0." in n}  # layer 0 keeps almost nothing: its input needs no grad
+    planned = estimate(plan, 4) - estimate(first, 1)
+    every = estimate({n: 16 for n in widths if ".0." not in n}, 4) - estimate({}, 1)
+    assert 0.97 * measured <= planned <= 1.07 * measured
+    assert every > 1.2 * planned

@@ -47,6 +47,7 @@ bfloat16, and may recompute each decoder layer's activations in the backward (co
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -58,7 +59,8 @@ from tqdm.auto import tqdm
 from spear.compensate.graphed_step import GraphedStep
 from spear.errors import SpearError
 from spear.layer import ErrorCompensator, SpearLinear
-from spear.compensate.precision import PRECISIONS, checkpointed_layers, student_in, tf32_matmuls, training_precision
+from spear.compensate.precision import (PRECISIONS, checkpointed_layers, student_activation_bytes, student_in,
+                                        tf32_matmuls, training_precision)
 from spear.compensate.resume import CalibrationCheckpoint, TrainingState, fingerprint
 
 TEACHER_MODES = ("online", "topk")
@@ -125,6 +127,7 @@ class CalibrationResult:
     history: list[dict] = field(default_factory=list)  # one entry per evaluation
     heldout_sequences: int = 0
     precision: str = "float32"  # the frozen student's compute dtype (training_precision)
+    activation_bytes: int | None = None  # a step's activations under this plan (precision.plan_activation_bytes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -441,6 +444,10 @@ def calibrate_ecs(
     batch_size = min(cfg.batch_size, len(train))
 
     precision = training_precision(student, cfg.precision)
+    activations = student_activation_bytes(student, batch_size * calib_ids.shape[1], precision, cfg.checkpoint_layers)
+    if cfg.progress and activations is not None:
+        print(f"calibration: a step's activations ~{activations / 2**30:.2f} GiB for these ECs, in {precision}",
+              file=sys.stderr, flush=True)
     with student_in(student, precision, ec_parameters(student)), checkpointed_layers(student, cfg.checkpoint_layers), \
             tf32_matmuls():
         groups = _param_groups(student, cfg)
@@ -536,4 +543,5 @@ def calibrate_ecs(
         history=history,
         heldout_sequences=n_held,
         precision=precision,
+        activation_bytes=activations,
     )

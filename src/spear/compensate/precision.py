@@ -17,6 +17,7 @@ checkpointed_layers recomputes each decoder layer's activations in the backward 
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -155,6 +156,50 @@ def tf32_matmuls() -> Iterator[None]:
 # the tokenizer and the loader's leftovers in the heap; the default model's student took 1.10 GB for 0.64 counted
 LOADER_BYTES = 500 * 2**20
 KL_CHUNK_COPIES = 6  # a logits chunk's float32 copies alive at once in OnlineTeacher.kl (compensate_bytes)
+
+
+# What a KL step keeps of each decoder layer for the backward, in values a token of the training precision
+# (`python bench/activation_bytes.py`, BENCHMARKS §8; the largest of three shapes): a layer without ECs keeps this
+# share of 12·hidden + 4·intermediate; an EC adds 16 + 4·rank (its rank-space tensors) and its input, once for inputs
+# that several ECs read (q/k/v, gate/up), never for the attention output (attention's backward keeps it anyway).
+NO_EC_SHARE = {"float32": 0.59, "bfloat16": 0.66}
+EC_VALUES = (16, 4)
+SHARED_INPUT = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "gate_proj": "mlp", "up_proj": "mlp"}
+ATTENTION_OUTPUT = ("o_proj", "out_proj", "dense", "wo")
+
+
+def plan_activation_bytes(ecs: dict[str, tuple[int, int]], hidden: int, inter: int, layers: int, tokens: int,
+                          precision: str, checkpoint_layers: bool) -> int:
+    """A KL step's activations under the plan that put an EC on each module of `ecs` (name -> (in_features, rank)):
+    compensate_bytes' count for the layers as they are, not for an EC on every linear (an upper bound ~20% over at
+    8B, where the plan at 1% covers a quarter of the linears)."""
+    per_layer = [NO_EC_SHARE[precision] * (12 * hidden + 4 * inter)] * layers
+    inputs = set()
+    for name, (width, rank) in ecs.items():
+        index = re.search(r"\.(\d+)\.", name)
+        if index is None or int(index[1]) >= layers:
+            continue
+        i, (parent, _, short) = int(index[1]), name.rpartition(".")
+        per_layer[i] += EC_VALUES[0] + EC_VALUES[1] * rank
+        key = (parent, SHARED_INPUT.get(short, short))
+        if short not in ATTENTION_OUTPUT and key not in inputs:
+            inputs.add(key)
+            per_layer[i] += width
+    size = 4 if precision == "float32" else 2
+    kept = max(per_layer) + hidden * layers if checkpoint_layers else sum(per_layer)
+    return int(kept * tokens * size)
+
+
+def student_activation_bytes(student: nn.Module, tokens: int, precision: str, checkpoint_layers: bool) -> int | None:
+    """plan_activation_bytes for the ECs `student` holds now, from its config; None where the config lacks a size."""
+    c = student.config.get_text_config() if hasattr(student.config, "get_text_config") else student.config
+    hidden, layers = getattr(c, "hidden_size", None), getattr(c, "num_hidden_layers", None)
+    if not (hidden and layers):
+        return None
+    inter = getattr(c, "intermediate_size", None) or 4 * hidden
+    ecs = {name: (m.in_features, m.ec.rank) for name, m in student.named_modules()
+           if isinstance(m, SpearLinear) and m.ec is not None}
+    return plan_activation_bytes(ecs, hidden, inter, layers, tokens, precision, checkpoint_layers)
 
 
 def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch.device, cfg, calib) -> dict[str, int]:
