@@ -83,20 +83,29 @@ def saved_bytes_by_layer(model, tokens: int) -> list[int]:
     return by_layer
 
 
-def measure(shape: str, precision: str, ecs: bool, args) -> dict:
-    model = model_of(shape, args.layers, args.vocab)
+def saved_with_ecs(model, ranks: dict[str, int], precision: str, tokens: int, gate_hidden: int = 8) -> list[int]:
+    """saved_bytes_by_layer with ECs of the given ranks on the named linears, only the ECs trainable, the student in
+    `precision` as calibration runs it."""
     masters = []
-    linears = [m for m in model.modules() if isinstance(m, SpearLinear)]
-    for m in linears if ecs else linears[:1]:  # none: one EC in the first layer, so every later layer keeps
-        attach_ec(m, torch.randn(args.rank, m.in_features) * 0.01,  # what its input's gradient needs
-                  torch.randn(m.out_features, args.rank) * 0.01, args.gate_hidden, 8)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, SpearLinear)}
+    for name, rank in ranks.items():
+        m = linears[name]
+        attach_ec(m, torch.randn(rank, m.in_features) * 0.01, torch.randn(m.out_features, rank) * 0.01, gate_hidden, 8)
         masters += list(m.ec.parameters())
     for p in model.parameters():
         p.requires_grad_(False)
     for p in masters:
         p.requires_grad_(True)
     with student_in(model, precision, masters):
-        by_layer = saved_bytes_by_layer(model, args.tokens)
+        return saved_bytes_by_layer(model, tokens)
+
+
+def measure(shape: str, precision: str, ecs: bool, args) -> dict:
+    model = model_of(shape, args.layers, args.vocab)
+    linears = [n for n, m in model.named_modules() if isinstance(m, SpearLinear)]
+    # none: one EC in the first layer, so every later layer keeps what its input's gradient needs
+    by_layer = saved_with_ecs(model, {n: args.rank for n in (linears if ecs else linears[:1])}, precision, args.tokens,
+                              args.gate_hidden)
     hidden, inter, _, _ = SHAPES[shape]
     size = 4 if precision == "float32" else 2
     inner = by_layer[1:-1]

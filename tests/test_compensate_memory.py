@@ -97,10 +97,9 @@ def test_the_plan_aware_activations_match_what_autograd_keeps(precision):
     """precision.plan_activation_bytes against the bytes autograd saves (bench/activation_bytes.py's hook), per token,
     on a 4-layer Llama of SmolLM2's widths whose ECs cover some linears (shared inputs, the attention output, ranks
     4-16): within 7%, where ECs of rank 16 on every linear would read a fifth more."""
-    from activation_bytes import model_of, saved_bytes_by_layer  # bench/, on sys.path through conftest
+    from activation_bytes import model_of, saved_with_ecs  # bench/, on sys.path through conftest
 
-    from spear.compensate.init import attach_ec
-    from spear.compensate.precision import plan_activation_bytes, student_in
+    from spear.compensate.precision import plan_activation_bytes
     from spear.layer import SpearLinear
 
     plan = {"model.layers.0.self_attn.q_proj": 4, "model.layers.1.self_attn.q_proj": 8,
@@ -110,19 +109,8 @@ def test_the_plan_aware_activations_match_what_autograd_keeps(precision):
 
     def saved(tokens: int) -> list[int]:
         model = model_of("smollm2", 4, 256)
-        linears = {n: m for n, m in model.named_modules() if isinstance(m, SpearLinear)}
-        widths.update({n: m.in_features for n, m in linears.items()})
-        masters = []
-        for name, rank in plan.items():
-            m = linears[name]
-            attach_ec(m, torch.randn(rank, m.in_features) * 0.01, torch.randn(m.out_features, rank) * 0.01, 8, 8)
-            masters += list(m.ec.parameters())
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for p in masters:
-            p.requires_grad_(True)
-        with student_in(model, precision, masters):
-            return saved_bytes_by_layer(model, tokens)
+        widths.update({n: m.in_features for n, m in model.named_modules() if isinstance(m, SpearLinear)})
+        return saved_with_ecs(model, plan, precision, tokens)
 
     short, long = saved(128), saved(512)
     measured = sum(b - a for a, b in zip(short[1:], long[1:])) / 384  # layers 1-3, a token (the casts of A, B aside)
