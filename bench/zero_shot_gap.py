@@ -176,6 +176,19 @@ def plot(rows: list[dict], tasks: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def reused_rows(args, tasks: list[str]) -> dict[str, dict]:
+    """The FP and W4 rows of an earlier run (--reuse), refused unless it scored the same model, tasks, items and
+    windows (the rows are deterministic: they do not depend on the levers)."""
+    import json
+
+    earlier = json.loads(Path(args.reuse).read_text())
+    same = (earlier["model"], earlier["tasks"], earlier["limit"], earlier["max_windows"]) == \
+        (args.model, tasks, args.limit, args.max_windows)
+    if not same:
+        sys.exit(f"--reuse {args.reuse}: another model, task list, limit or window count")
+    return {row["row"]: row for row in earlier["rows"] if row["row"] in ("FP", "W4")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
@@ -192,6 +205,8 @@ def main() -> None:
     p.add_argument("--max-windows", type=int, default=8, help="perplexity windows of each dataset")
     p.add_argument("--json", required=True)
     p.add_argument("--plot", default=None, help="the figure (default: the JSON's path with .png)")
+    p.add_argument("--reuse", default=None,
+                   help="take the FP and W4 rows from this earlier JSON of the same model, tasks, limit and windows")
     args = p.parse_args()
     tasks = parse_tasks(args.tasks)
 
@@ -215,12 +230,13 @@ def main() -> None:
               file=sys.stderr, flush=True)
         return row
 
-    fp = measure("FP", lm.model)
+    earlier = reused_rows(args, tasks) if args.reuse else {}
+    fp = earlier.get("FP") or measure("FP", lm.model)
     self_ids = calibration_ids(lm.model, lm.tokenizer, CalibConfig(args.calib_samples, args.calib_len),
                                model_key(args.model))
     quantized = copy.deepcopy(lm.model)
     quantize_model(quantized, W4_RTN_PC, self_ids)
-    w4 = measure("W4", quantized)
+    w4 = earlier.get("W4") or measure("W4", quantized)
     for row in (fp, w4):
         row["tasks"] = {t: task_summary(row["items"][t], fp["items"][t], w4["items"][t]) for t in tasks}
     rows += [fp, w4]
