@@ -164,7 +164,8 @@ KL_CHUNK_COPIES = 6  # a logits chunk's float32 copies alive at once in OnlineTe
 # that several ECs read (q/k/v, gate/up), never for the attention output (attention's backward keeps it anyway).
 NO_EC_SHARE = {"float32": 0.59, "bfloat16": 0.66}
 EC_VALUES = (16, 4)
-SHARED_INPUT = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "gate_proj": "mlp", "up_proj": "mlp"}
+SHARED_INPUT = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention",
+                "gate_proj": "mlp", "up_proj": "mlp"}
 ATTENTION_OUTPUT = ("o_proj", "out_proj", "dense", "wo")
 
 
