@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from common import write_json  # noqa: E402
 
 from spear.compensate.init import attach_ec  # noqa: E402
-from spear.compensate.precision import student_in  # noqa: E402
+from spear.compensate.precision import layer_activation_values, student_in  # noqa: E402
 from spear.layer import SpearLinear  # noqa: E402
 from spear.models.layerwise import decoder_layers  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
@@ -42,7 +42,7 @@ SHAPES = {  # hidden, intermediate, heads, kv heads (GPU.md's table; SmolLM2-135
 
 def estimate_per_token(hidden: int, inter: int, size: int) -> int:
     """precision.compensate_bytes' activations of one layer, a token: (12·hidden + 4·intermediate) values."""
-    return (12 * hidden + 4 * inter) * size
+    return layer_activation_values(hidden, inter) * size
 
 
 def model_of(shape: str, layers: int, vocab: int):

@@ -60,7 +60,8 @@ class StageTimers:
         self._undo: list[tuple[object, str, object]] = []
         self._active: list[str] = []
 
-    def wrap(self, owner: object, attr: str, name: str, sync: bool = True) -> None:
+    def wrap(self, owner: object, attr: str, name: str, sync: bool = True, observe=None) -> None:
+        """Time owner.attr as `name`; `observe(outer, seconds, args)`, if given, also sees each call."""
         original = getattr(owner, attr)
         sync = sync and torch.cuda.is_available()
 
@@ -81,6 +82,8 @@ class StageTimers:
                 for key in (name, f"{name} in {outer}") if outer else (name,):
                     self.seconds[key] += seconds
                     self.calls[key] += 1
+                if observe is not None:
+                    observe(outer, seconds, args)
 
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, original))
@@ -106,29 +109,18 @@ def timed_functions() -> list[tuple[object, str, str]]:
             (runner_module.MixedStepGraphs, "__init__", "mixed_graphs")]
 
 
-def log_slow_compiles(timers: StageTimers, log: list[dict]) -> None:
-    """Wrap Triton's (already timed) compile once more: each call made in a graph stage that takes longer than
+def slow_compile_logger(log: list[dict]):
+    """An observer of Triton's compile (StageTimers.wrap): each call made in a graph stage that takes longer than
     SLOW_COMPILE_S goes to `log` with its kernel's name and specialization (signature, attributes, constexprs)."""
-    import triton.compiler
+    def observe(stage: str | None, seconds: float, args: tuple) -> None:
+        if stage in GRAPH_STAGES and seconds > SLOW_COMPILE_S:
+            src = args[0]
+            fn = getattr(src, "fn", None)
+            log.append({"stage": stage, "kernel": getattr(fn, "__name__", str(fn)), "seconds": round(seconds, 3),
+                        **{k: str(getattr(src, k)) for k in ("signature", "attrs", "constexprs", "constants")
+                           if hasattr(src, k)}})
 
-    timed = triton.compiler.compile
-
-    @functools.wraps(timed)
-    def logged(src, *args, **kwargs):
-        stage = timers._active[-1] if timers._active else None
-        start = time.perf_counter()
-        try:
-            return timed(src, *args, **kwargs)
-        finally:
-            seconds = time.perf_counter() - start
-            if stage in GRAPH_STAGES and seconds > SLOW_COMPILE_S:
-                fn = getattr(src, "fn", None)
-                log.append({"stage": stage, "kernel": getattr(fn, "__name__", str(fn)), "seconds": round(seconds, 3),
-                            **{k: str(getattr(src, k)) for k in ("signature", "attrs", "constexprs", "constants")
-                               if hasattr(src, k)}})
-
-    triton.compiler.compile = logged
-    timers._undo.append((triton.compiler, "compile", timed))
+    return observe
 
 
 def start_once(path: Path, device: torch.device) -> dict:
@@ -138,9 +130,9 @@ def start_once(path: Path, device: torch.device) -> dict:
         timers.wrap(owner, attr, name)
     import triton.compiler
 
-    timers.wrap(triton.compiler, "compile", "triton_compile", sync=False)  # where the JIT looks it up
     slow_compiles: list[dict] = []
-    log_slow_compiles(timers, slow_compiles)
+    timers.wrap(triton.compiler, "compile", "triton_compile", sync=False,  # where the JIT looks it up
+                observe=slow_compile_logger(slow_compiles))
     try:
         start = time.perf_counter()
         lm = api.load(str(path), device, serving=True)

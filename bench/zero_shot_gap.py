@@ -57,7 +57,7 @@ from spear.run import gap_closed  # noqa: E402
 
 W4_RTN_PC = QuantSettings("rtn", QuantConfig(bits=4, group_size=-1, sym=True, sym_grid="absmax"))
 LEVERS = {"self": {}, "random": {"first_token": "random"}, "chat": {"first_token": "chat"},
-          "text": {"text_file": str(data_dir() / "wikitext-2-raw" / "wiki.valid.tokens.txt")}}
+          "text": {"text_file": "wikitext-2-raw/wiki.valid.tokens.txt"}}  # under the evaluation data (data_dir)
 DATASETS = ("wikitext2", "ptb")
 DEFAULT_TASKS = "lambada_openai,hellaswag,piqa,arc_easy"
 
@@ -247,9 +247,12 @@ def main() -> None:
     cfg = replace(cfg, budget=args.budget, calibrate=replace(cfg.calibrate, steps=args.steps,
                                                               batch_size=args.calib_batch, progress=False))
     for lever in args.levers:
-        calib = CalibConfig(args.calib_samples, args.calib_len, **LEVERS[lever])
+        settings = dict(LEVERS[lever])
+        if "text_file" in settings:
+            settings["text_file"] = str(data_dir() / settings["text_file"])
+        calib = CalibConfig(args.calib_samples, args.calib_len, **settings)
         ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(args.model))
-        levers[lever] = {**calibration_record(calib, ids), **LEVERS[lever]}
+        levers[lever] = {**calibration_record(calib, ids), **settings}
         student = copy.deepcopy(quantized)
         start = time.perf_counter()
         report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 import torch
@@ -156,3 +157,28 @@ def test_stage_timers_count_calls_and_restore_what_they_wrapped():
     assert timers.calls == {"steps": 2} and timers.seconds["steps"] >= 0
     timers.undo()
     assert owner.step is original
+
+
+
+def test_the_slow_compile_logger_sees_only_slow_calls_inside_the_graph_stages():
+    import types
+
+    import serve_startup  # bench/
+
+    def slow_compile(src):
+        time.sleep(serve_startup.SLOW_COMPILE_S + 0.05)
+        return src
+
+    log: list[dict] = []
+    src = types.SimpleNamespace(fn=types.SimpleNamespace(__name__="decode_kernel"), signature={"x": "*fp16"})
+    triton_like = types.SimpleNamespace(compile=slow_compile)
+    graph = types.SimpleNamespace(capture=lambda: triton_like.compile(src))
+    timers = serve_startup.StageTimers()
+    timers.wrap(triton_like, "compile", "triton_compile", sync=False, observe=serve_startup.slow_compile_logger(log))
+    timers.wrap(graph, "capture", "decode_graphs", sync=False)
+    graph.capture()
+    triton_like.compile(src)  # as slow, but outside a graph stage
+    assert [(e["stage"], e["kernel"], e["signature"]) for e in log] == [("decode_graphs", "decode_kernel",
+                                                                         "{'x': '*fp16'}")]
+    assert timers.calls["triton_compile in decode_graphs"] == 1 and timers.calls["triton_compile"] == 2
+    timers.undo()

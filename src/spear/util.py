@@ -41,6 +41,12 @@ def atomic_dir(target: str | Path, overwrite: bool = True) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def text_config(model):
+    """The config of `model`'s language model (a multimodal model's text part; the config itself elsewhere)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def versions() -> dict[str, str]:
     import torch
     import transformers

@@ -26,6 +26,7 @@ from torch import nn
 
 from spear.layer import SpearLinear
 from spear.models.layerwise import decoder_layers, module_name, set_module
+from spear.util import text_config
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 BF16_ABOVE_PARAMS = 2_000_000_000  # "auto": bfloat16 for a CUDA student above this (a 1.2B fp32 student is 5 GB)
@@ -158,6 +159,12 @@ LOADER_BYTES = 500 * 2**20
 KL_CHUNK_COPIES = 6  # a logits chunk's float32 copies alive at once in OnlineTeacher.kl (compensate_bytes)
 
 
+def layer_activation_values(hidden: int, inter: int) -> int:
+    """Values a token a decoder layer keeps for the backward with an EC on every linear (compensate_bytes says
+    which): 12·hidden + 4·intermediate."""
+    return 12 * hidden + 4 * inter
+
+
 # What a KL step keeps of each decoder layer for the backward, in values a token of the training precision
 # (`python bench/activation_bytes.py`, BENCHMARKS §8; the largest of three shapes): a layer without ECs keeps this
 # share of 12·hidden + 4·intermediate; an EC adds 16 + 4·rank (its rank-space tensors) and its input, once for inputs
@@ -174,7 +181,7 @@ def plan_activation_bytes(ecs: dict[str, tuple[int, int]], hidden: int, inter: i
     """A KL step's activations under the plan that put an EC on each module of `ecs` (name -> (in_features, rank)):
     compensate_bytes' count for the layers as they are, not for an EC on every linear (an upper bound ~20% over at
     8B, where the plan at 1% covers a quarter of the linears)."""
-    per_layer = [NO_EC_SHARE[precision] * (12 * hidden + 4 * inter)] * layers
+    per_layer = [NO_EC_SHARE[precision] * layer_activation_values(hidden, inter)] * layers
     inputs = set()
     for name, (width, rank) in ecs.items():
         index = re.search(r"\.(\d+)\.", name)
@@ -193,7 +200,7 @@ def plan_activation_bytes(ecs: dict[str, tuple[int, int]], hidden: int, inter: i
 
 def student_activation_bytes(student: nn.Module, tokens: int, precision: str, checkpoint_layers: bool) -> int | None:
     """plan_activation_bytes for the ECs `student` holds now, from its config; None where the config lacks a size."""
-    c = student.config.get_text_config() if hasattr(student.config, "get_text_config") else student.config
+    c = text_config(student)
     hidden, layers = getattr(c, "hidden_size", None), getattr(c, "num_hidden_layers", None)
     if not (hidden and layers):
         return None
@@ -244,7 +251,7 @@ def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch
     precision = auto_precision(device, params) if train.precision == "auto" else train.precision
     train_size = 4 if precision == "float32" else 2
     tokens = train.batch_size * seq_len
-    per_layer = tokens * (12 * hidden + 4 * inter) * train_size
+    per_layer = tokens * layer_activation_values(hidden, inter) * train_size
     activations = per_layer + tokens * hidden * train_size * layers if train.checkpoint_layers else per_layer * layers
     extra = params * (4 - size) if precision == "float32" else vocab * hidden * 4  # the upcast, or the float32 head
     rows = min(train.chunk_tokens, max(train.batch_size, train.eval_batch_size) * seq_len)

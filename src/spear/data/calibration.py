@@ -48,7 +48,7 @@ from transformers import DynamicCache
 
 from spear.errors import SpearError
 from spear.nucleus import top_k_top_p
-from spear.util import cache_dir
+from spear.util import cache_dir, text_config
 
 FIRST_TOKENS = ("bos", "random", "chat")
 STARTS = ("bos", "mid")
@@ -209,7 +209,7 @@ def sampling_batch(model: nn.Module, cfg: CalibConfig) -> int:
 
     Few large batches pay: a step costs 39 ms at 256 sequences, 45 ms at 1,024 and 84 ms at 4,096 on an H200
     (SmolLM2-135M, 512 tokens), so 4,096 sequences took 92 s in batches of 1,024 and 43 s in one."""
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    c = text_config(model)
     heads = getattr(c, "num_attention_heads", None)
     head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
