@@ -116,6 +116,35 @@ def measure(shape: str, precision: str, ecs: bool, args) -> dict:
             "measured_values": per_token / size, "hidden": hidden, "intermediate": inter}
 
 
+KINDS = ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj", "q_proj k_proj v_proj", "gate_proj up_proj")
+
+
+def increments_by_kind(shape: str, precision: str, ranks: list[int], args) -> list[dict]:
+    """Values a token that ECs of one kind (or a group sharing an input) add to an inner decoder layer, against a
+    layer without ECs, at each rank: per token as the difference of 512 and 128 tokens, so that the casts of A and
+    B (per step, not per token) drop out. What precision.plan_activation_bytes' constants come from."""
+    size = 4 if precision == "float32" else 2
+
+    def per_token(kinds: list[str], rank: int) -> float:
+        def layer_one(tokens: int) -> int:
+            model = model_of(shape, 3, args.vocab)
+            linears = [n for n, m in model.named_modules() if isinstance(m, SpearLinear)]
+            chosen = {n: rank for n in linears if n.startswith("model.layers.1.") and n.rsplit(".", 1)[1] in kinds}
+            return saved_with_ecs(model, {linears[0]: rank, **chosen}, precision, tokens, args.gate_hidden)[1]
+        return (layer_one(512) - layer_one(128)) / 384 / size
+
+    hidden, inter, _, _ = SHAPES[shape]
+    base = per_token([], ranks[0])
+    rows = [{"shape": shape, "precision": precision, "kinds": "none", "values": base, "hidden": hidden, "inter": inter}]
+    for rank in ranks:
+        for kinds in KINDS:
+            rows.append({"shape": shape, "precision": precision, "kinds": kinds, "rank": rank,
+                         "increment": per_token(kinds.split(), rank) - base})
+            print(f"{shape:12s} {precision:9s} rank {rank:3d} {kinds:22s} +{rows[-1]['increment']:7.1f} values a token",
+                  flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["smollm2", "llama3-8b"], choices=sorted(SHAPES))
@@ -125,8 +154,15 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--gate-hidden", type=int, default=8)
+    p.add_argument("--by-kind", type=int, nargs="*", default=None, metavar="RANK",
+                   help="instead: what ECs of each kind add to a layer, at these ranks (increments_by_kind)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
+    if args.by_kind is not None:
+        rows = [r for shape in args.shapes for precision in args.precisions
+                for r in increments_by_kind(shape, precision, args.by_kind or [4, 16, 64], args)]
+        write_json(args.json, {"mode": "by kind", "rows": rows})
+        return
     rows = []
     for shape in args.shapes:
         for precision in args.precisions:

@@ -122,5 +122,6 @@ def test_the_plan_aware_activations_match_what_autograd_keeps(precision):
     first = {n: r for n, r in plan.items() if ".0." in n}  # layer 0 keeps almost nothing: its input needs no grad
     planned = estimate(plan, 4) - estimate(first, 1)
     every = estimate({n: 16 for n in widths if ".0." not in n}, 4) - estimate({}, 1)
+    print(f"{precision}: plan-aware / saved {planned / measured:.3f}, every linear / plan-aware {every / planned:.2f}")
     assert 0.97 * measured <= planned <= 1.07 * measured
     assert every > 1.2 * planned
