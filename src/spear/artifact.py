@@ -9,7 +9,8 @@
     tokenizer files
 
 Written atomically (temp dir + rename), shard by shard; read back through safetensors only, one tensor at a time
-onto the target device into a model skeleton whose parameters were never allocated (models.skeleton).
+onto the target device into a model skeleton whose parameters were never allocated (models.skeleton; for
+serving, models.plain_skeleton).
 Format version 1 (codes one a byte, floats as computed, one file) still loads: its codes are packed on the way in.
 """
 
@@ -27,6 +28,7 @@ from spear.layer import ErrorCompensator, SpearLinear, int8_dequantize, int8_qua
 from spear.memory import require
 from spear.models.layerwise import set_module
 from spear.models.loading import LoadedModel, default_device, default_dtype, read_tokenizer
+from spear.models.plain_skeleton import plain_skeleton
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.record import QuantizedWeight, fp16_if_exact, pack_codes
 from spear.shards import DEFAULT_MAX_SHARD_BYTES, Sha256Check, ShardReader, ShardWriter, check_sha256
@@ -210,7 +212,7 @@ def load_artifact(path: str | Path, device: torch.device | None = None, dtype: t
     path = Path(path)
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    config, model, tokenizer = artifact_parts(path, dtype)
+    config, model, tokenizer = artifact_parts(path, dtype, plain=not dense)
     require(load_bytes(path, config, dtype, dense or device.type != "cuda"), device, f"loading {path}",
             "use a machine with more memory" + (", or serve it on a GPU" if device.type != "cuda" else ""))
     check = Sha256Check(path, config.get("weights_sha256", {}))
@@ -229,9 +231,10 @@ MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def artifact_parts(path: Path, dtype: torch.dtype) -> tuple[dict, nn.Module, object]:
+def artifact_parts(path: Path, dtype: torch.dtype, plain: bool = False) -> tuple[dict, nn.Module, object]:
     """The artifact's config, its model's skeleton (parameters on meta) and its tokenizer (chat template rendered
-    once); SpearError, one line naming the file, where one of them cannot be had."""
+    once); SpearError, one line naming the file, where one of them cannot be had. `plain` (serving): the skeleton in
+    plain torch modules where the runtime serves the family (models.plain_skeleton), transformers' elsewhere."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -247,7 +250,9 @@ def artifact_parts(path: Path, dtype: torch.dtype) -> tuple[dict, nn.Module, obj
             raise SpearError(f"bad model_config in {path / 'config.json'}: {key} is {value!r}, not a positive "
                              f"integer{fix}")
     try:
-        model = causal_lm_skeleton(AutoConfig.for_model(model_type, **model_config), dtype)
+        hf_config = AutoConfig.for_model(model_type, **model_config)
+        model = plain_skeleton(hf_config, dtype) if plain else None
+        model = model if model is not None else causal_lm_skeleton(hf_config, dtype)
     except Exception as e:  # transformers' validation errors, torch's for impossible sizes: their types vary
         raise SpearError(f"bad model_config in {path / 'config.json'}: {' '.join(str(e).split())}{fix}") from None
     _check_shapes(path, config, model)

@@ -30,8 +30,7 @@ def _no_init_weights():
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Within the block, every parameter a module registers is moved to the meta device, and transformers skips
-    initialising weights."""
+    """Within the block, every parameter a module registers is moved to the meta device."""
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -41,18 +40,17 @@ def parameters_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = register_on_meta
     try:
-        with _no_init_weights():
-            yield
+        yield
     finally:
         nn.Module.register_parameter = register
 
 
 def causal_lm_skeleton(config, dtype: torch.dtype) -> nn.Module:
     """transformers' causal LM of `config` with its parameters on meta, its tied weights tied (transformers ties them
-    in the initialisation that parameters_on_meta skips)."""
+    in the initialisation that it skips here)."""
     from transformers import AutoModelForCausalLM
 
-    with parameters_on_meta():
+    with parameters_on_meta(), _no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     return model

@@ -36,6 +36,7 @@ from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 from spear.layer import LinearMethod, SpearLinear
+from spear.models.plain_skeleton import FAMILIES
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.runtime.linear import DenseLinear, FusedCPULinear, FusedDenseLinear, FusedLinear, SplitLinear
 from spear.runtime.tables import hold_tables_compact
@@ -54,7 +55,7 @@ from spear.runtime.tables import hold_tables_compact
 # The add + RMSNorm and SiLU·up folded into those one-row GEMVs were slower on the H200 and removed
 # (bench/NOTES-kernels.md).
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+SUPPORTED = FAMILIES  # those that an artifact is served from in plain modules (models.plain_skeleton)
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # transformers' name -> ModelArgs.hidden_act
 
