@@ -21,7 +21,9 @@ Levers (each a +SPEAR row at the same protocol, --calib-samples × --calib-len, 
 - self: the default, sequences the float model samples from BOS;
 - random: each sample starts from one random vocabulary token after BOS (more topics and registers);
 - chat: each sample starts from the model's chat template opened for a user turn (questions and their answers);
-- text: WikiText-2's validation text instead of self-samples (real text: not data-free, a diagnostic of the data).
+- text: WikiText-2's validation text instead of self-samples (real text: not data-free, a diagnostic of the data);
+- topk: the objective instead of the data: self-samples, the KL on the teacher's top 128 tokens and the rest's mass
+  (CalibrateConfig.teacher_mode "topk"), which weighs the tokens an answer is picked among over the tail.
 The float and W4 models, the sensitivity table and each lever's calibration ids are computed once; the JSON is
 written after every row, the table printed last.
 """
@@ -57,7 +59,9 @@ from spear.run import gap_closed  # noqa: E402
 
 W4_RTN_PC = QuantSettings("rtn", QuantConfig(bits=4, group_size=-1, sym=True, sym_grid="absmax"))
 LEVERS = {"self": {}, "random": {"first_token": "random"}, "chat": {"first_token": "chat"},
-          "text": {"text_file": "wikitext-2-raw/wiki.valid.tokens.txt"}}  # under the evaluation data (data_dir)
+          "text": {"text_file": "wikitext-2-raw/wiki.valid.tokens.txt"},  # under the evaluation data (data_dir)
+          "topk": {}}
+OBJECTIVES = {"topk": {"teacher_mode": "topk"}}  # the levers that change CalibrateConfig, not the data
 DATASETS = ("wikitext2", "ptb")
 DEFAULT_TASKS = "lambada_openai,hellaswag,piqa,arc_easy"
 
@@ -253,9 +257,12 @@ def main() -> None:
         calib = CalibConfig(args.calib_samples, args.calib_len, **settings)
         ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(args.model))
         levers[lever] = {**calibration_record(calib, ids), **settings}
+        objective = OBJECTIVES.get(lever, {})
+        levers[lever].update(objective)
         student = copy.deepcopy(quantized)
         start = time.perf_counter()
-        report = compensate(student, lm.model, ids, cfg, sensitivity=sensitivity)
+        report = compensate(student, lm.model, ids, replace(cfg, calibrate=replace(cfg.calibrate, **objective)),
+                            sensitivity=sensitivity)
         row = measure(f"+SPEAR {lever}", student, {"ec_memory_pct": report.ec_memory_pct,
                                                    "heldout_kl": report.calibration.final_heldout_kl,
                                                    "compensate_seconds": time.perf_counter() - start})
