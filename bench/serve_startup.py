@@ -17,7 +17,10 @@ Each build's seconds are split by timers wrapped around the functions that can t
 and the counts of each (shapes tuned, graphs captured), and Triton's compiles in this process by the stage that
 made them ("triton_compile in decode_graphs"). What is left of a stage is the rest (packing, allocation). Each
 compile in the graphs' stages that takes longer than a disk-cache load (SLOW_COMPILE_S) is listed with its kernel and
-Triton's specialization of it ("slow_graph_compiles"): what compile_ahead did not compile for them.
+Triton's specialization of it ("slow_graph_compiles"): what compile_ahead did not compile for them. Each launch the
+graphs' stages make whose specialization compile_ahead's dry steps did not record is listed with the arguments by
+which it differs from the nearest recorded launch of its kernel ("graph_launches_not_ahead"), and compile_ahead's
+warnings (kernels its workers failed to compile) are kept ("compile_ahead_log").
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import logging
 import shutil
 import sys
 import tempfile
@@ -40,6 +44,7 @@ from fixtures import write_random_artifact
 from shapes import MODELS
 
 from spear import api
+from spear.kernels import compile_ahead as compile_ahead_module
 from spear.runtime import engine as engine_module
 from spear.runtime import runner as runner_module
 from spear.server.launch import ServeConfig, _engine_config
@@ -88,6 +93,16 @@ class StageTimers:
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, original))
 
+    @property
+    def stage(self) -> str | None:
+        """The innermost timed call running now."""
+        return self._active[-1] if self._active else None
+
+    def patch(self, owner: object, attr: str, replacement) -> None:
+        """Replace owner.attr until undo()."""
+        self._undo.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, replacement)
+
     def undo(self) -> None:
         for owner, attr, original in reversed(self._undo):
             setattr(owner, attr, original)
@@ -123,6 +138,64 @@ def slow_compile_logger(log: list[dict]):
     return observe
 
 
+class AheadCheck:
+    """The specializations compile_ahead's dry steps recorded against those the graphs' warm-ups and captures launch:
+    each launch of a graph stage whose key (compile_ahead.Launch.key) was not recorded, with the parameters by which
+    it differs from the nearest recorded launch of the same kernel."""
+
+    def __init__(self, timers: StageTimers):
+        from triton.runtime.jit import JITFunction
+
+        self.ahead: dict[tuple, object] = {}
+        self.graphs: dict[tuple, object] = {}
+        distinct, run = compile_ahead_module.distinct, JITFunction.run
+
+        def recorded_distinct(launches):
+            jobs = distinct(launches)
+            self.ahead.update((job.key(), job) for job in jobs)
+            return jobs
+
+        def observed_run(kernel, *args, grid, warmup, **kwargs):
+            if not warmup and timers.stage in GRAPH_STAGES:
+                try:
+                    launch = compile_ahead_module.launch_of(kernel, args, kwargs)
+                    self.graphs.setdefault(launch.key(), launch)
+                except ValueError:
+                    pass
+            return run(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+        timers.patch(compile_ahead_module, "distinct", recorded_distinct)
+        timers.patch(JITFunction, "run", observed_run)
+
+    def not_ahead(self) -> list[dict]:
+        import inspect
+
+        missed = []
+        for key, launch in self.graphs.items():
+            if key in self.ahead:
+                continue
+            names = list(inspect.signature(compile_ahead_module.kernel_of(launch.module, launch.name).fn).parameters)
+            parts = key[2] + key[3]
+
+            def differing(other: tuple) -> list[str]:
+                return [f"{names[i] if i < len(key[2]) else parts[i][0]}: {b!r} ahead, {a!r} here"
+                        for i, (a, b) in enumerate(zip(parts, other[2] + other[3])) if a != b]
+
+            same_kernel = [differing(k) for k in self.ahead if k[:2] == key[:2] and len(k[2]) == len(key[2])]
+            missed.append({"kernel": launch.name, "recorded_for_kernel": len(same_kernel),
+                           "differs_by": min(same_kernel, key=len) if same_kernel else None})
+        return missed
+
+
+class LogRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def start_once(path: Path, device: torch.device) -> dict:
     """One start as `spear serve PATH` (default flags) makes it, without the HTTP server: seconds by stage."""
     timers = StageTimers()
@@ -133,6 +206,9 @@ def start_once(path: Path, device: torch.device) -> dict:
     slow_compiles: list[dict] = []
     timers.wrap(triton.compiler, "compile", "triton_compile", sync=False,  # where the JIT looks it up
                 observe=slow_compile_logger(slow_compiles))
+    check = AheadCheck(timers) if device.type == "cuda" else None
+    ahead_log = LogRecords()
+    logging.getLogger(compile_ahead_module.__name__).addHandler(ahead_log)
     try:
         start = time.perf_counter()
         lm = api.load(str(path), device, serving=True)
@@ -146,11 +222,13 @@ def start_once(path: Path, device: torch.device) -> dict:
                "decode_graph_buckets": sorted(runner.graphs), "mixed_graph_buckets": sorted(runner.mixed),
                "kv_blocks": runner.cache.num_blocks, "kv_bytes": runner.cache.nbytes,
                "max_num_seqs": config.max_num_seqs, "max_model_len": runner.max_model_len,
-               "slow_graph_compiles": slow_compiles}
+               "slow_graph_compiles": slow_compiles, "compile_ahead_log": ahead_log.lines,
+               "graph_launches_not_ahead": check.not_ahead() if check else []}
         if device.type == "cuda":
             row["device_memory_peak"] = torch.cuda.max_memory_allocated(device)
     finally:
         timers.undo()
+        logging.getLogger(compile_ahead_module.__name__).removeHandler(ahead_log)
     del engine, runner, lm
     gc.collect()
     if device.type == "cuda":
@@ -162,7 +240,9 @@ def start_once(path: Path, device: torch.device) -> dict:
 def brief(label: str, row: dict) -> str:
     timed = ", ".join(f"{k} {v:.1f} s ({row['timed_calls'][k]})" for k, v in row["timed_s"].items())
     return (f"{label}: ready in {row['total_s']:.1f} s = load {row['load_s']:.1f} + kernels {row['kernels_s']:.1f} "
-            f"+ kv cache and graphs {row['kv_cache_and_graphs_s']:.1f}; timed: {timed}")
+            f"+ kv cache and graphs {row['kv_cache_and_graphs_s']:.1f}; timed: {timed}; "
+            f"{len(row['graph_launches_not_ahead'])} graph launches not compiled ahead, e.g. "
+            f"{[m['differs_by'] for m in row['graph_launches_not_ahead'][:3]]}; compile_ahead said {row['compile_ahead_log']}")
 
 
 def main() -> None:

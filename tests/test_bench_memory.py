@@ -182,3 +182,29 @@ def test_the_slow_compile_logger_sees_only_slow_calls_inside_the_graph_stages():
                                                                          "{'x': '*fp16'}")]
     assert timers.calls["triton_compile in decode_graphs"] == 1 and timers.calls["triton_compile"] == 2
     timers.undo()
+
+
+def test_the_ahead_check_names_the_parameter_a_graph_launch_differs_by():
+    """serve_startup.AheadCheck: a launch of a graph stage whose specialization the dry steps did not record is
+    listed with the parameter that differs from the nearest recorded launch of its kernel (an integer that is 1
+    there and not here); one they recorded is not."""
+    import serve_startup  # bench/
+
+    from spear.kernels import compile_ahead, ops
+
+    kernel = compile_ahead.kernel_of(ops.__name__, "_silu_mul_kernel")
+    gate, up, out = (torch.zeros(64) for _ in range(3))
+
+    def launch(stride):
+        return compile_ahead.launch_of(kernel, (gate, up, out, 64, stride, 64), {"BLOCK": 64, "PDL": False})
+
+    timers = serve_startup.StageTimers()
+    check = serve_startup.AheadCheck(timers)
+    timers.undo()
+    recorded, same, other = launch(1), launch(1), launch(32)
+    check.ahead[recorded.key()] = recorded
+    for graph_launch in (same, other):
+        check.graphs[graph_launch.key()] = graph_launch
+    assert check.not_ahead() == [{"kernel": "_silu_mul_kernel", "recorded_for_kernel": 1,
+                                  "differs_by": ["stride_gate: ('int', True, False, True) ahead, "
+                                                 "('int', False, True, True) here"]}]

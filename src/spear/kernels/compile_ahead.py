@@ -108,6 +108,13 @@ def _kernel_classes() -> list[type]:
     return classes
 
 
+def launch_of(kernel, args: tuple, kwargs: dict) -> Launch:
+    """The launch `kernel[grid](*args, **kwargs)` as recorded (ValueError: an argument a worker cannot remake)."""
+    fn = kernel.fn
+    return Launch(fn.__module__, fn.__name__, tuple(map(_recorded, args)), {k: _recorded(v) for k, v in kwargs.items()},
+                  _runtime_parameters(kernel, len(args)))
+
+
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[Launch]]:
     """Within the block every Triton launch (`kernel[grid](...)`) is appended to the yielded list, not compiled
@@ -118,12 +125,10 @@ def record_launches() -> Iterator[list[Launch]]:
     def recording_run(self, *args, grid, warmup, **kwargs):
         if warmup:
             return originals[type(self)](self, *args, grid=grid, warmup=warmup, **kwargs)
-        fn = self.fn
         try:
-            launches.append(Launch(fn.__module__, fn.__name__, tuple(map(_recorded, args)),
-                                   {k: _recorded(v) for k, v in kwargs.items()}, _runtime_parameters(self, len(args))))
+            launches.append(launch_of(self, args, kwargs))
         except ValueError as e:
-            log.debug("not compiled ahead: %s.%s takes %s", fn.__module__, fn.__name__, e)
+            log.debug("not compiled ahead: %s.%s takes %s", self.fn.__module__, self.fn.__name__, e)
         return None
 
     for cls in originals:
@@ -159,7 +164,10 @@ def compile_ahead(fn: Callable[[], Any], workers: int | None = None) -> int:
             return 0
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked once initialised
         with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
-            list(pool.map(_compile_one, jobs))
+            errors = [e for e in pool.map(_compile_one, jobs) if e is not None]
+        if errors:
+            log.warning("%d of %d kernels did not compile ahead (first: %s); their warm-ups compile them",
+                        len(errors), len(jobs), errors[0])
         done.parent.mkdir(parents=True, exist_ok=True)
         done.touch()
         return len(jobs)
@@ -196,8 +204,8 @@ def kernel_of(module: str, name: str):
     return kernel
 
 
-def _compile_one(launch: Launch) -> bool:
-    """In a worker: compile one launch into Triton's disk cache (False where it does not compile)."""
+def _compile_one(launch: Launch) -> str | None:
+    """In a worker: compile one launch into Triton's disk cache; why it did not, in a line, where it did not."""
     device = torch.device("cuda")
     try:
         kernel = kernel_of(launch.module, launch.name)
@@ -206,7 +214,6 @@ def _compile_one(launch: Launch) -> bool:
         init = getattr(compiled, "_init_handles", None)
         if init is not None:  # its launcher too: a C stub built by the host compiler (~0.7 s), cached on disk
             init()
-        return True
+        return None
     except Exception as e:  # its warm-up in the server compiles it, and says what is wrong
-        log.debug("compiling %s.%s ahead failed: %s", launch.module, launch.name, e)
-        return False
+        return f"{launch.name}: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
