@@ -23,7 +23,9 @@ Levers (each a +SPEAR row at the same protocol, --calib-samples × --calib-len, 
 - chat: each sample starts from the model's chat template opened for a user turn (questions and their answers);
 - text: WikiText-2's validation text instead of self-samples (real text: not data-free, a diagnostic of the data);
 - topk: the objective instead of the data: self-samples, the KL on the teacher's top 128 tokens and the rest's mass
-  (CalibrateConfig.teacher_mode "topk"), which weighs the tokens an answer is picked among over the tail.
+  (CalibrateConfig.teacher_mode "topk"), which weighs the tokens an answer is picked among over the tail;
+- confident: self-samples, each position's KL weighted by the teacher's top-1 probability (CalibrateConfig.
+  position_weight "confident"): the positions the context settles, as a LAMBADA passage's last word, over open ones.
 The float and W4 models, the sensitivity table and each lever's calibration ids are computed once; the JSON is
 written after every row, the table printed last.
 """
@@ -60,8 +62,9 @@ from spear.run import gap_closed  # noqa: E402
 W4_RTN_PC = QuantSettings("rtn", QuantConfig(bits=4, group_size=-1, sym=True, sym_grid="absmax"))
 LEVERS = {"self": {}, "random": {"first_token": "random"}, "chat": {"first_token": "chat"},
           "text": {"text_file": "wikitext-2-raw/wiki.valid.tokens.txt"},  # under the evaluation data (data_dir)
-          "topk": {}}
-OBJECTIVES = {"topk": {"teacher_mode": "topk"}}  # the levers that change CalibrateConfig, not the data
+          "topk": {}, "confident": {}}
+# the levers that change CalibrateConfig (the objective), not the data
+OBJECTIVES = {"topk": {"teacher_mode": "topk"}, "confident": {"position_weight": "confident"}}
 DATASETS = ("wikitext2", "ptb")
 DEFAULT_TASKS = "lambada_openai,hellaswag,piqa,arc_easy"
 

@@ -353,3 +353,39 @@ def test_graphed_step_disabled_sets_fresh_gradients_each_call():
         assert torch.allclose(w.grad, x + x * x)
     _copy_into(static := (torch.zeros(2), (torch.zeros(1),)), (torch.ones(2), (torch.full((1,), 5.0),)))
     assert static[0].tolist() == [1.0, 1.0] and static[1][0].item() == 5.0
+
+
+def test_confident_positions_weigh_the_training_loss_not_the_score():
+    """position_weight "confident": the training gradient is that of Σ_t w_t KL_t / T with w the teacher's top-1
+    probability at mean one, for the online and the top-k teacher alike; the returned (scored) KL is the plain mean;
+    a uniform weighting is the plain KL's gradient."""
+    from spear.compensate.calibrate import OnlineTeacher, _batch_loss, teacher_topk
+
+    teacher, student = quantized_pair()
+    ids = calib_ids()[:2]
+    params = [p for n, p in student.named_parameters() if ".ec." in n]
+    for p in params:
+        p.requires_grad_(True)
+    for target in (OnlineTeacher(teacher), teacher_topk(teacher, ids, k=8)):
+        prepared = target.prepare(torch.arange(len(ids)), ids)
+
+        def grads(confident: bool) -> tuple[float, list[torch.Tensor]]:
+            for p in params:
+                p.grad = None
+            kl = _batch_loss(student, target, prepared, ids, 1 << 20, True, confident=confident).item()
+            return kl, [p.grad.clone() for p in params]
+
+        kl_plain, g_plain = grads(False)
+        kl_conf, g_conf = grads(True)
+        assert kl_conf == pytest.approx(kl_plain, rel=1e-6)
+        h = student.model(ids).last_hidden_state.flatten(0, 1)
+        per_token, t_top = target.kl(student.lm_head(h), prepared, slice(None))
+        w = t_top.exp() / t_top.exp().mean()
+        assert w.std() > 0.05  # the positions differ, so the weighting matters
+        for p in params:
+            p.grad = None
+        ((w * per_token).sum() / len(per_token)).backward()
+        assert all(torch.allclose(a, p.grad, rtol=1e-4, atol=1e-9) for a, p in zip(g_conf, params))
+        assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(g_conf, g_plain))
+    with pytest.raises(SpearError, match="position weight"):
+        CalibrateConfig(position_weight="last")

@@ -11,6 +11,10 @@ over all T tokens of a batch and the full vocabulary (p: teacher, q: student). W
 
     L += λ · 1/(n−1) Σ_{l<n} ‖h_s^l − h_t^l‖² / ‖h_t^l‖²
 
+With `position_weight` "confident" the training loss weighs each position by the teacher's top-1 probability
+(normalised to a mean of one over each chunk of tokens), so the positions whose next token the context settles (a
+passage's last word: LAMBADA) count over the open ones; the held-out score stays the plain mean KL.
+
 With `norm_lr` > 0 the gains of the normalisation layers train too (norm tweaking: they replace
 the float model's own, so the bytes do not change).
 
@@ -64,6 +68,7 @@ from spear.compensate.precision import (PRECISIONS, checkpointed_layers, student
 from spear.compensate.resume import CalibrationCheckpoint, TrainingState, fingerprint
 
 TEACHER_MODES = ("online", "topk")
+POSITION_WEIGHTS = ("uniform", "confident")
 SCHEDULES = ("cosine", "constant")
 
 
@@ -87,6 +92,7 @@ class CalibrateConfig:
     chunk_tokens: int = 1024  # tokens per logits chunk
     teacher_cache_gb: float = 4.0  # the online teacher's last hidden states kept for reuse, at most this much
     hidden_weight: float = 0.0  # λ of the intermediate hidden-state term (0: KL only); needs the online teacher
+    position_weight: str = "uniform"  # "confident": each position's KL weighted by the teacher's top-1 probability
     norm_lr: float = 0.0  # > 0: the norm gains train too, at this LR (norm tweaking, zero bytes; no gain measured)
     eval_batch_size: int = 32  # sequences per no-grad forward when scoring (128 on an H200: 1.34 s at 8, 0.40 at 32)
     cuda_graph: bool = True  # on CUDA, replay the training step as a captured graph (module docstring)
@@ -98,6 +104,9 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if self.teacher_mode not in TEACHER_MODES:
             raise SpearError(f"unknown teacher mode {self.teacher_mode!r}; choose one of {', '.join(TEACHER_MODES)}")
+        if self.position_weight not in POSITION_WEIGHTS:
+            raise SpearError(f"unknown position weight {self.position_weight!r}; choose one of "
+                             f"{', '.join(POSITION_WEIGHTS)}")
         if self.schedule not in SCHEDULES:
             raise SpearError(f"unknown LR schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.precision not in PRECISIONS:
@@ -242,12 +251,13 @@ class OnlineTeacher:
                 self.cached_bytes += h_row.nbytes
         return h, layers
 
-    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, tuple], sl: slice) -> torch.Tensor:
-        """Σ over the chunk's tokens of KL(p ‖ q), float32."""
+    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, tuple],
+           sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of the chunk's tokens' KL(p ‖ q), float32, and the teacher's top-1 log-probability there."""
         with torch.no_grad():
             t_logp = _logits(self.model, prepared[0][sl]).float().log_softmax(-1).to(s_logits.device)
         s_logp = s_logits.float().log_softmax(-1)
-        return (t_logp.exp() * (t_logp - s_logp)).sum()
+        return (t_logp.exp() * (t_logp - s_logp)).sum(-1), t_logp.amax(-1)
 
 
 @dataclass
@@ -266,16 +276,18 @@ class TeacherTopK:
             self.log_tail[rows].flatten(0, 1).to(device),
         )
 
-    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, ...], sl: slice) -> torch.Tensor:
-        """Σ over the chunk's tokens of KL between {top-k, rest}-coarsened p and q."""
+    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, ...],
+           sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of the chunk's tokens' KL between {top-k, rest}-coarsened p and q, and the teacher's top-1
+        log-probability there."""
         idx, t_logp, t_log_tail = (x[sl] for x in prepared)
         s_logits = s_logits.float()
         lse = s_logits.logsumexp(-1)
         s_logp = s_logits.gather(-1, idx) - lse[:, None]
         s_log_tail = s_logits.scatter(-1, idx, -math.inf).logsumexp(-1) - lse
         t_log_tail = t_log_tail.clamp(min=-100.0)  # a zero tail contributes 0 · finite, not 0 · inf
-        head = (t_logp.exp() * (t_logp - s_logp)).sum()
-        return head + (t_log_tail.exp() * (t_log_tail - s_log_tail)).sum()
+        head = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+        return head + t_log_tail.exp() * (t_log_tail - s_log_tail), t_logp[:, 0]  # topk's values: largest first
 
 
 @torch.no_grad()
@@ -307,18 +319,21 @@ def teacher_topk(
 
 
 def _batch_loss(student: nn.Module, target, prepared: tuple, ids: torch.Tensor, chunk_tokens: int, backward: bool,
-                hidden_weight: float = 0.0) -> torch.Tensor:
+                hidden_weight: float = 0.0, confident: bool = False) -> torch.Tensor:
     """Mean per-token KL of one batch against the teacher's prepared targets, as a tensor (no host sync: a CUDA
     graph can hold it); with `backward`, accumulate the gradient of KL + hidden_weight · layer discrepancy into
-    the ECs (the returned figure is the KL alone)."""
+    the ECs, each position's KL weighed by the teacher's top-1 probability where `confident` (the returned figure
+    is the plain KL alone)."""
     layers = backward and hidden_weight > 0
     h, s_layers = _hidden_and_layers(student, ids, layers)  # [T, H]
     h_leaf = h.detach().requires_grad_(backward)
     total = torch.zeros((), device=h.device)
     for sl in _chunks(len(h), chunk_tokens):
-        kl = target.kl(_logits(student, h_leaf[sl]), prepared, sl) / len(h)
+        per_token, t_top = target.kl(_logits(student, h_leaf[sl]), prepared, sl)
+        kl = per_token.sum() / len(h)
         if backward:
-            kl.backward()
+            weight = t_top.exp() / t_top.exp().mean() if confident else None  # mean one over the chunk
+            (kl if weight is None else (weight * per_token).sum() / len(h)).backward()
         total += kl.detach()
     if backward:
         body = (h * h_leaf.grad).sum()  # the KL's gradient, carried into the body
@@ -491,7 +506,7 @@ def calibrate_ecs(
             next(batches)
         step_fn = GraphedStep(
             lambda batch_ids, prepared: _batch_loss(student, target, prepared, batch_ids, cfg.chunk_tokens, True,
-                                                    cfg.hidden_weight),
+                                                    cfg.hidden_weight, cfg.position_weight == "confident"),
             trainable, enabled=cfg.cuda_graph and ids.is_cuda)
         first = cfg.steps + 1 if n_held and bad >= cfg.patience else step + 1  # stopped early: nothing left
         bar = tqdm(range(first, cfg.steps + 1), initial=first - 1, total=cfg.steps, desc="calibrating ECs (KL)",
