@@ -223,7 +223,9 @@ def start_once(path: Path, device: torch.device) -> dict:
                "kv_blocks": runner.cache.num_blocks, "kv_bytes": runner.cache.nbytes,
                "max_num_seqs": config.max_num_seqs, "max_model_len": runner.max_model_len,
                "slow_graph_compiles": slow_compiles, "compile_ahead_log": ahead_log.lines,
-               "graph_launches_not_ahead": check.not_ahead() if check else []}
+               "graph_launches_not_ahead": check.not_ahead() if check else [],
+               "launches_recorded_ahead": len(check.ahead) if check else 0,
+               "graph_launches": len(check.graphs) if check else 0}
         if device.type == "cuda":
             row["device_memory_peak"] = torch.cuda.max_memory_allocated(device)
     finally:
@@ -241,8 +243,10 @@ def brief(label: str, row: dict) -> str:
     timed = ", ".join(f"{k} {v:.1f} s ({row['timed_calls'][k]})" for k, v in row["timed_s"].items())
     return (f"{label}: ready in {row['total_s']:.1f} s = load {row['load_s']:.1f} + kernels {row['kernels_s']:.1f} "
             f"+ kv cache and graphs {row['kv_cache_and_graphs_s']:.1f}; timed: {timed}; "
-            f"{len(row['graph_launches_not_ahead'])} graph launches not compiled ahead, e.g. "
-            f"{[m['differs_by'] for m in row['graph_launches_not_ahead'][:3]]}; compile_ahead said {row['compile_ahead_log']}")
+            f"{len(row['graph_launches_not_ahead'])} of {row['graph_launches']} graph launch specializations not among "
+            f"the {row['launches_recorded_ahead']} compiled ahead, e.g. "
+            f"{[m['differs_by'] for m in row['graph_launches_not_ahead'][:3]]}; "
+            f"compile_ahead said {row['compile_ahead_log']}")
 
 
 def main() -> None:
