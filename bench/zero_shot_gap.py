@@ -259,9 +259,8 @@ def main() -> None:
             settings["text_file"] = str(data_dir() / settings["text_file"])
         calib = CalibConfig(args.calib_samples, args.calib_len, **settings)
         ids = calibration_ids(lm.model, lm.tokenizer, calib, model_key(args.model))
-        levers[lever] = {**calibration_record(calib, ids), **settings}
         objective = OBJECTIVES.get(lever, {})
-        levers[lever].update(objective)
+        levers[lever] = {**calibration_record(calib, ids), **settings, **objective}
         student = copy.deepcopy(quantized)
         start = time.perf_counter()
         report = compensate(student, lm.model, ids, replace(cfg, calibrate=replace(cfg.calibrate, **objective)),

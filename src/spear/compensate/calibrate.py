@@ -251,13 +251,13 @@ class OnlineTeacher:
                 self.cached_bytes += h_row.nbytes
         return h, layers
 
-    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, tuple],
-           sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each of the chunk's tokens' KL(p ‖ q), float32, and the teacher's top-1 log-probability there."""
+    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, tuple], sl: slice,
+           top1: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each of the chunk's tokens' KL(p ‖ q), float32, and (`top1`) the teacher's top-1 log-probability there."""
         with torch.no_grad():
             t_logp = _logits(self.model, prepared[0][sl]).float().log_softmax(-1).to(s_logits.device)
         s_logp = s_logits.float().log_softmax(-1)
-        return (t_logp.exp() * (t_logp - s_logp)).sum(-1), t_logp.amax(-1)
+        return (t_logp.exp() * (t_logp - s_logp)).sum(-1), t_logp.amax(-1) if top1 else None
 
 
 @dataclass
@@ -276,9 +276,9 @@ class TeacherTopK:
             self.log_tail[rows].flatten(0, 1).to(device),
         )
 
-    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, ...],
-           sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each of the chunk's tokens' KL between {top-k, rest}-coarsened p and q, and the teacher's top-1
+    def kl(self, s_logits: torch.Tensor, prepared: tuple[torch.Tensor, ...], sl: slice,
+           top1: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each of the chunk's tokens' KL between {top-k, rest}-coarsened p and q, and (`top1`) the teacher's top-1
         log-probability there."""
         idx, t_logp, t_log_tail = (x[sl] for x in prepared)
         s_logits = s_logits.float()
@@ -287,7 +287,8 @@ class TeacherTopK:
         s_log_tail = s_logits.scatter(-1, idx, -math.inf).logsumexp(-1) - lse
         t_log_tail = t_log_tail.clamp(min=-100.0)  # a zero tail contributes 0 · finite, not 0 · inf
         head = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-        return head + t_log_tail.exp() * (t_log_tail - s_log_tail), t_logp[:, 0]  # topk's values: largest first
+        top = t_logp[:, 0] if top1 else None  # topk's values: largest first
+        return head + t_log_tail.exp() * (t_log_tail - s_log_tail), top
 
 
 @torch.no_grad()
@@ -329,11 +330,14 @@ def _batch_loss(student: nn.Module, target, prepared: tuple, ids: torch.Tensor, 
     h_leaf = h.detach().requires_grad_(backward)
     total = torch.zeros((), device=h.device)
     for sl in _chunks(len(h), chunk_tokens):
-        per_token, t_top = target.kl(_logits(student, h_leaf[sl]), prepared, sl)
+        per_token, t_top = target.kl(_logits(student, h_leaf[sl]), prepared, sl, top1=backward and confident)
         kl = per_token.sum() / len(h)
         if backward:
-            weight = t_top.exp() / t_top.exp().mean() if confident else None  # mean one over the chunk
-            (kl if weight is None else (weight * per_token).sum() / len(h)).backward()
+            loss = kl
+            if t_top is not None:
+                p_top = t_top.exp()
+                loss = (p_top / p_top.mean() * per_token).sum() / len(h)  # weights of mean one over the chunk
+            loss.backward()
         total += kl.detach()
     if backward:
         body = (h * h_leaf.grad).sum()  # the KL's gradient, carried into the body

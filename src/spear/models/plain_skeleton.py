@@ -4,9 +4,8 @@
 `spear serve` reads an artifact into this instead of transformers' own model classes, whose forward it never calls
 (the runtime, runtime.model.build_runtime_model, reuses only their parameters): importing them (modeling_utils brings
 torch._dynamo) takes ~140 MB of RSS alone, and a served 0.5B / 1.2B model idles 65 MB lower without them
-(BENCHMARKS §8). The tensor names and shapes are
-transformers' for each family, checked by the artifact's strict load (a name missing or left over is an error);
-tests compare the runtime built on it with transformers' logits.
+(BENCHMARKS §8). The tensor names and shapes are transformers' for each family, checked by the artifact's strict
+load (a name missing or left over is an error); tests compare the runtime built on it with transformers' logits.
 """
 
 from __future__ import annotations
