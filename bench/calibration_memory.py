@@ -8,8 +8,9 @@ The artifact's ECs (as `spear compensate` wrote them) train against its float ba
 step's cost does not depend on the tokens) for --steps steps, at the default batch (8 sequences of --len tokens), each
 variant from the same EC state, without held-out passes. Per variant: seconds a step (the loop's, from the
 calibration's own clock, over the steps after the first: the first captures the CUDA graph), peak GPU memory
-allocated during the calibration (torch.cuda.max_memory_allocated, less what was allocated before it), and the
-train KL after the steps (the variants should agree closely: same data, same steps).
+allocated during the calibration (torch.cuda.max_memory_allocated, less what was allocated before it), the
+plan-aware count of a step's activations the calibration printed (precision.plan_activation_bytes), and the train KL
+after the steps (the variants should agree closely: same data, same steps).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main() -> None:
                      "steps": result.steps, "seconds": round(result.seconds, 2),
                      "s_per_step": round(s_per_step, 4),
                      "peak_gpu_bytes": torch.cuda.max_memory_allocated() - base if cuda else 0,
+                     "plan_activation_bytes": result.activation_bytes,
                      "initial_train_kl": result.initial_train_kl, "final_train_kl": result.final_train_kl})
         print(rows[-1], flush=True)
     load_ec_state_dict(student, state)
