@@ -125,6 +125,17 @@ def test_cli_budget_out_of_range(budget, capsys):
     assert e.value.code == 2 and "budget must be between 0% and 100%" in err and len(err.splitlines()) == 1
 
 
+def test_gpt2_conv1d_model_is_refused_naming_what_runs():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from spear.quant.pipeline import check_shapes
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32))
+    with pytest.raises(SpearError, match="Conv1D.*nn.Linear.*serves llama, mistral") as e:
+        check_shapes(model, QuantConfig(bits=4))
+    assert len(str(e.value).splitlines()) == 1
+
+
 def test_model_without_linear_layers_is_refused():
     from types import SimpleNamespace
 

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.models.layerwise import quantizable_linears, set_module
+from spear.models.plain_skeleton import FAMILIES
 from spear.record import QuantConfig, QuantizedWeight, rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq", "omniquant")
@@ -50,7 +51,11 @@ def check_shapes(model: nn.Module, cfg: QuantConfig) -> None:
     input size."""
     linears = quantizable_linears(model)
     if not linears:
-        raise SpearError(f"{type(model).__name__} has no linear layers in its decoder layers: nothing to quantize")
+        conv = {type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"}
+        why = " (its projections are transformers' Conv1D, GPT-2's layout)" if conv else ""
+        raise SpearError(f"{type(model).__name__} has no linear layers in its decoder layers{why}: nothing to "
+                         "quantize. SPEAR quantizes decoder layers of nn.Linear (Llama, Mistral, Qwen, Phi-3, Gemma "
+                         f"and most current families) and serves {', '.join(FAMILIES)}")
     for m in linears.values():
         cfg.group_size_for(m.in_features)
 
