@@ -40,11 +40,19 @@ def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device="meta")
 
 
+QK_NORM_FAMILIES = ("qwen3", "gemma3_text")  # an RMSNorm over each head's q and k
+
+
+def attention_sizes(config) -> tuple[int, int, int]:
+    """(heads, key-value heads, head dim) of an HF config, with transformers' defaults where one is not given."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def _attention(config, dtype: torch.dtype) -> nn.Module:
     family, dim = config.model_type, config.hidden_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or dim // heads
+    heads, kv_heads, head_dim = attention_sizes(config)
     q, kv = heads * head_dim, kv_heads * head_dim
     bias = bool(getattr(config, "attention_bias", False))
     a = nn.Module()
@@ -54,7 +62,7 @@ def _attention(config, dtype: torch.dtype) -> nn.Module:
         qkv_bias = bias or family == "qwen2"  # Qwen2's q, k and v always have biases, its o none
         a.q_proj, a.k_proj, a.v_proj = (_linear(dim, n, qkv_bias, dtype) for n in (q, kv, kv))
     a.o_proj = _linear(q, dim, bias and family not in ("qwen2", "phi3"), dtype)
-    if family in ("qwen3", "gemma3_text"):  # RMSNorm over each head's q and k
+    if family in QK_NORM_FAMILIES:
         a.q_norm, a.k_norm = Norm(head_dim, dtype), Norm(head_dim, dtype)
     return a
 

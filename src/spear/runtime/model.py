@@ -36,7 +36,7 @@ from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 from spear.layer import LinearMethod, SpearLinear
-from spear.models.plain_skeleton import FAMILIES
+from spear.models.plain_skeleton import FAMILIES, QK_NORM_FAMILIES, attention_sizes
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.runtime.linear import DenseLinear, FusedCPULinear, FusedDenseLinear, FusedLinear, SplitLinear
 from spear.runtime.tables import hold_tables_compact
@@ -106,8 +106,7 @@ class ModelArgs:
         for what in ("attn_logit_softcapping", "use_bidirectional_attention"):
             if getattr(config, what, None):
                 raise SpearError(f"the serving runtime does not run {what} (set in this {model_type} config)")
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        heads, kv_heads, head_dim = attention_sizes(config)
         max_len = config.max_position_embeddings
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         local = None
@@ -133,12 +132,12 @@ class ModelArgs:
         layer_types = getattr(config, "layer_types", None)
         return cls(
             dim=config.hidden_size, intermediate=config.intermediate_size, n_heads=heads,
-            n_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            n_kv_heads=kv_heads, head_dim=head_dim,
             n_layers=config.num_hidden_layers, vocab=config.vocab_size, norm_eps=config.rms_norm_eps,
             rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else None,
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"), max_seq_len=max_len,
+            qk_norm=model_type in QK_NORM_FAMILIES, max_seq_len=max_len,
             rotary_dim=rotary_dim if rotary_dim < head_dim else None, rope_gain=gain, attn_scale=scale,
             # a window as long as the context changes nothing: none
             sliding_window=window if window is not None and window < max_len else None,
