@@ -138,6 +138,25 @@ def test_the_dry_steps_run_what_the_graphs_capture_and_write_only_the_null_block
         assert not (before != after)[:, 1:].any() and (before != after)[:, 0].any()
 
 
+@torch.no_grad()
+def test_the_graphs_compile_over_a_cache_of_the_null_block_before_the_real_one(tiny_model_dir, monkeypatch):
+    """compile_graphs (make_runner calls it before the KV cache takes the free memory) dry-runs every graph bucket
+    and every mixed-step size, as the runner's own dry steps do, over a cache of the null block alone."""
+    from spear.api import load
+    from spear.kernels import compile_ahead as module
+    from spear.runtime.model import build_runtime_model
+    from spear.runtime.runner import compile_graphs
+
+    model = build_runtime_model(load(str(tiny_model_dir)).model)
+    rows, pieces, blocks = [], [], []
+    model.register_forward_hook(lambda _m, args, _out: (rows.append(args[0].tokens.shape[0]),
+                                                        blocks.append(args[1].num_blocks)))
+    model.embed.register_forward_pre_hook(lambda _m, args: pieces.append(args[0].shape[0]))
+    monkeypatch.setattr(module, "compile_ahead", lambda fn: (fn(), 7)[1])
+    assert compile_graphs(model, 16, torch.float32, 64, 4, (16, 32), 0) == 7
+    assert rows == [4, 2, 1] and set(blocks) == {1} and pieces == [4, 2, 1, 16, 32]
+
+
 def test_a_restart_with_the_same_launches_and_triton_cache_finds_its_marker(monkeypatch):
     jobs = [Launch("m", "k", (TensorArg("float16", True), 32), {"BLOCK": 64}, frozenset({0, 1}))]
     same = [Launch("m", "k", (TensorArg("float16", True), 64), {"BLOCK": 64}, frozenset({0, 1}))]  # one compile

@@ -30,7 +30,7 @@ from spear.runtime.detokenizer import Detokenizer
 from spear.runtime.kv_cache import Batch, BlockAllocator, Chunk, KVCache, cdiv
 from spear.runtime.model import Transformer, build_runtime_model
 from spear.runtime.requests import RequestOutput, SamplingParams, TokenLogprobs
-from spear.runtime.runner import ModelRunner, TokenPatch
+from spear.runtime.runner import ModelRunner, TokenPatch, compile_graphs
 from spear.runtime.sampler import sample_tokens
 from spear.runtime.scheduler import SchedulerPolicy, StaticChunkPolicy
 
@@ -237,6 +237,10 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     """The KV cache and model runner that `config` asks for; SpearError if the cache cannot hold one sequence of the
     full context."""
     max_len, dtype = context_len(model, config), kv_cache_dtype(model, config)
+    graphs = config.cuda_graphs and model.device.type == "cuda"
+    if graphs:  # before the KV cache takes the free memory that its compiling workers need (runner.compile_graphs)
+        compile_graphs(model, config.block_size, dtype, max_len, config.max_num_seqs,
+                       _mixed_graph_tokens(config, config.max_num_seqs * max_len), config.row_graph_tokens)
     blocks, per_seq = kv_cache_blocks(model, config), cdiv(max_len, config.block_size)
     if blocks - 1 < per_seq:
         block_bytes = kv_block_bytes(model, config.block_size, dtype)
@@ -246,12 +250,17 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
                          f"--gpu-memory-utilization) or lower --max-model-len")
     args = model.args
     cache = KVCache(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.head_dim, dtype, model.device)
-    mixed = config.mixed_graph_tokens
-    if mixed is None:
-        graphs = config.cuda_graphs and model.device.type == "cuda"
-        most = min(config.max_num_seqs * max_len, (blocks - 1) * config.block_size)
-        mixed = mixed_buckets(most, above=config.row_graph_tokens) if graphs else ()
-    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, mixed, config.row_graph_tokens)
+    mixed = _mixed_graph_tokens(config, min(config.max_num_seqs * max_len, (blocks - 1) * config.block_size)) \
+        if graphs else config.mixed_graph_tokens or ()
+    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, mixed, config.row_graph_tokens,
+                       compiled_ahead=graphs)
+
+
+def _mixed_graph_tokens(config: EngineConfig, most: int) -> tuple[int, ...]:
+    """The mixed steps' graph buckets: config's, or those up to a step of `most` tokens (mixed_buckets)."""
+    if config.mixed_graph_tokens is not None:
+        return config.mixed_graph_tokens
+    return mixed_buckets(most, above=config.row_graph_tokens)
 
 
 def kv_cache_summary(runner: ModelRunner) -> str:
