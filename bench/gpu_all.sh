@@ -17,6 +17,9 @@
 #             JSON and log, there even when the limit cut the merge) come back
 #   run       the main job timed end to end on the staged default model (bench/spear_run.py; $RUN_ARGS: options for
 #             `spear run`, default none: the defaults); stage as for quality; spear_run_h200_$tag.json comes back
+#   startup   `spear serve`'s start-up split by stage (bench/serve_startup.py: $MODEL, default llama3-8b, a random W4
+#             artifact with ECs on 15% of the linears; a cold start in fresh Triton and tuner caches, then a warm
+#             one); needs the serving wheels: `eval $(bash .stage/b/device-join.sh)` first (stage with --serve)
 #   ab        decode A/B against another source tree $BEFORE (default .before; carry it: `git archive REV src
 #             bench/decode.py bench/common.py | tar -x -C .before`): $MODEL's $SETTINGS (default w4) at batch 1 and 32,
 #             in the order before, after, after, before, each tree with its own tuning cache (the second run of a
@@ -26,8 +29,8 @@
 set -u
 parts=${*:-tests decode kernels}
 for part in $parts; do
-  case $part in tests|decode|profile|kernels|slo|tp|quality|run|ab) ;;
-    *) echo "unknown part $part: tests, decode, profile, kernels, slo, tp, quality, run or ab" >&2; exit 2 ;; esac
+  case $part in tests|decode|profile|kernels|slo|tp|quality|run|startup|ab) ;;
+    *) echo "unknown part $part: tests, decode, profile, kernels, slo, tp, quality, run, startup or ab" >&2; exit 2 ;; esac
 done
 out=${OUT:-bench/results/gpu_all}; mkdir -p "$out"
 tag=$(echo "${SPEAR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | cut -c1-7)
@@ -79,6 +82,10 @@ for part in $parts; do
       [ -n "${GGUF:-}" ] || { echo "run: GGUF is not set: stage the model (bench/quality.py)" > $l; continue; }
       SPEAR_DATA=${SPEAR_DATA:-/tmp/spear-data} timeout "$(left 570)" python bench/spear_run.py --model "$GGUF" \
         --json "$out/spear_run_h200_$tag.json" -- ${RUN_ARGS:-} > $l 2>&1 ;;
+    startup)
+      SPEAR_CACHE=/tmp/startup_cache TRITON_CACHE_DIR=/tmp/startup_cache/triton timeout "$(left 300)" \
+        python bench/serve_startup.py --model ${MODEL:-llama3-8b} --ec-fraction 0.15 \
+        --json "$out/serve_startup_${MODEL:-llama3-8b}_$tag.json" > $l 2>&1 ;;
     ab)
       before=${BEFORE:-.before}
       [ -f "$before/bench/decode.py" ] || { echo "no source tree at $before (BEFORE)" > $l; continue; }
