@@ -196,8 +196,9 @@ class LogRecords(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def start_once(path: Path, device: torch.device) -> dict:
-    """One start as `spear serve PATH` (default flags) makes it, without the HTTP server: seconds by stage."""
+def start_once(path: Path, device: torch.device, serve: ServeConfig | None = None) -> dict:
+    """One start as `spear serve PATH` makes it (default flags, or `serve`'s), without the HTTP server: seconds by
+    stage."""
     timers = StageTimers()
     for owner, attr, name in timed_functions():
         timers.wrap(owner, attr, name)
@@ -213,7 +214,7 @@ def start_once(path: Path, device: torch.device) -> dict:
         start = time.perf_counter()
         lm = api.load(str(path), device, serving=True)
         loaded = time.perf_counter() - start
-        config = _engine_config(ServeConfig(), lm.model.device)
+        config = _engine_config(serve or ServeConfig(), lm.model.device)
         engine = engine_module.build_engine(lm.model, lm.tokenizer, config)
         total = time.perf_counter() - start
         runner = engine.runner
@@ -255,6 +256,8 @@ def main() -> None:
     p.add_argument("--ec-fraction", type=float, default=0.15, help="share of the linears with an EC (default 0.15)")
     p.add_argument("--starts", type=int, default=2, help="starts in this process: the first cold, then warm")
     p.add_argument("--workdir", default=None, help="where the artifact is written (default: a temp dir, removed)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=ServeConfig.gpu_memory_utilization,
+                   help="as spear serve's: the KV cache's share of the card (default %(default)s)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -264,9 +267,10 @@ def main() -> None:
     if not path.is_dir():
         write_random_artifact(MODELS[args.model], path, args.ec_fraction, EC_RANK, device=device)
     record = {"model": args.model, "ec_fraction": args.ec_fraction, "ec_rank": EC_RANK, "device": str(device),
+              "gpu_memory_utilization": args.gpu_memory_utilization,
               "artifact_bytes": safetensors_bytes(path), "write_s": time.perf_counter() - started, "starts": []}
     for i in range(args.starts):
-        row = start_once(path, device)
+        row = start_once(path, device, ServeConfig(gpu_memory_utilization=args.gpu_memory_utilization))
         record["starts"].append(row)
         print(brief("cold" if i == 0 else "warm", row), flush=True)
         write_json(args.json, record)
