@@ -93,3 +93,22 @@ def refuse_real_shapes_on_cpu(script: str, models: list[str]) -> None:
         need = "need" if len(big) > 1 else "needs"
         print(f"{script}: error: {' and '.join(big)} {need} a CUDA GPU; on CPU run --tiny", file=sys.stderr)
         raise SystemExit(2)
+
+
+def add_self_sample_args(p) -> None:
+    """The layer-wise lab scripts' options: the model and its self-sampled inputs (load_self_sampled), --json."""
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--sequences", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--json", type=Path)
+
+
+def load_self_sampled(args):
+    """(the float model on the CPU in float32, its --sequences × --seq-len self-sampled calibration ids)."""
+    from spear.api import model_key
+    from spear.data.calibration import CalibConfig, calibration_ids
+    from spear.models import load_float_model
+
+    lm = load_float_model(args.model, device=torch.device("cpu"), dtype=torch.float32)
+    cfg = CalibConfig(num_sequences=args.sequences, seq_len=args.seq_len, batch_size=args.sequences)
+    return lm, calibration_ids(lm.model, lm.tokenizer, cfg, model_key(args.model))

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, write_json  # noqa: E402
+from common import add_self_sample_args, load_self_sampled, provenance, write_json  # noqa: E402
 
 
 def error_energy(E: torch.Tensor, R: torch.Tensor) -> float:
@@ -55,20 +55,13 @@ def joint_rank1_left(W: torch.Tensor, Q: torch.Tensor, R: torch.Tensor, R_sqrt: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--sequences", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--json", type=Path)
+    add_self_sample_args(p)
     args = p.parse_args()
-    from spear.api import model_key
     from spear.compensate.stats import collect_input_stats
-    from spear.data.calibration import CalibConfig, calibration_ids
-    from spear.models import load_float_model
     from spear.record import QuantConfig, rtn_quantize
 
-    lm = load_float_model(args.model, device=torch.device("cpu"), dtype=torch.float32)
-    cfg = CalibConfig(num_sequences=args.sequences, seq_len=args.seq_len, batch_size=args.sequences)
-    stats = collect_input_stats(lm.model, calibration_ids(lm.model, lm.tokenizer, cfg, model_key(args.model)))
+    lm, ids = load_self_sampled(args)
+    stats = collect_input_stats(lm.model, ids)
     q = QuantConfig(bits=4, group_size=-1)
     rows, totals = [], {"rtn": 0.0, "refit": 0.0, "rtn_rank1": 0.0, "refit_rank1": 0.0, "joint_rank1": 0.0}
     for name, st in stats.items():
