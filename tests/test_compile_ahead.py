@@ -157,6 +157,30 @@ def test_the_graphs_compile_over_a_cache_of_the_null_block_before_the_real_one(t
     assert rows == [4, 2, 1] and set(blocks) == {1} and pieces == [4, 2, 1, 16, 32]
 
 
+def test_make_runner_compiles_the_graphs_before_it_sizes_the_kv_cache(monkeypatch):
+    """On CUDA with graphs, the compiles come first: their workers need the memory the KV cache would take."""
+    from types import SimpleNamespace
+
+    from spear.runtime import engine
+
+    order = []
+    monkeypatch.setattr(engine, "compile_graphs", lambda *a: order.append("compile_graphs"))
+
+    def sized(*_):
+        order.append("kv_cache_blocks")
+        raise RuntimeError("stop before allocating")
+
+    monkeypatch.setattr(engine, "kv_cache_blocks", sized)
+    model = SimpleNamespace(args=SimpleNamespace(max_seq_len=4096), dtype=torch.float16, device=torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="stop before allocating"):
+        engine.make_runner(model, engine.EngineConfig(max_model_len=256))
+    assert order == ["compile_graphs", "kv_cache_blocks"]
+    order.clear()
+    with pytest.raises(RuntimeError, match="stop before allocating"):
+        engine.make_runner(model, engine.EngineConfig(max_model_len=256, cuda_graphs=False))
+    assert order == ["kv_cache_blocks"]
+
+
 def test_a_restart_with_the_same_launches_and_triton_cache_finds_its_marker(monkeypatch):
     jobs = [Launch("m", "k", (TensorArg("float16", True), 32), {"BLOCK": 64}, frozenset({0, 1}))]
     same = [Launch("m", "k", (TensorArg("float16", True), 64), {"BLOCK": 64}, frozenset({0, 1}))]  # one compile
