@@ -11,7 +11,9 @@ every other argument as is), and has spawned worker processes compile those laun
 made-up tensors of the same dtypes and alignment) into Triton's on-disk cache (TRITON_CACHE_DIR, which the workers
 inherit), each with its launcher. The real warm-ups then find every compile there; a restart that records the same
 launches for the same Triton cache skips the workers (done_marker). Fewer than two workers ($SPEAR_COMPILE_WORKERS),
-no GPU or Triton's interpreter: nothing is done. A failure is logged, and the warm-ups compile as before.
+no GPU or Triton's interpreter: nothing is done. A failure is logged, and the warm-ups compile as before. Each
+worker holds a CUDA context and a few small tensors of its own, so the runtime calls this before its KV cache takes
+the free memory (runtime.runner.compile_graphs): called after, 52 of an 8B model's 78 compiles failed for memory.
 """
 
 from __future__ import annotations
