@@ -62,8 +62,8 @@ def main() -> None:
     rows = []
     for name, m in linears.items():
         E = (m.weight.detach() - rtn_quantize(m.weight.detach(), QuantConfig(4, -1)).dequantize()).double()
-        total, mu, n = sums[name]
-        mu, R = total / n, sums[name][1] / n
+        sum_x, sum_xx, n = sums[name]
+        mu, R = sum_x / n, sum_xx / n
         energy = float(torch.einsum("oi,ij,oj->", E, R, E))
         row = {"module": name, "mean_share": float((E @ mu).pow(2).sum()) / energy}
         for r in RANKS:

@@ -50,6 +50,11 @@ def attention_sizes(config) -> tuple[int, int, int]:
             getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
+def qkv_bias(config) -> bool:
+    """Whether q, k and v have biases: attention_bias, or always in Qwen2 (whose o has none)."""
+    return bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+
+
 def _attention(config, dtype: torch.dtype) -> nn.Module:
     family, dim = config.model_type, config.hidden_size
     heads, kv_heads, head_dim = attention_sizes(config)
@@ -59,8 +64,7 @@ def _attention(config, dtype: torch.dtype) -> nn.Module:
     if family == "phi3":  # q|k|v as one linear
         a.qkv_proj = _linear(dim, q + 2 * kv, False, dtype)
     else:
-        qkv_bias = bias or family == "qwen2"  # Qwen2's q, k and v always have biases, its o none
-        a.q_proj, a.k_proj, a.v_proj = (_linear(dim, n, qkv_bias, dtype) for n in (q, kv, kv))
+        a.q_proj, a.k_proj, a.v_proj = (_linear(dim, n, qkv_bias(config), dtype) for n in (q, kv, kv))
     a.o_proj = _linear(q, dim, bias and family not in ("qwen2", "phi3"), dtype)
     if family in QK_NORM_FAMILIES:
         a.q_norm, a.k_norm = Norm(head_dim, dtype), Norm(head_dim, dtype)

@@ -51,7 +51,7 @@ def check_shapes(model: nn.Module, cfg: QuantConfig) -> None:
     input size."""
     linears = quantizable_linears(model)
     if not linears:
-        conv = {type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"}
+        conv = any(type(m).__name__ == "Conv1D" for m in model.modules())
         why = " (its projections are transformers' Conv1D, GPT-2's layout)" if conv else ""
         raise SpearError(f"{type(model).__name__} has no linear layers in its decoder layers{why}: nothing to "
                          "quantize. SPEAR quantizes decoder layers of nn.Linear (Llama, Mistral, Qwen, Phi-3, Gemma "

@@ -36,7 +36,7 @@ from spear.kernels import options
 from spear.kernels.norm_fold import FoldedNorm
 from spear.kernels.ops import add_rms_norm, rope_write_kv, silu_mul
 from spear.layer import LinearMethod, SpearLinear
-from spear.models.plain_skeleton import FAMILIES, QK_NORM_FAMILIES, attention_sizes
+from spear.models.plain_skeleton import FAMILIES, QK_NORM_FAMILIES, attention_sizes, qkv_bias
 from spear.runtime.kv_cache import Batch, KVCache, paged_attention
 from spear.runtime.linear import DenseLinear, FusedCPULinear, FusedDenseLinear, FusedLinear, SplitLinear
 from spear.runtime.tables import hold_tables_compact
@@ -136,7 +136,7 @@ class ModelArgs:
             n_layers=config.num_hidden_layers, vocab=config.vocab_size, norm_eps=config.rms_norm_eps,
             rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else None,
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            attention_bias=qkv_bias(config),
             qk_norm=model_type in QK_NORM_FAMILIES, max_seq_len=max_len,
             rotary_dim=rotary_dim if rotary_dim < head_dim else None, rope_gain=gain, attn_scale=scale,
             # a window as long as the context changes nothing: none
