@@ -41,3 +41,32 @@ def test_gguf_conversion_parses_the_file_once(smollm2):
         llama = gguf.MODEL_ARCH.LLAMA
         assert gguf.get_tensor_name_map(llama, 30) is gguf.get_tensor_name_map(llama, 30)
     assert gguf.GGUFReader is original and gguf.get_tensor_name_map is name_map
+
+
+def test_saved_tokenizer_carries_its_added_tokens_and_loads_without_a_python_parse(tmp_path, monkeypatch):
+    """save_tokenizer writes tokenizer.json's added tokens into tokenizer_config.json, so that transformers does not
+    json-parse tokenizer.json itself on load; the tokenizer read back is the one saved plainly."""
+    import json
+
+    from conftest import make_byte_tokenizer
+
+    from spear.models.loading import read_tokenizer, save_tokenizer
+
+    tok = make_byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    plain, ours = tmp_path / "plain", tmp_path / "ours"
+    tok.save_pretrained(plain)
+    save_tokenizer(tok, ours)
+    added = json.loads((ours / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert {"<|im_start|>", "<|im_end|>", tok.bos_token, tok.eos_token} == {t["content"] for t in added.values()}
+    assert all(t["special"] for t in added.values())
+
+    parsed = []
+    real_load = json.load
+    monkeypatch.setattr(json, "load", lambda f, *a, **k: parsed.append(getattr(f, "name", "")) or real_load(f, *a, **k))
+    a, b = read_tokenizer(plain), read_tokenizer(ours)
+    assert any(str(p).endswith("plain/tokenizer.json") for p in parsed)  # what save_tokenizer spares
+    assert not any(str(p).endswith("ours/tokenizer.json") for p in parsed)
+    text = "<|im_start|>user hi<|im_end|> and more"
+    assert a(text).input_ids == b(text).input_ids and a.added_tokens_decoder == b.added_tokens_decoder
+    assert a.all_special_tokens == b.all_special_tokens

@@ -27,7 +27,7 @@ from spear.errors import SpearError, first_line
 from spear.layer import ErrorCompensator, SpearLinear, int8_dequantize, int8_quantize
 from spear.memory import require
 from spear.models.layerwise import set_module
-from spear.models.loading import LoadedModel, default_device, default_dtype, read_tokenizer
+from spear.models.loading import LoadedModel, default_device, default_dtype, read_tokenizer, save_tokenizer
 from spear.models.plain_skeleton import plain_skeleton
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.record import QuantizedWeight, fp16_if_exact, pack_codes
@@ -91,7 +91,7 @@ def save_artifact(model: nn.Module, tokenizer, out_dir: str | Path, info: Artifa
                                  {n: (ec.rank, ec.gate_hidden, ec.factor_bits) for n, ec in ecs.items()}, tied,
                                  sha256)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     return out_dir
 
 

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from spear.artifact import RECORD_PARTS, read_artifact_config, read_ec_tensors, read_record
 from spear.errors import SpearError, require_module
+from spear.models.loading import save_tokenizer
 from spear.record import QuantizedWeight
 from spear.shards import ShardReader
 from spear.util import atomic_dir, versions
@@ -87,7 +88,7 @@ def export_vllm(artifact_dir: str | Path, out_dir: str | Path) -> VllmExport:
         if lora is not None:
             _write_lora(tmp / LORA_DIR, lora, config)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, default=str))
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     rank = 0 if lora is None else lora[1]
     return VllmExport(out_dir, len(records), len(ec_modules), rank, scheme.symmetric, scheme.group_size)
 

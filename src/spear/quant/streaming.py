@@ -30,6 +30,7 @@ from spear.layer import SpearLinear
 from spear.models.layerwise import (
     LayerInputs, capture_layer_inputs, decoder_layers, layer_linears, module_name, run_layer, set_module,
 )
+from spear.models.loading import save_tokenizer
 from spear.models.skeleton import causal_lm_skeleton, tied_parameters
 from spear.quant.awq import awq_quantize_layer, check_awq_layout
 from spear.quant.gptq import CALIB_BATCH, gptq_quantize_layer
@@ -170,5 +171,5 @@ def quantize_checkpoint(hf_dir: Path, model: nn.Module, tokenizer, settings: Qua
         sha256 = writer.close()
         config = artifact_config(model.config, info, quantized, {}, tied, sha256)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     return out_dir

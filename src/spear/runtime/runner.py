@@ -133,10 +133,11 @@ class ModelRunner:
         capture = cuda_graphs and cache.device.type == "cuda"
         sizes = self.graph_sizes()
         with torch.inference_mode():
-            if capture and not compiled_ahead:  # the warm-ups' variants compiled in parallel first (compile_graphs)
-                from spear.kernels import compile_ahead  # Triton's: a plain install has none (nor CUDA graphs)
+            if capture:
+                if not compiled_ahead:  # the warm-ups' variants compiled in parallel first (else compile_graphs did)
+                    from spear.kernels import compile_ahead  # Triton's: a plain install has none (nor CUDA graphs)
 
-                compile_ahead.compile_ahead(lambda: self._dry_steps(sizes, mixed_graph_tokens))
+                    compile_ahead.compile_ahead(lambda: self._dry_steps(sizes, mixed_graph_tokens))
                 pool = torch.cuda.graph_pool_handle()
                 for size in sizes:
                     self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, self.tile_rows,
