@@ -120,6 +120,8 @@ def main() -> None:
                    help="EC factors of every row in fp16, int8 or int4")
     p.add_argument("--refit-rounds", type=int, default=0,
                    help="joint fitting of RTN or GPTQ codes and the ECs before calibration, this many rounds (every row)")
+    p.add_argument("--no-refit-clip", action="store_true",
+                   help="the refit's RTN rounds on the plain grid (no per-row clipping by whitened error)")
     p.add_argument("--joint-rounds", type=int, default=0,
                    help="after calibration: codes re-rounded against the trained ECs, then trained again (SPEAR rows)")
     p.add_argument("--json", required=True)
@@ -145,7 +147,8 @@ def main() -> None:
                                                "source": "text file" if calib.text_file else "self-sampled"},
                                "max_windows": args.max_windows, "steps": args.steps, "calib_batch": args.calib_batch, "cost": args.cost,
                                "norm_lr": args.norm_lr, "seed": args.seed, "ec_bits": args.ec_bits,
-                               "refit_rounds": args.refit_rounds, "joint_rounds": args.joint_rounds,
+                               "refit_rounds": args.refit_rounds, "refit_clip": not args.no_refit_clip,
+                               "joint_rounds": args.joint_rounds,
                                "rows": rows})
 
     fp = evaluate(lm.model)
@@ -163,6 +166,7 @@ def main() -> None:
         if args.only and not any(key in label for key in args.only):
             continue
         cfg = replace(cfg, seed=args.seed, refit_rounds=args.refit_rounds if cfg.kind in ("adaptive", "qera") else 0,
+                      refit_clip=not args.no_refit_clip,
                       joint_rounds=args.joint_rounds if cfg.kind == "adaptive" else 0,
                       planner=replace(cfg.planner, factor_bits=args.ec_bits), calibrate=replace(cfg.calibrate, steps=args.steps, batch_size=args.calib_batch,
                                                              norm_lr=args.norm_lr, progress=False),

@@ -179,3 +179,49 @@ def test_joint_rounds_keep_the_training_of_least_kl(float_and_quantized):
         CompensateConfig(kind="qera", joint_rounds=1)
     with pytest.raises(SpearError, match="not quantized by SPEAR's RTN or GPTQ"):
         compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(joint_rounds=1))
+
+
+@pytest.mark.parametrize("quant", [QuantConfig(bits=4), QuantConfig(bits=4, group_size=16),
+                                   QuantConfig(bits=3, sym=False), QuantConfig(bits=4, sym_grid="gptq")])
+def test_clipped_rtn_picks_each_rows_clip_by_whitened_error_on_rtns_own_grid(quant):
+    """clipped_rtn's record is RTN's layout (bits, grid, zero points); each row is RTN of its weights on a grid fitted
+    to c·w for one c of CLIP_RATIOS, the c of least whitened error, so no row's error exceeds plain RTN's."""
+    from spear.compensate.refit import CLIP_RATIOS, clipped_rtn
+    from spear.compensate.stats import InputStats
+    from spear.record import fit_grid, quantize_to_codes
+
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(24, 64, generator=gen)
+    W[:, 5] *= 6  # an outlier column: clipping pays on most rows
+    stats = InputStats.zeros(64)
+    stats.update(torch.randn(500, 64, generator=gen) * torch.linspace(0.2, 2.0, 64))
+    S = stats.r_xx_sqrt().float()
+    plain, clipped = rtn_quantize(W, quant), clipped_rtn(W, quant, stats)
+    assert (clipped.bits, clipped.group_size, clipped.codes.shape) == (plain.bits, plain.group_size, plain.codes.shape)
+    if quant.sym:
+        assert torch.equal(clipped.zeros, plain.zeros)
+    row_error = lambda q: ((W - q.dequantize(torch.float32)) @ S).pow(2).sum(1)
+    assert (row_error(clipped) <= row_error(plain) * (1 + 1e-6)).all()
+    assert row_error(clipped).sum() < row_error(plain).sum()
+    g = quant.group_size_for(64)
+    for row in (0, 7, 23):
+        w = W[row].reshape(-1, g)
+        candidates = []
+        for c in CLIP_RATIOS:
+            scale, zero = fit_grid(w * c, quant)
+            q = (quantize_to_codes(w, scale[:, None], zero[:, None], quant) - zero[:, None]) * scale[:, None]
+            candidates.append(((W[row] - q.reshape(-1)) @ S).pow(2).sum().item())
+        assert row_error(clipped)[row].item() == pytest.approx(min(candidates), rel=1e-5)
+
+
+def test_compensate_clips_rtn_codes_when_it_refits_them_unless_told_not_to(float_and_quantized):
+    """refit_clip (the default) rounds every refit round with clipped_rtn; without it, plain RTN as before."""
+    teacher, quantized, ids = float_and_quantized
+    residuals = {}
+    for clip in (False, True):
+        student = copy.deepcopy(quantized)
+        report = compensate(student, teacher, ids, CompensateConfig(kind="qera", budget=0.05, refit_rounds=2,
+                                                                    refit_clip=clip), rounding=RTN)
+        residuals[clip] = report.refit["residual_kept"]
+        assert report.refit["clip"] is clip
+    assert CompensateConfig().refit_clip and residuals[True] < residuals[False]

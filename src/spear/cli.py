@@ -106,6 +106,9 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                    help="joint fitting (RTN and GPTQ codes): re-round the codes with the EC's low-rank part in place and "
                         f"refit it, this many rounds, before calibration (default {REFIT_ROUNDS} where SPEAR rounded "
                         "the codes by RTN, else 0; compensate/refit.py)")
+    p.add_argument("--no-refit-clip", action="store_true",
+                   help="joint fitting of RTN codes re-rounds on the plain grid, without choosing each row's "
+                        "clipping by whitened error (compensate.refit.clipped_rtn)")
     p.add_argument("--joint-rounds", type=int, default=0,
                    help="after calibration (RTN and GPTQ codes, adaptive EC): re-round the codes against the trained "
                         "EC and train it again, this many rounds, the steps split evenly; the round of least KL is "
@@ -145,7 +148,7 @@ def _compensate_config(args):
     budget, base = args.budget
     cfg = CompensateConfig(kind=args.kind, budget=budget, budget_base=base, seed=args.seed, cost=cost,
                            gate=not args.no_gate, refit_rounds=args.refit_rounds,
-                           joint_rounds=args.joint_rounds)
+                           refit_clip=not args.no_refit_clip, joint_rounds=args.joint_rounds)
     return replace(cfg, planner=replace(cfg.planner, mode=args.placement, rank=args.rank, factor_bits=args.ec_bits),
                    calibrate=replace(cfg.calibrate, steps=args.steps, precision=args.calib_precision,
                                      checkpoint_layers=args.checkpoint_layers, checkpoint_dir=args.calib_checkpoint))

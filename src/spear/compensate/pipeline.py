@@ -60,6 +60,8 @@ class CompensateConfig:
     # joint fitting: re-round RTN or GPTQ codes with the EC in place, this many times (compensate.refit); None:
     # REFIT_ROUNDS where the codes are SPEAR's RTN and the EC QERA-initialised (adaptive, qera), else 0
     refit_rounds: int | None = None
+    # RTN codes: each re-rounding also picks every row's clipping by whitened error (compensate.refit.clipped_rtn)
+    refit_clip: bool = True
     # after calibration: re-round the codes against the trained EC's mean linear part and train again, this many
     # times (compensate.refit.reround_under_ecs); the steps are split evenly over the trainings, the round of least
     # KL is kept. Opt-in: BENCHMARKS §2 has what it measured
@@ -177,6 +179,8 @@ def compensate(
     if cfg.rerounds_codes and rounding is None:
         raise SpearError("joint fitting re-rounds the codes: this model was not quantized by SPEAR's RTN or GPTQ "
                          "(AWQ, OmniQuant and imported codes keep their own rounding); drop --refit-rounds")
+    if rounding is not None and rounding.method == "rtn" and cfg.refit_clip:  # GPTQ chooses its own rounding
+        rounding = replace(rounding, clip=True)
     teacher_linears = dict(teacher.named_modules())
     records = {n: m.qweight for n, m in layers.items()}
     w4_bytes = quantized_model_bytes(student, records)
@@ -271,7 +275,7 @@ def compensate(
     round_as_stored(student)  # the ECs as the artifact stores them (fp16): what is evaluated is what is served
     ec_bytes = sum(layers[n].ec.nbytes() for n in names)
     kind = "adaptive, no gate" if cfg.trained and not cfg.gated else cfg.kind
-    refit = None if not refits else refit_summary(refits)
+    refit = None if not refits else refit_summary(refits) | {"clip": rounding.clip}
     return CompensateReport(kind, plan, sensitivity, calibration, w4_bytes, ec_bytes, seconds, linear_bytes, refit,
                             joint_kl)
 
