@@ -73,18 +73,17 @@ def clipped_rtn(W: torch.Tensor, cfg: QuantConfig, stats: InputStats) -> Quantiz
     g = cfg.group_size_for(in_f)
     w = W.detach().float().reshape(out_f * (in_f // g), g)
     S = stats.r_xx_sqrt().to(device=w.device, dtype=torch.float32)
-    best = None
+    best = None  # [row error, codes, scales, zeros] of each row's best c so far
     for c in CLIP_RATIOS:
         scale, zero = fit_grid(w * c, cfg)
         codes = quantize_to_codes(w, scale[:, None], zero[:, None], cfg)
-        error = (W.float() - ((codes - zero[:, None]) * scale[:, None]).reshape(out_f, in_f)) @ S
-        row_error = error.pow(2).sum(1)
+        w_hat = ((codes - zero[:, None]) * scale[:, None]).reshape(out_f, in_f)
+        candidate = [((W.float() - w_hat) @ S).pow(2).sum(1)] + [t.reshape(out_f, -1) for t in (codes, scale, zero)]
         if best is None:
-            best = [row_error, codes.reshape(out_f, -1), scale.reshape(out_f, -1), zero.reshape(out_f, -1)]
+            best = candidate
             continue
-        take = row_error < best[0]
-        for kept, new in zip(best, (row_error, codes.reshape(out_f, -1), scale.reshape(out_f, -1),
-                                    zero.reshape(out_f, -1))):
+        take = candidate[0] < best[0]
+        for kept, new in zip(best, candidate):
             kept[take] = new[take]
     _, codes, scale, zero = best
     return QuantizedWeight.from_float_codes(codes.reshape(out_f, in_f), scale, zero, cfg)
