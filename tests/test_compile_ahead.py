@@ -157,11 +157,10 @@ def test_the_graphs_compile_over_a_cache_of_the_null_block_before_the_real_one(t
     assert rows == [4, 2, 1] and set(blocks) == {1} and pieces == [4, 2, 1, 16, 32]
 
 
-@pytest.mark.parametrize("compiled_ahead", [False, True])
-def test_a_runner_captures_every_graph_whether_or_not_its_kernels_were_compiled_ahead(compiled_ahead, monkeypatch):
-    """compiled_ahead=True (make_runner ran compile_graphs first) skips only the runner's own compile: the decode
-    graphs of every bucket and the mixed steps are still captured. (A start with compile_graphs once captured none:
-    an 8B start read ready in 69 s with 13 graph launches instead of 75.)"""
+def test_a_runner_captures_every_graph_and_leaves_the_compiles_to_compile_graphs(monkeypatch):
+    """The runner captures the decode graphs of every bucket and the mixed steps; it compiles nothing itself
+    (make_runner ran compile_graphs first). (A start once captured none: an 8B start read ready in 69 s with 13
+    graph launches instead of 75.)"""
     from types import SimpleNamespace
 
     from spear.kernels import compile_ahead as module
@@ -174,8 +173,8 @@ def test_a_runner_captures_every_graph_whether_or_not_its_kernels_were_compiled_
     monkeypatch.setattr(runner_module, "MixedStepGraphs", lambda m, c, tokens, n, capture: mixed.append((tokens, capture)))
     model = SimpleNamespace(args=SimpleNamespace(n_heads=8, n_kv_heads=2))
     cache = SimpleNamespace(device=torch.device("cuda"), block_size=16)
-    runner = runner_module.ModelRunner(model, cache, 256, 4, True, (64,), compiled_ahead=compiled_ahead)
-    assert len(compiles) == (0 if compiled_ahead else 1)
+    runner = runner_module.ModelRunner(model, cache, 256, 4, True, (64,))
+    assert compiles == []
     assert [size for size, _ in captured] == [4, 2, 1] and {pool for _, pool in captured} == {"pool"}
     assert mixed == [(64, True)] and sorted(runner.graphs) == [1, 2, 4]
 

@@ -252,8 +252,7 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     cache = KVCache(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.head_dim, dtype, model.device)
     mixed = _mixed_graph_tokens(config, min(config.max_num_seqs * max_len, (blocks - 1) * config.block_size)) \
         if graphs else config.mixed_graph_tokens or ()
-    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, mixed, config.row_graph_tokens,
-                       compiled_ahead=graphs)
+    return ModelRunner(model, cache, max_len, config.max_num_seqs, config.cuda_graphs, mixed, config.row_graph_tokens)
 
 
 def _mixed_graph_tokens(config: EngineConfig, most: int) -> tuple[int, ...]:

@@ -118,7 +118,9 @@ class MixedStepGraphs:
 
 class ModelRunner:
     def __init__(self, model: Transformer, cache: KVCache, max_model_len: int, max_num_seqs: int, cuda_graphs: bool,
-                 mixed_graph_tokens: tuple[int, ...] = (), row_graph_tokens: int = 0, compiled_ahead: bool = False):
+                 mixed_graph_tokens: tuple[int, ...] = (), row_graph_tokens: int = 0):
+        """With `cuda_graphs` on a CUDA cache, captures the decode and mixed-step graphs; their kernels are compiled
+        ahead by compile_graphs, which make_runner calls before the KV cache takes the free memory."""
         self.model = model
         self.cache = cache
         self.max_model_len = max_model_len
@@ -131,15 +133,10 @@ class ModelRunner:
         self.mixed: dict[int, MixedStepGraphs] = {}
         self.on_step: Callable[[list[Chunk]], None] | None = None  # sees each step's chunks first (TP: sends them)
         capture = cuda_graphs and cache.device.type == "cuda"
-        sizes = self.graph_sizes()
         with torch.inference_mode():
             if capture:
-                if not compiled_ahead:  # the warm-ups' variants compiled in parallel first (else compile_graphs did)
-                    from spear.kernels import compile_ahead  # Triton's: a plain install has none (nor CUDA graphs)
-
-                    compile_ahead.compile_ahead(lambda: self._dry_steps(sizes, mixed_graph_tokens))
                 pool = torch.cuda.graph_pool_handle()
-                for size in sizes:
+                for size in self.graph_sizes():
                     self.graphs[size] = DecodeGraph(model, cache, size, self.table_width, self.tile_rows,
                                                     self.tile_slots(size), pool)
             for tokens in sorted(mixed_graph_tokens, reverse=True):
