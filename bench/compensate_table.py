@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("--refit-rounds", type=int, default=0,
                    help="joint fitting of RTN or GPTQ codes and the ECs before calibration, this many rounds (every row)")
     p.add_argument("--no-refit-clip", action="store_true",
-                   help="the refit's RTN rounds on the plain grid (no per-row clipping by whitened error)")
+                   help="the refit's RTN or GPTQ rounds on the plain grid (no per-row clipping by whitened error)")
     p.add_argument("--joint-rounds", type=int, default=0,
                    help="after calibration: codes re-rounded against the trained ECs, then trained again (SPEAR rows)")
     p.add_argument("--json", required=True)

@@ -214,14 +214,61 @@ def test_clipped_rtn_picks_each_rows_clip_by_whitened_error_on_rtns_own_grid(qua
         assert row_error(clipped)[row].item() == pytest.approx(min(candidates), rel=1e-5)
 
 
-def test_compensate_clips_rtn_codes_when_it_refits_them_unless_told_not_to(float_and_quantized):
-    """refit_clip (the default) rounds every refit round with clipped_rtn; without it, plain RTN as before."""
+@pytest.mark.parametrize("rounding", [RTN, Rounding(QuantSettings("gptq", CFG))], ids=["rtn", "gptq"])
+def test_compensate_clips_the_codes_when_it_refits_them_unless_told_not_to(float_and_quantized, rounding):
+    """refit_clip (the default) rounds every refit round with clipped_rtn or clipped_gptq; without it, plain RTN or
+    GPTQ as before."""
     teacher, quantized, ids = float_and_quantized
     residuals = {}
     for clip in (False, True):
         student = copy.deepcopy(quantized)
         report = compensate(student, teacher, ids, CompensateConfig(kind="qera", budget=0.05, refit_rounds=2,
-                                                                    refit_clip=clip), rounding=RTN)
+                                                                    refit_clip=clip), rounding=rounding)
         residuals[clip] = report.refit["residual_kept"]
         assert report.refit["clip"] is clip
     assert CompensateConfig().refit_clip and residuals[True] < residuals[False]
+
+
+@pytest.mark.parametrize("quant,act_order", [(QuantConfig(bits=4), True), (QuantConfig(bits=4, group_size=16), False),
+                                             (QuantConfig(bits=3, sym=False), True)])
+def test_clipped_gptq_takes_each_rows_best_clip_of_separate_gptq_sweeps(quant, act_order):
+    """clipped_gptq's one stacked sweep gives each row what GPTQ alone gives it at that row's clip: each row equals
+    GPTQ of W with every row clipped by the same c, for the c of least Hessian error; c = 1 is plain GPTQ, so no
+    row's error exceeds it, and the record keeps GPTQ's layout."""
+    from spear.compensate.refit import GPTQ_CLIP_RATIOS, clipped_gptq
+    from spear.quant.gptq import gptq_quantize
+
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(16, 64, generator=gen)
+    W[torch.rand(W.shape, generator=gen) < 0.02] *= 6  # outliers: clipping pays on some rows, not all
+    X = torch.randn(400, 64, generator=gen) * torch.linspace(0.2, 2.0, 64)
+    H = X.T @ X / len(X)
+    settings = QuantSettings("gptq", quant, gptq_act_order=act_order)
+    gptq = lambda c: gptq_quantize(W, H, quant, settings.gptq_damp, settings.gptq_block_size, act_order=act_order,
+                                   clip=torch.full((16,), c))
+    row_error = lambda q: (((W - q.dequantize()) @ H) * (W - q.dequantize())).sum(1)
+    clipped = clipped_gptq(W, H, settings)
+    sweeps = [gptq(c) for c in GPTQ_CLIP_RATIOS]
+    assert (clipped.bits, clipped.group_size, clipped.codes.shape) == (quant.bits, quant.group_size_for(64), (16, 64))
+    best = torch.stack([row_error(q) for q in sweeps]).argmin(0)
+    for row in range(16):
+        assert torch.allclose(clipped.dequantize()[row], sweeps[best[row]].dequantize()[row], atol=1e-5)
+    plain = gptq_quantize(W, H, quant, settings.gptq_damp, settings.gptq_block_size, act_order=act_order)
+    assert torch.equal(sweeps[0].codes, plain.codes)
+    assert (row_error(clipped) <= row_error(plain) * (1 + 1e-5)).all()
+    assert row_error(clipped).sum() < row_error(plain).sum()
+
+
+def test_clipped_gptq_gives_the_same_record_in_sweeps_of_any_size(monkeypatch):
+    """A large layer's candidates are swept a few c's at a time (STACKED_WEIGHTS); the chosen rows are the same."""
+    import spear.compensate.refit as refit
+
+    gen = torch.Generator().manual_seed(2)
+    W = torch.randn(8, 32, generator=gen)
+    W[torch.rand(W.shape, generator=gen) < 0.05] *= 5
+    X = torch.randn(200, 32, generator=gen)
+    settings = QuantSettings("gptq", QuantConfig(bits=4))
+    whole = refit.clipped_gptq(W, X.T @ X, settings)
+    monkeypatch.setattr(refit, "STACKED_WEIGHTS", 2 * W.numel())  # 2 c's a sweep: 5 sweeps
+    swept = refit.clipped_gptq(W, X.T @ X, settings)
+    assert torch.equal(whole.dequantize(), swept.dequantize())

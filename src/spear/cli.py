@@ -107,8 +107,8 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
                         f"refit it, this many rounds, before calibration (default {REFIT_ROUNDS} where SPEAR rounded "
                         "the codes by RTN, else 0; compensate/refit.py)")
     p.add_argument("--no-refit-clip", action="store_true",
-                   help="joint fitting of RTN codes re-rounds on the plain grid, without choosing each row's "
-                        "clipping by whitened error (compensate.refit.clipped_rtn)")
+                   help="joint fitting re-rounds RTN or GPTQ codes on the plain grid, without choosing each row's "
+                        "clipping by whitened error (compensate.refit.clipped_rtn, clipped_gptq)")
     p.add_argument("--joint-rounds", type=int, default=0,
                    help="after calibration (RTN and GPTQ codes, adaptive EC): re-round the codes against the trained "
                         "EC and train it again, this many rounds, the steps split evenly; the round of least KL is "

@@ -60,7 +60,7 @@ class CompensateConfig:
     # joint fitting: re-round RTN or GPTQ codes with the EC in place, this many times (compensate.refit); None:
     # REFIT_ROUNDS where the codes are SPEAR's RTN and the EC QERA-initialised (adaptive, qera), else 0
     refit_rounds: int | None = None
-    # RTN codes: each re-rounding also picks every row's clipping by whitened error (compensate.refit.clipped_rtn)
+    # each re-rounding also picks every row's clipping by whitened error (compensate.refit.clipped_rtn, clipped_gptq)
     refit_clip: bool = True
     # after calibration: re-round the codes against the trained EC's mean linear part and train again, this many
     # times (compensate.refit.reround_under_ecs); the steps are split evenly over the trainings, the round of least
@@ -179,7 +179,7 @@ def compensate(
     if cfg.rerounds_codes and rounding is None:
         raise SpearError("joint fitting re-rounds the codes: this model was not quantized by SPEAR's RTN or GPTQ "
                          "(AWQ, OmniQuant and imported codes keep their own rounding); drop --refit-rounds")
-    if rounding is not None and rounding.method == "rtn" and cfg.refit_clip:  # GPTQ chooses its own rounding
+    if rounding is not None and cfg.refit_clip:
         rounding = replace(rounding, clip=True)
     teacher_linears = dict(teacher.named_modules())
     records = {n: m.qweight for n, m in layers.items()}

@@ -11,8 +11,8 @@ each round lowered it, by 5-18% in all after three). The adaptive EC then trains
 (its gate starts at gamma ≡ 1, where its correction is B A). RTN's rounds also choose each row's clipping
 (`clipped_rtn`, on by default: CompensateConfig.refit_clip): the grid is fitted to c·(W − B A) for the c of least
 whitened error, which on a per-channel absmax grid matters more than the alternation itself (BENCHMARKS §2).
-GPTQ's codes are re-rounded the same way, by GPTQ on the
-layer's input Hessian (Σ x xᵀ, the statistics the EC is fitted in): Ŵ_{t+1} = GPTQ(W − B_t A_t). Imported, AWQ and
+GPTQ's codes are re-rounded the same way, by GPTQ on the layer's input Hessian (Σ x xᵀ, the statistics the EC is
+fitted in): Ŵ_{t+1} = GPTQ(W − B_t A_t), each row's clipping chosen as well (`clipped_gptq`). Imported, AWQ and
 OmniQuant codes keep theirs: their rounding is not ours to redo.
 
 After calibration (`joint_rounds`, opt-in) the alternation goes on with the trained EC: the codes are re-rounded
@@ -40,7 +40,7 @@ class Rounding:
     dampening, block size and column order on the inputs' Hessian."""
 
     settings: QuantSettings  # its method is one of REFITTABLE
-    clip: bool = False  # RTN only: each row's range shrunk by the factor of least whitened error (clipped_rtn)
+    clip: bool = False  # each row's range shrunk by the factor of least whitened error (clipped_rtn, clipped_gptq)
 
     @classmethod
     def of(cls, settings: QuantSettings | None) -> "Rounding | None":
@@ -55,9 +55,21 @@ class Rounding:
         s = self.settings
         if s.method == "rtn":  # clipping needs the inputs' statistics: without them (joint rounds), plain RTN
             return clipped_rtn(W, s.quant, stats) if self.clip and stats is not None else rtn_quantize(W, s.quant)
+        if self.clip:
+            return clipped_gptq(W, stats.sum_xx, s)
         from spear.quant.gptq import gptq_quantize
 
         return gptq_quantize(W, stats.sum_xx, s.quant, s.gptq_damp, s.gptq_block_size, act_order=s.gptq_act_order)
+
+
+def keep_better_rows(best: list[torch.Tensor] | None, candidate: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[row error, row tensors...]: each row of `best` replaced by the candidate's where its error is lower."""
+    if best is None:
+        return candidate
+    take = candidate[0] < best[0]
+    for kept, new in zip(best, candidate):
+        kept[take] = new[take]
+    return best
 
 
 CLIP_RATIOS = tuple(1 - 0.025 * i for i in range(21))  # 1.0, 0.975, ..., 0.5: the range shrinks clipped_rtn tries
@@ -80,14 +92,40 @@ def clipped_rtn(W: torch.Tensor, cfg: QuantConfig, stats: InputStats) -> Quantiz
         codes = quantize_to_codes(w, scale[:, None], zero[:, None], cfg)
         w_hat = ((codes - zero[:, None]) * scale[:, None]).reshape(out_f, in_f)
         candidate = [((W - w_hat) @ S).pow(2).sum(1)] + [t.reshape(out_f, -1) for t in (codes, scale, zero)]
-        if best is None:
-            best = candidate
-            continue
-        take = candidate[0] < best[0]
-        for kept, new in zip(best, candidate):
-            kept[take] = new[take]
+        best = keep_better_rows(best, candidate)
     _, codes, scale, zero = best
     return QuantizedWeight.from_float_codes(codes.reshape(out_f, in_f), scale, zero, cfg)
+
+
+GPTQ_CLIP_RATIOS = tuple(1 - 0.05 * i for i in range(9))  # 1.0, 0.95, ..., 0.6: one GPTQ sweep per ratio
+STACKED_WEIGHTS = 1 << 28  # at most this many weights in one stacked sweep (1 GiB in float32; an 8B down_proj: 4 c's)
+
+
+@torch.no_grad()
+def clipped_gptq(W: torch.Tensor, H: torch.Tensor, settings: QuantSettings) -> QuantizedWeight:
+    """GPTQ with each row's grid fitted to c·w, c in GPTQ_CLIP_RATIOS of least error (w − ŵ) H (w − ŵ)ᵀ (the
+    reference GPTQ's `mse` grid search, judged on the layer's Hessian instead of ‖w − RTN(w)‖). GPTQ treats the rows
+    independently (one H for all), so one sweep over W stacked once per c gives each row's outcome at every c. c = 1
+    is plain GPTQ: no row's error grows. The record is GPTQ's: same bits, grid layout and zero points."""
+    from spear.quant.gptq import gptq_quantize
+
+    W = W.detach().float()
+    H = H.to(W.device, torch.float32)
+    out_f = W.shape[0]
+    per_sweep = max(1, STACKED_WEIGHTS // W.numel())
+    best = None  # [row error, codes, scales, zeros] of each row's best c so far
+    for i in range(0, len(GPTQ_CLIP_RATIOS), per_sweep):
+        ratios = torch.tensor(GPTQ_CLIP_RATIOS[i:i + per_sweep], device=W.device)
+        stacked = gptq_quantize(W.repeat(len(ratios), 1), H, settings.quant, settings.gptq_damp,
+                                settings.gptq_block_size, act_order=settings.gptq_act_order,
+                                clip=ratios.repeat_interleave(out_f))
+        error = W.repeat(len(ratios), 1) - stacked.dequantize(torch.float32)
+        loss = ((error @ H) * error).sum(1).reshape(len(ratios), out_f)
+        rows = loss.argmin(0) * out_f + torch.arange(out_f, device=W.device)  # each row's best c in this sweep
+        candidate = [loss.min(0).values, stacked.codes[rows], stacked.scales[rows], stacked.zeros[rows]]
+        best = keep_better_rows(best, candidate)
+    _, codes, scales, zeros = best
+    return QuantizedWeight(codes, scales, zeros, settings.quant.bits, stacked.group_size)
 
 
 def check_refit(rerounds: bool, method: str | None) -> None:

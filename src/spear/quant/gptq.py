@@ -85,8 +85,10 @@ def gptq_quantize(
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
+    clip: torch.Tensor | None = None,
 ) -> QuantizedWeight:
-    """Quantize weight [out, in] given the Hessian H [in, in] of its inputs."""
+    """Quantize weight [out, in] given the Hessian H [in, in] of its inputs. `clip` [out]: each row's grid is
+    fitted to its weights scaled by that factor (its range shrunk, the largest weights clipped); None: 1."""
     W = weight.detach().float().clone()
     out_f, in_f = W.shape
     g = cfg.group_size_for(in_f)
@@ -98,10 +100,11 @@ def gptq_quantize(
 
     scale = torch.zeros(out_f, in_f // g, device=W.device)
     zero = torch.zeros_like(scale)
+    shrink = 1 if clip is None else clip.to(W.device, torch.float32)[:, None]
     static = act_order or g == in_f
     if static:
         for j in range(in_f // g):
-            scale[:, j], zero[:, j] = fit_grid(W[:, j * g : (j + 1) * g], cfg)
+            scale[:, j], zero[:, j] = fit_grid(shrink * W[:, j * g : (j + 1) * g], cfg)
     else:
         block_size = max(block_size // g, 1) * g  # each group inside one block
 
@@ -119,7 +122,7 @@ def gptq_quantize(
         for i in range(i2 - i1):
             col = i1 + i
             if not static and col % g == 0:
-                scale[:, col // g], zero[:, col // g] = fit_grid(W1[:, i : i + g], cfg)
+                scale[:, col // g], zero[:, col // g] = fit_grid(shrink * W1[:, i : i + g], cfg)
             s, z = scale[:, group[col]], zero[:, group[col]]
             w = W1[:, i]
             codes[:, col] = quantize_to_codes(w, s, z, cfg)
