@@ -125,3 +125,18 @@ def test_the_plan_aware_activations_match_what_autograd_keeps(precision):
     print(f"{precision}: plan-aware / saved {planned / measured:.3f}, every linear / plan-aware {every / planned:.2f}")
     assert 0.97 * measured <= planned <= 1.07 * measured
     assert every > 1.2 * planned
+
+
+def test_the_refit_stage_counts_clipped_gptqs_stacked_sweep(rtn_artifact):
+    """GPTQ codes are re-rounded by default too; their stage counts the rows stacked once per clip ratio, at most
+    STACKED_WEIGHTS at a time, where RTN's counts its clip candidates."""
+    from spear.compensate.precision import refit_bytes
+    from spear.compensate.refit import GPTQ_CLIP_RATIOS, STACKED_WEIGHTS
+
+    small, large = (64, 32), (4096, 14336)
+    assert refit_bytes("gptq", *small) == 24 * len(GPTQ_CLIP_RATIOS) * 64 * 32 + 8 * 64**2
+    assert refit_bytes("gptq", *large) == 24 * STACKED_WEIGHTS + 8 * 14336**2  # 4 of the 9 ratios a sweep
+    config = read_artifact_config(rtn_artifact)
+    config = config | {"quant": config["quant"] | {"method": "gptq"}}
+    parts = compensate_bytes(rtn_artifact, config, torch.float32, CPU, CompensateConfig(), CalibConfig(32, 32))
+    assert parts["refit"] > parts["statistics"]

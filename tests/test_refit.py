@@ -73,24 +73,29 @@ def test_refit_is_refused_where_the_codes_are_not_rtns(float_and_quantized):
         CompensateConfig(kind="lorc", refit_rounds=1)
 
 
-def test_refit_rounds_default_to_three_where_the_codes_are_rtns(float_and_quantized):
-    """The default (None) runs REFIT_ROUNDS where SPEAR's RTN rounded the codes and QERA initialises the EC, none
-    elsewhere (GPTQ, AWQ, imported codes: not refused); an explicit count wins."""
+def test_refit_rounds_default_to_three_where_spear_rounded_the_codes(float_and_quantized):
+    """The default (None) runs REFIT_ROUNDS where SPEAR rounded the codes (RTN, GPTQ) and QERA initialises the EC,
+    none elsewhere (AWQ, OmniQuant, imported codes: not refused); an explicit count wins."""
     from spear.compensate.pipeline import REFIT_ROUNDS
 
     assert REFIT_ROUNDS == 3 and CompensateConfig().refit_rounds is None
     assert [CompensateConfig(kind=k).refit_rounds_for(True) for k in ("adaptive", "qera", "lqer")] == [3, 3, 0]
     assert CompensateConfig().refit_rounds_for(False) == 0 and CompensateConfig(refit_rounds=1).refit_rounds_for(True) == 1
     teacher, quantized, ids = float_and_quantized
-    auto = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05), rounding=RTN)
-    assert auto.refit["rounds"] == REFIT_ROUNDS
+    for rounding in (RTN, Rounding(QuantSettings("gptq", CFG))):
+        auto = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05),
+                          rounding=rounding)
+        assert auto.refit["rounds"] == REFIT_ROUNDS
     other = compensate(copy.deepcopy(quantized), teacher, ids, CompensateConfig(kind="qera", budget=0.05))
     assert other.refit is None and "refit" not in other.seconds
-    from spear.run import QUICK_REFIT_ROUNDS, quick_calibration
+    from spear.run import QUICK_REFIT_ROUNDS, RunConfig, quick_calibration
 
-    quick = {rtn: quick_calibration(CalibConfig(), CompensateConfig(), rtn_codes=rtn)[1].refit_rounds for rtn in (1, 0)}
+    quick = {ours: quick_calibration(CalibConfig(), CompensateConfig(), ours=ours)[1].refit_rounds for ours in (1, 0)}
     assert quick == {1: QUICK_REFIT_ROUNDS, 0: 0}
     assert quick_calibration(CalibConfig(), CompensateConfig(refit_rounds=2))[1].refit_rounds == 2
+    rounds = {m: RunConfig.build("smollm2", QuantSettings(m, CFG), CalibConfig(), quick=True).compensate.refit_rounds
+              for m in ("rtn", "gptq", "awq")}
+    assert rounds == {"rtn": QUICK_REFIT_ROUNDS, "gptq": QUICK_REFIT_ROUNDS, "awq": 0}
 
 
 def test_cli_refuses_refit_of_codes_not_rtns_before_any_work(tiny_model_dir, tmp_path, capsys):

@@ -105,7 +105,7 @@ def _add_compensate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refit-rounds", type=int, default=None,
                    help="joint fitting (RTN and GPTQ codes): re-round the codes with the EC's low-rank part in place and "
                         f"refit it, this many rounds, before calibration (default {REFIT_ROUNDS} where SPEAR rounded "
-                        "the codes by RTN, else 0; compensate/refit.py)")
+                        "the codes (RTN, GPTQ), else 0; compensate/refit.py)")
     p.add_argument("--no-refit-clip", action="store_true",
                    help="joint fitting re-rounds RTN or GPTQ codes on the plain grid, without choosing each row's "
                         "clipping by whitened error (compensate.refit.clipped_rtn, clipped_gptq)")

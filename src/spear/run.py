@@ -21,7 +21,7 @@ from spear.artifact import ArtifactInfo, save_artifact
 from spear.compensate.calibrate import CalibrateConfig
 from spear.compensate.cka import SensitivityConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
-from spear.compensate.refit import Rounding, check_refit
+from spear.compensate.refit import REFITTABLE, Rounding, check_refit
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
 from spear.eval import perplexity
 from spear.models.layerwise import check_walkable
@@ -43,16 +43,16 @@ EVAL_BATCH_CUDA = 8  # perplexity windows per forward on a GPU: each is scored f
 EVAL_LOGITS_BYTES = 4 * 2**30  # ... and fewer where a batch's float32 logits would pass this
 
 
-def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None, rtn_codes: bool = True
+def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None, ours: bool = True
                       ) -> tuple[CalibConfig, CompensateConfig | None]:
     """`--quick`'s short self-sampling, sensitivity and KL calibration in place of these configs' (CPU minutes),
-    and at most QUICK_REFIT_ROUNDS of joint fitting where the default would run more (on SPEAR's RTN codes:
-    `rtn_codes`)."""
+    and at most QUICK_REFIT_ROUNDS of joint fitting where the default would run more (on codes SPEAR rounded:
+    `ours`)."""
     calib = replace(calib, num_sequences=QUICK_CALIB.num_sequences, seq_len=QUICK_CALIB.seq_len)
     if compensate is not None:
         rounds = compensate.refit_rounds
         if rounds is None:
-            rounds = min(QUICK_REFIT_ROUNDS, compensate.refit_rounds_for(rtn_codes))
+            rounds = min(QUICK_REFIT_ROUNDS, compensate.refit_rounds_for(ours))
         compensate = replace(compensate, sensitivity=QUICK_SENSITIVITY, calibrate=QUICK_CALIBRATE, refit_rounds=rounds)
     return calib, compensate
 
@@ -78,7 +78,7 @@ class RunConfig:
         if compensate is not None:
             check_refit(compensate.rerounds_codes, settings.method)
         if quick:
-            calib, compensate = quick_calibration(calib, compensate, rtn_codes=settings.method == "rtn")
+            calib, compensate = quick_calibration(calib, compensate, ours=settings.method in REFITTABLE)
             max_windows = max_windows or QUICK_WINDOWS
         q = settings.quant
         name = f"{Path(model).stem}-{settings.method}-w{q.bits}{'g' + str(q.group_size) if q.group_size > 0 else 'pc'}"

@@ -58,7 +58,7 @@ class CompensateConfig:
     gate: bool = True  # adaptive only: False trains a gate-less EC with the same KL loss (its bytes go to rank)
     stats_sequences: int = 1024  # input statistics (R_xx, E|x|) from at most the first this many calibration sequences
     # joint fitting: re-round RTN or GPTQ codes with the EC in place, this many times (compensate.refit); None:
-    # REFIT_ROUNDS where the codes are SPEAR's RTN and the EC QERA-initialised (adaptive, qera), else 0
+    # REFIT_ROUNDS where SPEAR rounded the codes (RTN, GPTQ) and QERA initialises the EC (adaptive, qera), else 0
     refit_rounds: int | None = None
     # each re-rounding also picks every row's clipping by whitened error (compensate.refit.clipped_rtn, clipped_gptq)
     refit_clip: bool = True
@@ -94,11 +94,11 @@ class CompensateConfig:
         """Whether this config re-rounds the codes (refit rounds asked for, or joint rounds): RTN or GPTQ codes only."""
         return bool(self.refit_rounds or self.joint_rounds)
 
-    def refit_rounds_for(self, rtn_codes: bool) -> int:
-        """The joint-fitting rounds this config runs on codes that SPEAR's RTN rounded (`rtn_codes`) or not."""
+    def refit_rounds_for(self, ours: bool) -> int:
+        """The joint-fitting rounds this config runs on codes that SPEAR rounded (`ours`: RTN, GPTQ) or not."""
         if self.refit_rounds is not None:
             return self.refit_rounds
-        return REFIT_ROUNDS if rtn_codes and self.kind in ("adaptive", "qera") else 0
+        return REFIT_ROUNDS if ours and self.kind in ("adaptive", "qera") else 0
 
     @property
     def gated(self) -> bool:
@@ -229,7 +229,7 @@ def compensate(
     t = time.perf_counter()
     names = [e.name for e in plan.entries]
     refits = {}
-    refit_rounds = cfg.refit_rounds_for(rounding is not None and rounding.method == "rtn")
+    refit_rounds = cfg.refit_rounds_for(rounding is not None)
     if refit_rounds:
         ranks = {e.name: e.rank for e in plan.entries}
         walked = walk_input_stats(teacher, stats_ids, names) if not stats else [stats]

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from spear.compensate.refit import GPTQ_CLIP_RATIOS, REFITTABLE, STACKED_WEIGHTS
 from spear.layer import SpearLinear
 from spear.models.layerwise import decoder_layers, module_name, set_module
 from spear.util import text_config
@@ -210,6 +211,15 @@ def student_activation_bytes(student: nn.Module, tokens: int, precision: str, ch
     return plan_activation_bytes(ecs, hidden, inter, layers, tokens, precision, checkpoint_layers)
 
 
+def refit_bytes(method: str, out: int, in_: int) -> int:
+    """One module's re-rounding (compensate.refit): clipped RTN's candidates, or clipped GPTQ's stacked sweep (about
+    six float32 copies of the rows stacked once per clip ratio), and the whitening of its inputs."""
+    weights = out * in_
+    stacked = min(len(GPTQ_CLIP_RATIOS) * weights, max(weights, STACKED_WEIGHTS))
+    rounding = 80 * weights if method == "rtn" else 24 * stacked
+    return rounding + 8 * max(out, in_) ** 2
+
+
 def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch.device, cfg, calib) -> dict[str, int]:
     """The peak of `spear compensate` on the artifact at `path` under `cfg` (CompensateConfig) and `calib`
     (CalibConfig), by part, from its headers and config alone, beside what the process holds already
@@ -265,8 +275,9 @@ def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch
                   * size + vectors)
     parts = {"student": load_bytes(path, config, dtype, dense=True) + (LOADER_BYTES if device.type == "cpu" else 0),
              "teacher": params * size, "statistics": statistics}
-    if cfg.refit_rounds_for(config["quant"].get("method") == "rtn"):
-        parts["refit"] = statistics + max(80 * out * in_ + 8 * max(out, in_) ** 2 for out, in_ in shapes)
+    method = config["quant"].get("method")
+    if cfg.refit_rounds_for(method in REFITTABLE):
+        parts["refit"] = statistics + max(refit_bytes(method, out, in_) for out, in_ in shapes)
     if cfg.trained:
         parts[f"training in {precision}"] = training
     return parts
