@@ -119,8 +119,8 @@ def clipped_gptq(W: torch.Tensor, H: torch.Tensor, settings: QuantSettings) -> Q
         stacked = gptq_quantize(W.repeat(len(ratios), 1), H, settings.quant, settings.gptq_damp,
                                 settings.gptq_block_size, act_order=settings.gptq_act_order,
                                 clip=ratios.repeat_interleave(out_f))
-        error = W.repeat(len(ratios), 1) - stacked.dequantize(torch.float32)
-        loss = ((error @ H) * error).sum(1).reshape(len(ratios), out_f)
+        error = W - stacked.dequantize(torch.float32).view(len(ratios), out_f, -1)  # [c's, out, in]
+        loss = ((error @ H) * error).sum(-1)
         rows = loss.argmin(0) * out_f + torch.arange(out_f, device=W.device)  # each row's best c in this sweep
         candidate = [loss.min(0).values, stacked.codes[rows], stacked.scales[rows], stacked.zeros[rows]]
         best = keep_better_rows(best, candidate)
