@@ -69,7 +69,7 @@ def shape_costs(shape: str, device: torch.device, seed: int, save) -> dict:
     for name, (n, k) in linears(shape).items():
         if k not in stats_by_width:
             stats = random_stats(k, device, seed)
-            stats_by_width[k] = (stats, timed(lambda: (setattr(stats, "_sqrt", None), stats.r_xx_sqrt()), device, 1))
+            stats_by_width[k] = (stats, timed(stats.r_xx_sqrt, device, 1))  # fresh stats: computed here, once
         stats, sqrt_s = stats_by_width[k]
         W = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(device) * 0.02
         row = {"shape": [n, k], "per_layer": COUNT[name], "sqrt_s": sqrt_s, "seconds": {}}
