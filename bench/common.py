@@ -62,6 +62,17 @@ def write_json(path: str | Path, payload: dict) -> None:
     tmp.rename(path)
 
 
+def timed(fn) -> tuple[object, float]:
+    """fn's result and its wall seconds, the GPU's queue drained before and after (where there is one)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> dict[str, float]:
     """A large device-to-device copy, bytes read + written per second, each way it can be measured:
     `memcpy` (copies timed on the host around a sync; any device) and, on CUDA, `kernel_graph` (an

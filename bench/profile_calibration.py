@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import write_json  # noqa: E402
+from common import timed, write_json  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import (  # noqa: E402
@@ -45,14 +44,6 @@ from spear.record import QuantConfig  # noqa: E402
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def timed(fn) -> tuple[object, float]:
-    sync()
-    t = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t
 
 
 def generate(model, first: torch.Tensor, length: int, top_p: float) -> torch.Tensor:

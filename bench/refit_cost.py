@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, write_json  # noqa: E402
+from common import provenance, timed, write_json  # noqa: E402
 from shapes import MODELS, SHORT, linears  # noqa: E402
 
 from spear.compensate.pipeline import REFIT_ROUNDS  # noqa: E402
@@ -49,16 +48,9 @@ def random_stats(in_features: int, device: torch.device, seed: int) -> InputStat
     return stats
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return seconds  # the last repeat's
+def last_of(fn, repeats: int) -> float:
+    """fn's seconds at its last repeat (the earlier ones warm up)."""
+    return [timed(fn)[1] for _ in range(repeats)][-1]
 
 
 def shape_costs(shape: str, device: torch.device, seed: int, save) -> dict:
@@ -69,13 +61,13 @@ def shape_costs(shape: str, device: torch.device, seed: int, save) -> dict:
     for name, (n, k) in linears(shape).items():
         if k not in stats_by_width:
             stats = random_stats(k, device, seed)
-            stats_by_width[k] = (stats, timed(stats.r_xx_sqrt, device, 1))  # fresh stats: computed here, once
+            stats_by_width[k] = (stats, timed(stats.r_xx_sqrt)[1])  # fresh stats: computed here, once
         stats, sqrt_s = stats_by_width[k]
         W = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1)).to(device) * 0.02
         row = {"shape": [n, k], "per_layer": COUNT[name], "sqrt_s": sqrt_s, "seconds": {}}
         for variant, (method, clip) in VARIANTS.items():
             rounding = Rounding(QuantSettings(method, W4_PC), clip=clip)
-            row["seconds"][variant] = timed(lambda: rounding.round(W, stats), device, repeats)
+            row["seconds"][variant] = last_of(lambda: rounding.round(W, stats), repeats)
             print(f"{shape} {name} {n}x{k} {variant}: {row['seconds'][variant]:.2f} s", file=sys.stderr, flush=True)
         rows[name] = row
         save({"linears": rows})
