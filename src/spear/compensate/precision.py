@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from spear.compensate.refit import GPTQ_CLIP_RATIOS, REFITTABLE, STACKED_WEIGHTS
+from spear.compensate.refit import REFITTABLE, ratios_per_sweep
 from spear.layer import SpearLinear
 from spear.models.layerwise import decoder_layers, module_name, set_module
 from spear.util import text_config
@@ -215,7 +215,7 @@ def refit_bytes(method: str, out: int, in_: int) -> int:
     """One module's re-rounding (compensate.refit): clipped RTN's candidates, or clipped GPTQ's stacked sweep (about
     six float32 copies of the rows stacked once per clip ratio), and the whitening of its inputs."""
     weights = out * in_
-    stacked = min(len(GPTQ_CLIP_RATIOS) * weights, max(weights, STACKED_WEIGHTS))
+    stacked = ratios_per_sweep(weights) * weights
     rounding = 80 * weights if method == "rtn" else 24 * stacked
     return rounding + 8 * max(out, in_) ** 2
 

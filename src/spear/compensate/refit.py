@@ -101,6 +101,11 @@ GPTQ_CLIP_RATIOS = tuple(1 - 0.05 * i for i in range(9))  # 1.0, 0.95, ..., 0.6:
 STACKED_WEIGHTS = 1 << 28  # at most this many weights in one stacked sweep (1 GiB in float32; an 8B down_proj: 4 c's)
 
 
+def ratios_per_sweep(weights: int) -> int:
+    """How many clip ratios one stacked sweep of a `weights`-weight matrix takes (at least one)."""
+    return min(len(GPTQ_CLIP_RATIOS), max(1, STACKED_WEIGHTS // weights))
+
+
 @torch.no_grad()
 def clipped_gptq(W: torch.Tensor, H: torch.Tensor, settings: QuantSettings) -> QuantizedWeight:
     """GPTQ with each row's grid fitted to c·w, c in GPTQ_CLIP_RATIOS of least error (w − ŵ) H (w − ŵ)ᵀ (the
@@ -112,7 +117,7 @@ def clipped_gptq(W: torch.Tensor, H: torch.Tensor, settings: QuantSettings) -> Q
     W = W.detach().float()
     H = H.to(W.device, torch.float32)
     out_f = W.shape[0]
-    per_sweep = max(1, STACKED_WEIGHTS // W.numel())
+    per_sweep = ratios_per_sweep(W.numel())
     best = None  # [row error, codes, scales, zeros] of each row's best c so far
     for i in range(0, len(GPTQ_CLIP_RATIOS), per_sweep):
         ratios = torch.tensor(GPTQ_CLIP_RATIOS[i:i + per_sweep], device=W.device)
