@@ -62,14 +62,18 @@ def write_json(path: str | Path, payload: dict) -> None:
     tmp.rename(path)
 
 
-def timed(fn) -> tuple[object, float]:
-    """fn's result and its wall seconds, the GPU's queue drained before and after (where there is one)."""
+def sync() -> None:
+    """Drain the GPU's queue, where there is one."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed(fn) -> tuple[object, float]:
+    """fn's result and its wall seconds, the GPU's queue drained before and after."""
+    sync()
     start = time.perf_counter()
     out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - start
 
 

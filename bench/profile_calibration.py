@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import timed, write_json  # noqa: E402
+from common import sync, timed, write_json  # noqa: E402
 
 from spear.api import model_key  # noqa: E402
 from spear.compensate.calibrate import (  # noqa: E402
@@ -39,11 +39,6 @@ from spear.data.calibration import CalibConfig, calibration_ids, sample_with_cac
 from spear.models import load_float_model  # noqa: E402
 from spear.quant.pipeline import QuantSettings, quantize_model  # noqa: E402
 from spear.record import QuantConfig  # noqa: E402
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def generate(model, first: torch.Tensor, length: int, top_p: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, timed, write_json  # noqa: E402
+from common import timed, write_json  # noqa: E402
 from shapes import MODELS, SHORT, linears  # noqa: E402
 
 from spear.compensate.pipeline import REFIT_ROUNDS  # noqa: E402
@@ -89,8 +89,7 @@ def main() -> None:
     results = {}
     for shape in args.shape:
         def save(partial: dict) -> None:
-            write_json(args.json, {"provenance": provenance(), "device": str(device),
-                                   "shapes": {**results, shape: partial}})
+            write_json(args.json, {"device": str(device), "shapes": {**results, shape: partial}})
 
         results[shape] = shape_costs(shape, device, args.seed, save)
         save(results[shape])
