@@ -519,6 +519,8 @@ def run_step(step: str, spec: str, config: dict, folder: Path, args) -> dict:
     row = {"step": step, "command": " ".join(["spear", *cmd[3:]]), **measure(cmd, log, args.timeout, gpu)}
     if step == "export":
         row["export_bytes"] = dir_bytes(out)
+    if step == "compensate":
+        row["stages"] = stage_lines(log.with_suffix(".err"))  # there even where the run was cut
     if step == "compensate" and row["rc"] == 0:
         row |= compensation_record(out)
     elif step != "eval":
@@ -526,6 +528,14 @@ def run_step(step: str, spec: str, config: dict, folder: Path, args) -> dict:
     elif row["rc"] == 0:
         row["ppl"] = json.loads(last_line(log.with_suffix(".out")))["ppl"]
     return row
+
+
+def stage_lines(err: Path) -> list[dict]:
+    """The stages a command finished, from its "spear: STAGE done in S s[, GPU peak G GiB]" lines (util.stage_done)."""
+    pattern = re.compile(r"^spear: (.+?) done in ([0-9.]+) s(?:, GPU peak ([0-9.]+) GiB)?$")
+    found = (pattern.match(ln.strip()) for ln in err.read_text(errors="replace").replace("\r", "\n").splitlines())
+    return [{"stage": m[1], "seconds": float(m[2]), **({"gpu_peak_gib": float(m[3])} if m[3] else {})}
+            for m in found if m]
 
 
 def compensation_record(artifact: Path) -> dict:

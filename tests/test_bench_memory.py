@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
 
 import pytest
@@ -123,6 +125,20 @@ def test_compensate_rows_carry_the_stages_and_calibration_the_artifact_recorded(
     assert row["stage_s"] == {"load": 1.23, "calibrate": 5.0} and row["ec_modules"] == 3
     assert row["calibration"]["precision"] == "bfloat16" and row["calibration"]["steps"] == 100
     assert memory.gpu_used_bytes() is None or memory.gpu_used_bytes() >= 0  # None without nvidia-smi
+
+
+def test_a_cut_compensate_keeps_the_stages_its_log_says_it_finished(tmp_path):
+    from spear.util import stage_done
+
+    err = tmp_path / "compensate.err"
+    with open(err, "w") as f, contextlib.redirect_stderr(f):
+        print("calibrating:  12%|#         | 180/1500\r", file=sys.stderr)
+        stage_done("load", 17.31)
+        stage_done("calibration sequences", 201.0)
+        stage_done("hidden", 1.0, show=False)
+    rows = memory.stage_lines(err)
+    assert [r["stage"] for r in rows] == ["load", "calibration sequences"] and rows[0]["seconds"] == 17.3
+    assert all(("gpu_peak_gib" in r) == torch.cuda.is_initialized() for r in rows)
 
 
 def test_a_random_artifact_with_ecs_loads_and_its_start_is_split_by_stage(tmp_path):

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -100,7 +101,11 @@ def test_cli_compensate_then_eval(tiny_model_dir, tmp_path, capsys):
     assert main(["quantize", str(tiny_model_dir), "--bits", "3", "--out", str(art), "--device", "cpu"]) == 0
     rc = main(["compensate", str(art), "--budget", "30%", "--steps", "5", "--calib-samples", "8", "--calib-len", "32",
                "--device", "cpu"])
-    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    # each stage says when it is done and what it took, in order (a run cut short shows how far it got)
+    stages = re.findall(r"^spear: (.+) done in [0-9.]+ s", err, re.M)
+    assert stages == ["load", "calibration sequences", "sensitivity", "spectra", "refit", "init", "calibration"]
     config = json.loads((art / "config.json").read_text())
     assert config["ec_modules"] and config["compensation"]["ec_memory_pct"] <= 30
     for png in ("sensitivity.png", "plan_ranks.png"):

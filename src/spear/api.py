@@ -19,7 +19,7 @@ from spear.models.loading import (
 )
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
 from spear.record import QuantConfig
-from spear.util import release_freed_memory
+from spear.util import release_freed_memory, stage_done
 
 if TYPE_CHECKING:
     from spear.compensate.pipeline import CompensateConfig, CompensateReport
@@ -142,9 +142,11 @@ def compensate_artifact(
     student = load_artifact(artifact_dir, device)
     teacher = load_float_model(config["base_model"], device, next(student.model.parameters()).dtype)
     loaded = time.perf_counter()
+    stage_done("load", loaded - start, cfg.calibrate.progress)
     check_walkable(teacher.model, calib.seq_len)
     ids = calibration_ids(teacher.model, teacher.tokenizer, calib, model_key(config["base_model"]))
     sampled = time.perf_counter()
+    stage_done("calibration sequences", sampled - loaded, cfg.calibrate.progress)
     # the artifact records the grid, not GPTQ's dampening and order: those are QuantSettings' defaults; imported
     # artifacts name no quantizer of SPEAR's (QuantSettings would refuse their method)
     rounding = Rounding.of(QuantSettings(method, QuantConfig.from_dict(config["quant"])) if method in REFITTABLE

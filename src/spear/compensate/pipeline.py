@@ -35,6 +35,7 @@ from spear.compensate.stats import InputStats, collect_input_stats, walk_input_s
 from spear.errors import SpearError
 from spear.layer import SpearLinear
 from spear.memory import return_freed_memory
+from spear.util import stage_done
 
 KINDS = ("adaptive", "lorc", "lqer", "qera")
 # joint fitting's rounds where SPEAR rounded the codes by RTN and the EC starts from QERA: +1.6 / +1.5 points of the
@@ -193,6 +194,7 @@ def compensate(
     if sensitivity is None:
         sensitivity = module_sensitivity(teacher, w_hat, calib_ids, cfg.sensitivity)
     seconds["sensitivity"] = time.perf_counter() - t
+    stage_done("sensitivity", seconds["sensitivity"], cfg.calibrate.progress)
 
     t = time.perf_counter()
     planner = replace(cfg.planner, gate_hidden=cfg.planner.gate_hidden if cfg.gated else 0)
@@ -220,6 +222,7 @@ def compensate(
             spectra_of(stats)
     errors = {n: errors[n] for n in layers if n in errors}  # model order, whichever way they came
     seconds["spectra"] = time.perf_counter() - t
+    stage_done("spectra", seconds["spectra"], cfg.calibrate.progress)
     spectra = {n: e.spectrum for n, e in errors.items()} if marginal else None
     base_bytes = w4_bytes if cfg.budget_base == "model" else linear_bytes
     plan = plan_ecs(sensitivity, shapes, int(cfg.budget * base_bytes), cfg.cost, cfg.seed, planner, spectra)
@@ -243,6 +246,7 @@ def compensate(
                         w_hat[n], refits[n].record = layers[n].weight_hat, None
         return_freed_memory()
         seconds["refit"] = time.perf_counter() - t
+        stage_done("refit", seconds["refit"], cfg.calibrate.progress)
         t = time.perf_counter()
     for entry in plan.entries:
         layer = layers[entry.name]
@@ -257,6 +261,7 @@ def compensate(
             A, B = rescalings[entry.name].to_student(A, B)
         attach_ec(layer, A, B, entry.gate_hidden, planner.factor_bits)
     seconds["init"] = time.perf_counter() - t
+    stage_done("init", seconds["init"], cfg.calibrate.progress)
     # the statistics (at 8B: ~65 GB of float64 R_xx), spectra and dense views go before training needs the memory
     del stats, errors, w_hat, spectra
     return_freed_memory()
@@ -267,6 +272,7 @@ def compensate(
         calib_cfg = replace(cfg.calibrate, train_gate=cfg.gated, seed=cfg.seed, steps=steps)
         calibration = calibrate_ecs(student, teacher, calib_ids, calib_cfg)
         seconds["calibrate"] = calibration.seconds
+        stage_done("calibration", calibration.seconds, cfg.calibrate.progress)
         if cfg.joint_rounds:
             t = time.perf_counter()
             calibration, joint_kl = train_jointly(student, teacher, calib_ids, stats_ids, calib_cfg, rounding,
