@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_self_sample_args, load_self_sampled, provenance, write_json  # noqa: E402
+from common import add_self_sample_args, load_self_sampled, write_json  # noqa: E402
 
 RANKS = (1, 2, 4)
 
@@ -78,7 +78,7 @@ def main() -> None:
         cells = "  ".join(f"r={r}: {m[f'rank{r + 1}']:.3f} | {m[f'bias_rank{r}']:.3f}" for r in RANKS)
         print(f"{k:10s} mean part {m['mean_share']:.3f}  {cells}")
     if args.json:
-        write_json(args.json, {"provenance": provenance(), "model": args.model, "quant": "W4 RTN per-channel absmax",
+        write_json(args.json, {"model": args.model, "quant": "W4 RTN per-channel absmax",
                                "calibration": f"{args.sequences} x {args.seq_len} self-sampled",
                                "medians_by_kind": medians, "rows": rows})
 

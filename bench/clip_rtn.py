@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_self_sample_args, load_self_sampled, provenance, write_json  # noqa: E402
+from common import add_self_sample_args, load_self_sampled, write_json  # noqa: E402
 
 from spear.compensate.refit import CLIP_RATIOS, GPTQ_CLIP_RATIOS, clipped_gptq, clipped_rtn  # noqa: E402
 from spear.compensate.stats import collect_input_stats  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> None:
     print(f"clipping alone closes {closed['wikitext2']:.1%} / {closed['ptb']:.1%} of the W{args.bits} "
           f"{args.method.upper()} gap; whitened error {errors[args.method] / errors['clipped']:.2f}× lower")
     if args.json:
-        write_json(args.json, {"provenance": provenance(), "model": args.model, "quant": quant.to_dict(),
+        write_json(args.json, {"model": args.model, "quant": quant.to_dict(),
                                "calibration": {"sequences": args.sequences, "seq_len": args.seq_len},
                                "max_windows": args.max_windows, "method": args.method,
                                "clip_ratios": list(CLIP_RATIOS if args.method == "rtn" else GPTQ_CLIP_RATIOS), "fp": fp,

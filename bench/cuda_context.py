@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import provenance, write_json  # noqa: E402
+from common import write_json  # noqa: E402
 
 from spear.memory import CUDA_CONTEXT  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> None:
     w4_linear(torch.randn(1, 4096, device="cuda", dtype=torch.float16), packed).sum().item()
     stages["triton"] = used_by_this_process()
     allocated = torch.cuda.memory_reserved()
-    record = {"provenance": provenance(), "estimate_bytes": CUDA_CONTEXT, "used_bytes": stages,
+    record = {"estimate_bytes": CUDA_CONTEXT, "used_bytes": stages,
               "allocator_reserved_bytes": allocated,
               "beyond_tensors_bytes": {k: v - (allocated if k == "triton" else 0) for k, v in stages.items()},
               "command": "python bench/cuda_context.py --json F"}

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from common import copy_bandwidth, provenance, write_json
+from common import copy_bandwidth, write_json
 from shapes import SHORT, launches
 
 from spear.kernels.f16_gemv import CUBLAS, f16_gemv, tune_gemv
@@ -56,7 +56,7 @@ def main() -> None:
             print(f"{row['shape']:<12} {w.nbytes / 1e6:7.1f} MB  cuBLAS {cublas:7.1f} µs ({100 * w.nbytes / cublas * 1e6 / bandwidth:3.0f}%)"
                   f"  ours {best_us:7.1f} µs ({100 * w.nbytes / best_us * 1e6 / bandwidth:3.0f}%)  {cublas / best_us:5.2f}×"
                   f"  {best}  rel err {err:.1e}", flush=True)
-            write_json(args.json, {"provenance": provenance(), "copy_bandwidth_Bps": bandwidth, "rows": rows})
+            write_json(args.json, {"copy_bandwidth_Bps": bandwidth, "rows": rows})
             del w
 
 

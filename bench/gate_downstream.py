@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, write_json  # noqa: E402
+from common import write_json  # noqa: E402
 
 GATES = {"no gate": 0, "gate h8": 8, "gate h64": 64, "input gate h8": -8}  # < 0: the gate reads h, not A h
 
@@ -132,7 +132,7 @@ def main() -> None:
                 print(f"layer {layer:2d}  {case:10s}  rank {rank:2d}  " +
                       "  ".join(f"{k} {row[k]:.4f}" for k in GATES), flush=True)
     if args.json:
-        write_json(args.json, {"provenance": provenance(), "model": args.model, "layers": args.layers,
+        write_json(args.json, {"model": args.model, "layers": args.layers,
                                "calibration": f"{args.sequences} x {args.seq_len} self-sampled, 1/4 held out",
                                "steps": args.steps, "metric": "held-out relative residual |t - EC(h)|^2 / |t|^2",
                                "rows": rows})

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import provenance, write_json  # noqa: E402
+from common import write_json  # noqa: E402
 
 from spear import api  # noqa: E402
 from spear.compensate.calibrate import ec_modules  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
         ppl["gap_closed"] = {ds: gap_closed(fp[ds], w4[ds], ppl[ds]) for ds in DATASETS}
         print(f"{label:<14} " + "  ".join(f"{ds} {ppl[ds]:8.3f} ({100 * ppl['gap_closed'][ds]:.1f}%)"
                                           for ds in DATASETS))
-    write_json(args.json, {"provenance": provenance(), "command": " ".join(["python bench/gate_drop.py", *sys.argv[1:]]),
+    write_json(args.json, {"command": " ".join(["python bench/gate_drop.py", *sys.argv[1:]]),
                            "run": str(args.run), "windows": windows, "fp": fp, "w4": w4,
                            "run_compensated": report["compensated"], "rows": rows})
 

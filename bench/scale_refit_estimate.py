@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_self_sample_args, load_self_sampled, provenance, write_json  # noqa: E402
+from common import add_self_sample_args, load_self_sampled, write_json  # noqa: E402
 
 
 def error_energy(E: torch.Tensor, R: torch.Tensor) -> float:
@@ -82,7 +82,7 @@ def main() -> None:
     for k in totals:
         print(f"  {k:12s} {share[k]:.3f} / {per_module[k]:.3f}")
     if args.json:
-        write_json(args.json, {"provenance": provenance(), "model": args.model, "quant": "W4 RTN per-channel absmax",
+        write_json(args.json, {"model": args.model, "quant": "W4 RTN per-channel absmax",
                                "calibration": f"{args.sequences} x {args.seq_len} self-sampled",
                                "share_of_rtn_sum": share, "share_of_rtn_median_module": per_module, "rows": rows})
 

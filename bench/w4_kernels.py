@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from common import copy_bandwidth, provenance, write_json
+from common import copy_bandwidth, write_json
 from shapes import SHORT, linears
 
 from spear.kernels.pack import PackedEC, pack_ec, pack_w4
@@ -190,7 +190,7 @@ def main() -> None:
     copies = copy_bandwidth(torch.device("cuda"))
     bandwidth = max(copies.values())
     log(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (" + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items()) + ")")
-    result = {"provenance": provenance(), "copy_bandwidth_Bps": bandwidth, "copy_bandwidth_ways_Bps": copies,
+    result = {"copy_bandwidth_Bps": bandwidth, "copy_bandwidth_ways_Bps": copies,
               "group_size": args.group_size,
               "ranks": RANKS, "ranks_int8": RANKS_INT8, "shapes": {}}
     for model in args.models:
