@@ -173,3 +173,16 @@ def test_sampling_batch_keeps_the_kv_cache_under_its_budget():
     assert sample_from_model(model, _Tok(), small).shape == (12, 8)
     with pytest.raises(SpearError):
         CalibConfig(kv_cache_gb=0)
+
+
+def test_the_cuda_sampler_budget_leaves_room_beside_large_models():
+    """40% of the card while the models are small (the batch, in the cache key, as before), at most half of what
+    they leave once they are large: an 8B student and teacher (33.2 GiB) on an H100 (79.2 GiB) ran out at 40%."""
+    from spear.data.calibration import cuda_kv_budget
+
+    gib = 2**30
+    assert cuda_kv_budget(int(79.2 * gib), int(0.6 * gib)) == pytest.approx(0.4 * 79.2 * gib)  # 135M: unchanged
+    assert cuda_kv_budget(int(140.4 * gib), int(0.6 * gib)) == pytest.approx(0.4 * 140.4 * gib)
+    at_8b = cuda_kv_budget(int(79.2 * gib), int(33.2 * gib))
+    assert at_8b == pytest.approx(23.0 * gib) and 33.2 * gib + 2 * at_8b < 79.2 * gib + gib
+    assert cuda_kv_budget(gib, 2 * gib) == 0  # a full card: no room (sampling_batch still takes one sequence)

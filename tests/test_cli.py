@@ -193,3 +193,29 @@ def test_decode_benchmark_of_a_real_shape_on_cpu_exits_2_one_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == "decode.py: error: llama2-7b needs a CUDA GPU; on CPU run --tiny"
+
+
+@pytest.mark.parametrize("raised", ["torch", "host"])
+def test_out_of_memory_past_the_estimates_is_one_line_with_what_to_change(raised, monkeypatch, capsys):
+    import torch
+
+    from spear import cli
+
+    def compensate(args):
+        if raised == "torch":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 744.00 MiB. GPU 0 has a total capacity")
+        raise MemoryError()
+
+    monkeypatch.setattr(cli, "cmd_compensate", compensate)
+    assert main(["compensate", "ART", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spear: error: out of memory during `spear compensate`")
+    assert "--calib-kv-gb" in err[0] and ("744.00 MiB" in err[0]) == (raised == "torch")
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
+    from spear import cli
+
+    monkeypatch.setattr(cli, "cmd_compensate", lambda args: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["compensate", "ART"])

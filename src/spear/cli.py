@@ -45,6 +45,9 @@ def _add_calib_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-start", default=CalibConfig.start, choices=["bos", "mid"],
                    help="self-samples from BOS as sampled, or windows cut from inside them: no BOS, mid-text, as the "
                         f"evaluation's windows (default {CalibConfig.start})")
+    p.add_argument("--calib-kv-gb", type=float, default=None,
+                   help="GiB the self-sampler's KV cache may take (default on CUDA: 40%% of the device's memory, at "
+                        "most half of what the loaded models leave; lower it where self-sampling runs out of memory)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -52,7 +55,7 @@ def _calib_config(args):
     from spear.data.calibration import CalibConfig
 
     return CalibConfig(num_sequences=args.calib_samples, seq_len=args.calib_len, seed=args.seed,
-                       text_file=args.calib_file, start=args.calib_start)
+                       text_file=args.calib_file, start=args.calib_start, kv_cache_gb=args.calib_kv_gb)
 
 
 def _add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -292,9 +295,36 @@ def main(argv: list[str] | None = None) -> int:
     except SpearError as e:
         print(f"spear: error: {e}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:  # a plan the estimates passed, still too large for the device
+        if not is_out_of_memory(e):
+            raise
+        print(f"spear: error: {out_of_memory(e, args.command)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("spear: interrupted", file=sys.stderr)
         return 130
+
+
+# what to change, by command, when a device runs out of memory past the estimates made before loading
+MEMORY_ADVICE = {
+    "compensate": "lower --calib-kv-gb (self-sampling), add --checkpoint-layers (training), or use a larger device",
+    "run": "lower --calib-kv-gb (self-sampling), add --checkpoint-layers (training), or use a larger device",
+    "serve": "lower --gpu-memory-utilization or --max-num-seqs",
+}
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """The host's MemoryError or torch's OutOfMemoryError (a RuntimeError, raised by the caching allocator)."""
+    torch = sys.modules.get("torch")
+    return isinstance(error, MemoryError) or (torch is not None and isinstance(error, torch.OutOfMemoryError))
+
+
+def out_of_memory(error: BaseException, command: str) -> str:
+    """One line for an out-of-memory error: what failed to allocate (the first two sentences of torch's message:
+    "CUDA out of memory. Tried to allocate 744.00 MiB") and what to change."""
+    first = ". ".join(str(error).split(". ")[:2]).strip() or type(error).__name__
+    advice = MEMORY_ADVICE.get(command, "use a smaller batch or a larger device")
+    return f"out of memory during `spear {command}` ({first}): {advice}"
 
 
 def lm_eval_main() -> int:

@@ -203,9 +203,8 @@ def sample_with_cache(model: nn.Module, first: torch.Tensor, length: int, cfg: C
 
 def sampling_batch(model: nn.Module, cfg: CalibConfig) -> int:
     """Sequences sampled at once: cfg.batch_size, fewer where their KV cache (2 · layers · kv heads · head dim values
-    a token, in the model's dtype) would pass cfg.kv_cache_gb; by default, on CUDA, 40% of the device's memory (the
-    cache grows by concatenation, so a layer's cache is briefly held twice), elsewhere 16 GB. The batch is in the
-    cache key, so it rests on the device's total memory, not on what other processes leave free at the time.
+    a token, in the model's dtype) would pass cfg.kv_cache_gb; by default, on CUDA, cuda_kv_budget, elsewhere 16 GB.
+    The batch is in the cache key, so it rests on this process's memory, not on what other processes leave free.
 
     Few large batches pay: a step costs 39 ms at 256 sequences, 45 ms at 1,024 and 84 ms at 4,096 on an H200
     (SmolLM2-135M, 512 tokens), so 4,096 sequences took 92 s in batches of 1,024 and 43 s in one."""
@@ -226,8 +225,19 @@ def kv_cache_budget(model: nn.Module, cfg: CalibConfig) -> float:
         return cfg.kv_cache_gb * 2**30
     device = next(model.parameters()).device
     if device.type == "cuda":
-        return 0.4 * torch.cuda.get_device_properties(device).total_memory
+        return cuda_kv_budget(torch.cuda.get_device_properties(device).total_memory,
+                              torch.cuda.memory_allocated(device))
     return 16 * 2**30
+
+
+def cuda_kv_budget(total: int, allocated: int) -> float:
+    """40% of the device's memory, at most half of what this process's tensors leave (the models loaded: at 8B the
+    student and teacher hold 33 GiB). The half leaves room for the cache's growth by concatenation, the step's
+    logits and what the caching allocator cannot reuse of the grown cache: at 40% alone, an 8B model's 4096
+    self-samples ran out of an H100's 79 GiB with 66.4 GiB allocated and 11.5 GiB reserved unused (BENCHMARKS §8).
+    Both terms are this process's own, never what other processes leave free, so the batch (in the cache key) is
+    the same from one run to the next; below ~50% of the card in models it is 40% of the card, as before."""
+    return min(0.4 * total, 0.5 * max(total - allocated, 0))
 
 
 @torch.no_grad()
