@@ -14,7 +14,8 @@ from spear.record import QuantConfig, rtn_quantize
 def test_the_damage_loop_runs_the_layer_passes_the_cost_model_counts(monkeypatch):
     model = make_tiny_llama(layers=3)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
-    w_hat = {n: rtn_quantize(m.weight.data, QuantConfig(bits=4, group_size=-1)).dequantize() for n, m in linears.items()}
+    w4 = QuantConfig(bits=4, group_size=-1)
+    w_hat = {n: rtn_quantize(m.weight.data, w4).dequantize() for n, m in linears.items()}
     calls = []
     real = cka.run_layer
     monkeypatch.setattr(cka, "run_layer", lambda layer, h: calls.append(layer) or real(layer, h))

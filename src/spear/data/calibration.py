@@ -236,7 +236,7 @@ def cuda_kv_budget(total: int, allocated: int) -> float:
     logits and what the caching allocator cannot reuse of the grown cache: at 40% alone, an 8B model's 4096
     self-samples ran out of an H100's 79 GiB with 66.4 GiB allocated and 11.5 GiB reserved unused (BENCHMARKS §8).
     Both terms are this process's own, never what other processes leave free, so the batch (in the cache key) is
-    the same from one run to the next; below ~50% of the card in models it is 40% of the card, as before."""
+    the same from one run to the next; while the models hold under 20% of the card it is 40% of the card, as before."""
     return min(0.4 * total, 0.5 * max(total - allocated, 0))
 
 
