@@ -186,3 +186,21 @@ def test_the_cuda_sampler_budget_leaves_room_beside_large_models():
     at_8b = cuda_kv_budget(int(79.2 * gib), int(33.2 * gib))
     assert at_8b == pytest.approx(23.0 * gib) and 33.2 * gib + 2 * at_8b < 79.2 * gib + gib
     assert cuda_kv_budget(gib, 2 * gib) == 0  # a full card: no room (sampling_batch still takes one sequence)
+
+
+def test_the_samplers_estimate_takes_the_batch_the_sampler_will():
+    """sampler_bytes, from the config alone, counts the batch sampling_batch takes from the model: its KV cache, one
+    layer's cache again (growth by concatenation) and a step's logits with their nucleus copies."""
+    from spear.data.calibration import sampler_bytes, sampling_batch
+
+    model = make_tiny_llama()
+    config = model.config.to_dict()
+    c = model.config
+    row = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4 * 8
+    cpu = torch.device("cpu")
+    for calib in (CalibConfig(num_sequences=12, seq_len=8), CalibConfig(num_sequences=12, seq_len=8,
+                                                                        kv_cache_gb=3.5 * row / 2**30)):
+        batch = sampling_batch(model, calib)
+        expected = batch * row * (1 + 1 / c.num_hidden_layers) + batch * c.vocab_size * 24
+        assert sampler_bytes(config, torch.float32, cpu, calib, 0) == pytest.approx(expected, abs=1)
+    assert sampler_bytes(config, torch.float32, cpu, CalibConfig(text_file="t.txt"), 0) == 0

@@ -58,6 +58,8 @@ def test_each_counted_part_moves_the_estimate(rtn_artifact):
     assert "refit" not in estimate(replace(cfg, refit_rounds=0))
     static = estimate(replace(cfg, kind="qera", refit_rounds=0))
     assert train not in static and static["student"] == base["student"]
+    assert base["self-sampling"] > 0 and "self-sampling" not in estimate(cal=replace(calib, text_file="t.txt"))
+    assert estimate(cal=replace(calib, kv_cache_gb=1e-4))["self-sampling"] < base["self-sampling"]
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/statm")
@@ -141,3 +143,21 @@ def test_the_refit_stage_counts_clipped_gptqs_stacked_sweep(rtn_artifact):
     config = config | {"quant": config["quant"] | {"method": "gptq"}}
     parts = compensate_bytes(rtn_artifact, config, torch.float32, CPU, CompensateConfig(), CalibConfig(32, 32))
     assert parts["refit"] > parts["statistics"]
+
+
+def test_a_sampler_too_large_is_refused_naming_its_flag(rtn_artifact, tmp_path, capsys):
+    """Self-sampling counts in the estimate: a KV budget no host holds is refused before loading, in one line that
+    names --calib-kv-gb."""
+    from spear.cli import main
+
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(rtn_artifact, art)
+    before = (art / "model.safetensors").read_bytes()
+    # 4096 sequences of 400k tokens: ~0.8 TB of KV cache for the tiny model, far past its training stage
+    assert main(["compensate", str(art), "--device", "cpu", "--calib-samples", "4096", "--calib-len", "400000",
+                 "--calib-kv-gb", "100000", "--steps", "1"]) == 2
+    assert (art / "model.safetensors").read_bytes() == before
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "self-sampling" in err[0] and "lower --calib-kv-gb" in err[0], err

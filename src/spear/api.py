@@ -115,8 +115,10 @@ def _check_compensate_memory(path: Path, config: dict, cfg: "CompensateConfig", 
     stage, peak = max(parts.items(), key=lambda kv: kv[1])
     held, to_come = process_bytes(device), student + teacher + peak
     detail = f"process {gib(held)} + student {gib(student)} + teacher {gib(teacher)} + {stage} {gib(peak)}"
-    require(to_come, device, f"compensating {path} ({detail})",
-            "try --calib-precision bfloat16, --checkpoint-layers, or a device with more memory")
+    advice = ("lower --calib-kv-gb (the self-sampler's KV cache), or use a device with more memory"
+              if stage == "self-sampling" else
+              "try --calib-precision bfloat16, --checkpoint-layers, or a device with more memory")
+    require(to_come, device, f"compensating {path} ({detail})", advice)
     print(f"compensate: estimated peak {gib(held + HEADROOM * to_come)} ({detail}, "
           f"+{HEADROOM - 1:.0%} for the allocator)", file=sys.stderr, flush=True)
 

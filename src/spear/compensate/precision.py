@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from spear.compensate.refit import REFITTABLE, ratios_per_sweep
+from spear.data.calibration import sampler_bytes
 from spear.layer import SpearLinear
 from spear.models.layerwise import decoder_layers, module_name, set_module
 from spear.util import text_config
@@ -225,6 +226,8 @@ def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch
     (CalibConfig), by part, from its headers and config alone, beside what the process holds already
     (memory.process_bytes): the student with its dense copies (load_bytes) and, on a CPU, what loading adds beyond
     the tensors (LOADER_BYTES); the float teacher; and the largest of the stages that follow:
+      self-sampling  the sampler's KV cache and a step's logits (data.calibration.sampler_bytes; none for a text
+                  file; counted where the samples are cached too, an upper bound);
       statistics  one decoder layer's float64 R_xx, the walk's hidden states, and every module's whitened-error
                   vectors (float64 [out, rank cap]) that the plan and the inits read;
       refit       the same, and the largest module's float64 temporaries while its codes are re-rounded and its
@@ -275,6 +278,8 @@ def compensate_bytes(path: Path, config: dict, dtype: torch.dtype, device: torch
                   * size + vectors)
     parts = {"student": load_bytes(path, config, dtype, dense=True) + (LOADER_BYTES if device.type == "cpu" else 0),
              "teacher": params * size, "statistics": statistics}
+    if sampling := sampler_bytes(model, dtype, device, calib, parts["student"] + parts["teacher"]):
+        parts["self-sampling"] = sampling
     method = config["quant"].get("method")
     if cfg.refit_rounds_for(method in REFITTABLE):
         parts["refit"] = statistics + max(refit_bytes(method, out, in_) for out, in_ in shapes)

@@ -208,15 +208,43 @@ def sampling_batch(model: nn.Module, cfg: CalibConfig) -> int:
 
     Few large batches pay: a step costs 39 ms at 256 sequences, 45 ms at 1,024 and 84 ms at 4,096 on an H200
     (SmolLM2-135M, 512 tokens), so 4,096 sequences took 92 s in batches of 1,024 and 43 s in one."""
-    c = text_config(model)
-    heads = getattr(c, "num_attention_heads", None)
-    head_dim = getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    layers = getattr(c, "num_hidden_layers", None)
-    if not (head_dim and kv_heads and layers):
+    row = kv_row_bytes(text_config(model), next(model.parameters()).element_size(), cfg.sampled_len)
+    if row is None:
         return min(cfg.batch_size, cfg.num_sequences)
-    row_bytes = 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size() * cfg.sampled_len
-    return max(1, min(cfg.batch_size, cfg.num_sequences, int(kv_cache_budget(model, cfg) // row_bytes)))
+    return batch_within(row, kv_cache_budget(model, cfg), cfg)
+
+
+def kv_row_bytes(config, element_size: int, tokens: int) -> int | None:
+    """KV cache bytes of one sequence of `tokens` (a config object or dict); None where the config does not say."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    heads, layers = get("num_attention_heads"), get("num_hidden_layers")
+    head_dim = get("head_dim") or (get("hidden_size") // heads if heads else None)
+    kv_heads = get("num_key_value_heads") or heads
+    if not (head_dim and kv_heads and layers):
+        return None
+    return 2 * layers * kv_heads * head_dim * element_size * tokens
+
+
+def batch_within(row_bytes: int, budget: float, cfg: CalibConfig) -> int:
+    return max(1, min(cfg.batch_size, cfg.num_sequences, int(budget // row_bytes)))
+
+
+def sampler_bytes(config: dict, dtype: torch.dtype, device: torch.device, cfg: CalibConfig, models_bytes: int) -> int:
+    """The self-sampler's peak beyond the models (`models_bytes`, what the process holds when it samples), from the
+    model's config alone: its KV cache at the batch sampling_batch will take, one layer's cache once more (it grows by
+    concatenation), and a step's float32 logits over the vocabulary with their nucleus copies (probabilities, sorted
+    values and int64 order, cumulative sums: ~24 bytes an entry). 0 for a text file."""
+    row = kv_row_bytes(config, torch.finfo(dtype).bits // 8, cfg.sampled_len)
+    if cfg.text_file or row is None:
+        return 0
+    if cfg.kv_cache_gb is not None:
+        budget = cfg.kv_cache_gb * 2**30
+    elif device.type == "cuda":
+        budget = cuda_kv_budget(torch.cuda.get_device_properties(device).total_memory, models_bytes)
+    else:
+        budget = 16 * 2**30
+    batch = batch_within(row, budget, cfg)
+    return int(batch * row * (1 + 1 / config["num_hidden_layers"]) + batch * config.get("vocab_size", 0) * 24)
 
 
 def kv_cache_budget(model: nn.Module, cfg: CalibConfig) -> float:
