@@ -51,9 +51,8 @@ def random_llama(layers: int, hidden: int, inter: int, seed: int):
 
 def row(layers: int, hidden: int, inter: int, repeats: int, seed: int) -> dict:
     model = random_llama(layers, hidden, inter, seed)
-    w_hat = {name: rtn_quantize(m.weight.data, W4_PC).dequantize() for name, m in model.model.layers.named_modules()
-             if isinstance(m, torch.nn.Linear)}
-    w_hat = {f"model.layers.{name}": w for name, w in w_hat.items()}
+    w_hat = {name: rtn_quantize(m.weight.data, W4_PC).dequantize() for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and ".layers." in name}  # every decoder linear, not the head
     cfg = SensitivityConfig()
     ids = torch.randint(0, model.config.vocab_size, (cfg.num_sequences, cfg.seq_len),
                         generator=torch.Generator().manual_seed(seed))
@@ -80,21 +79,21 @@ def main() -> None:
     p.add_argument("--json", required=True)
     args = p.parse_args()
     rows = []
+    record = {"config": vars(args), "tokens": SensitivityConfig().num_sequences * SensitivityConfig().seq_len,
+              "rows": rows}
     print(f"{'layers':>6} {'modules':>8} {'layer passes':>13} {'seconds':>8} {'ms a pass':>10} {'in forwards':>12}")
     for layers in args.layers:
         r = row(layers, args.hidden, args.intermediate, args.repeats, args.seed)
         rows.append(r)
         print(f"{r['layers']:>6} {r['modules']:>8} {r['layer_passes']:>13} {r['seconds']:>8.2f} "
               f"{1e3 * r['seconds_a_layer_pass']:>10.2f} {r['in_forwards']:>12.1f}", flush=True)
-        write_json(args.json, {"config": vars(args), "tokens": SensitivityConfig().num_sequences
-                               * SensitivityConfig().seq_len, "rows": rows})
+        write_json(args.json, record)  # after each row, so that a cut run keeps what it measured
     at_scale = {name: {"layers": MODELS[name].n_layers, "modules": LINEARS_A_LAYER * MODELS[name].n_layers,
                        "layer_passes": layer_passes(MODELS[name].n_layers)} for name in ("llama3-8b", "llama2-70b")}
     for name, s in at_scale.items():
         print(f"{name}: {s['modules']} modules, {s['layer_passes']} layer passes "
               f"({s['layer_passes'] / s['layers']:.0f} forwards' worth)")
-    write_json(args.json, {"config": vars(args), "tokens": SensitivityConfig().num_sequences
-                           * SensitivityConfig().seq_len, "rows": rows, "at_scale": at_scale})
+    write_json(args.json, record | {"at_scale": at_scale})
 
 
 if __name__ == "__main__":

@@ -306,11 +306,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # what to change, by command, when a device runs out of memory past the estimates made before loading
-MEMORY_ADVICE = {
-    "compensate": "lower --calib-kv-gb (self-sampling), add --checkpoint-layers (training), or use a larger device",
-    "run": "lower --calib-kv-gb (self-sampling), add --checkpoint-layers (training), or use a larger device",
-    "serve": "lower --gpu-memory-utilization or --max-num-seqs",
-}
+CALIBRATION_ADVICE = "lower --calib-kv-gb (self-sampling), add --checkpoint-layers (training), or use a larger device"
+MEMORY_ADVICE = {"compensate": CALIBRATION_ADVICE, "run": CALIBRATION_ADVICE,
+                 "serve": "lower --gpu-memory-utilization or --max-num-seqs"}
 
 
 def is_out_of_memory(error: BaseException) -> bool:

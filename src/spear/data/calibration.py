@@ -237,24 +237,22 @@ def sampler_bytes(config: dict, dtype: torch.dtype, device: torch.device, cfg: C
     row = kv_row_bytes(config, torch.finfo(dtype).bits // 8, cfg.sampled_len)
     if cfg.text_file or row is None:
         return 0
-    if cfg.kv_cache_gb is not None:
-        budget = cfg.kv_cache_gb * 2**30
-    elif device.type == "cuda":
-        budget = cuda_kv_budget(torch.cuda.get_device_properties(device).total_memory, models_bytes)
-    else:
-        budget = 16 * 2**30
-    batch = batch_within(row, budget, cfg)
+    batch = batch_within(row, kv_budget(cfg, device, models_bytes), cfg)
     return int(batch * row * (1 + 1 / config["num_hidden_layers"]) + batch * config.get("vocab_size", 0) * 24)
 
 
 def kv_cache_budget(model: nn.Module, cfg: CalibConfig) -> float:
-    """Bytes the sampler's KV cache may take (sampling_batch)."""
+    """Bytes the sampler's KV cache may take (sampling_batch), beside what this process holds now."""
+    device = next(model.parameters()).device
+    return kv_budget(cfg, device, torch.cuda.memory_allocated(device) if device.type == "cuda" else 0)
+
+
+def kv_budget(cfg: CalibConfig, device: torch.device, allocated: int) -> float:
+    """cfg.kv_cache_gb where set; else on CUDA cuda_kv_budget beside `allocated` bytes, elsewhere 16 GiB."""
     if cfg.kv_cache_gb is not None:
         return cfg.kv_cache_gb * 2**30
-    device = next(model.parameters()).device
     if device.type == "cuda":
-        return cuda_kv_budget(torch.cuda.get_device_properties(device).total_memory,
-                              torch.cuda.memory_allocated(device))
+        return cuda_kv_budget(torch.cuda.get_device_properties(device).total_memory, allocated)
     return 16 * 2**30
 
 
