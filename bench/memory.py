@@ -72,7 +72,8 @@ SHAPES = {
 DEFAULT_MODEL = "smollm2"
 
 # The flags of each step, after `spear COMMAND ARTIFACT`. GPTQ and compensate at `spear run --quick`'s calibration
-# (16 self-samples of 128 tokens, 16 KL steps); --quick's shorter sensitivity pass has no flag of `spear compensate`.
+# (16 self-samples of 128 tokens, 16 KL steps, one refit round); --quick's shorter sensitivity pass has no flag of
+# `spear compensate`.
 QUANT = ["--bits", "4", "--group-size", "-1"]
 QUICK_CALIB = ["--calib-samples", "16", "--calib-len", "128"]
 WIKI_VALID = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.valid.tokens.txt"
@@ -85,7 +86,7 @@ STEP_ARGS = {
     "quantize_awq_file": ["--method", "awq", *QUANT, *QUICK_CALIB, "--calib-file", str(WIKI_VALID)],
     "quantize_omniquant_file": ["--method", "omniquant", *QUANT, *QUICK_CALIB, "--calib-file", str(WIKI_VALID),
                                 "--omniquant-epochs", "2"],
-    "compensate": ["--budget", "1%", *QUICK_CALIB, "--steps", "16"],
+    "compensate": ["--budget", "1%", *QUICK_CALIB, "--steps", "16", "--refit-rounds", "1"],
     "eval": ["--max-windows", "1", "--json"],
 }
 STEPS = ("quantize_rtn", "quantize_gptq", "quantize_gptq_file", "quantize_awq_file", "quantize_omniquant_file",

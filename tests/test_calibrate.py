@@ -262,12 +262,13 @@ def test_ec_state_roundtrip_and_errors():
 def test_hidden_state_term_changes_the_training_and_needs_the_online_teacher():
     """With λ > 0 the layer-matching term enters the gradient (a different trained state, still lowering the KL);
     the term's value is zero between identical models and positive otherwise."""
-    from spear.compensate.calibrate import _hidden_and_layers, _layer_discrepancy
+    from spear.compensate.calibrate import _layer_discrepancy
+    from spear.models.head import last_hidden
 
     teacher, student = quantized_pair()
     ids = calib_ids()
-    _, t_layers = _hidden_and_layers(teacher, ids[:2], True)
-    _, s_layers = _hidden_and_layers(student, ids[:2], True)
+    _, t_layers = last_hidden(teacher, ids[:2], True)
+    _, s_layers = last_hidden(student, ids[:2], True)
     assert len(t_layers) == teacher.config.num_hidden_layers - 1
     assert _layer_discrepancy(t_layers, t_layers).item() == 0.0 < _layer_discrepancy(s_layers, t_layers).item()
     plain = copy.deepcopy(student)

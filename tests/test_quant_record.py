@@ -69,3 +69,21 @@ def test_group_size_must_divide():
         rtn_quantize(torch.randn(8, 576), QuantConfig(group_size=128))
     with pytest.raises(SpearError, match="group size"):
         QuantConfig(group_size=4)
+
+
+@pytest.mark.parametrize("group_size", [-1, 16])
+@pytest.mark.parametrize("extra", [None, "offsets", "g_idx"])
+def test_dequantize_is_the_per_column_formula_bit_for_bit(group_size, extra):
+    """The broadcast dequantization equals (q − z)·s (+ m) with s, z, m repeated over each group's columns."""
+    g = torch.Generator().manual_seed(0)
+    q = rtn_quantize(torch.randn(24, 64, generator=g), QuantConfig(4, group_size))
+    if extra == "offsets":
+        q.offsets = torch.randn(q.scales.shape, generator=g)
+    if extra == "g_idx":
+        q.g_idx = torch.randperm(64, generator=g).to(torch.int32) % q.scales.shape[1]
+    cols = q.g_idx.long() if q.g_idx is not None else torch.arange(64) // q.group_size
+    expected = (q.codes.float() - q.zeros.float()[:, cols]) * q.scales.float()[:, cols]
+    if q.offsets is not None:
+        expected = expected + q.offsets[:, cols]
+    for dtype in (torch.float32, torch.float16):
+        assert torch.equal(q.dequantize(dtype), expected.to(dtype))

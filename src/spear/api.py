@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 
 
 def load(spec: str, device: torch.device | None = None, dtype: torch.dtype | None = None,
-         serving: bool = False) -> LoadedModel:
+         serving: bool = False, dense: bool = True) -> LoadedModel:
     """A SPEAR artifact directory, an HF model directory, a GGUF file, or 'smollm2'. `serving`: an artifact's
-    linears come without their dequantized copies (the runtime packs them: runtime.model.use_kernels)."""
+    linears come without their dequantized copies (the runtime packs them: runtime.model.use_kernels). `dense=False`
+    (evaluation): transformers' model whose linears dequantize their codes as they run, the values of the dense copy
+    they do not hold, so the same outputs in the memory of the 4-bit model and one layer's weight."""
     if is_artifact(spec):
-        return load_artifact(spec, device, dtype, dense=not serving)
+        return load_artifact(spec, device, dtype, dense=dense and not serving, plain=serving)
     return load_float_model(spec, device, dtype)
 
 

@@ -203,17 +203,19 @@ def read_record(reader: ShardReader, config: dict, name: str) -> QuantizedWeight
 
 
 def load_artifact(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                  dense: bool = True) -> LoadedModel:
+                  dense: bool = True, plain: bool | None = None) -> LoadedModel:
     """The artifact's model on `device` in `dtype`, its tensors read one at a time from their shards onto the
-    device. `dense=False` (serving) leaves each quantized linear without its dequantized copy: the runtime packs it
-    for its kernels (SpearLinear.release_for_serving). Its config, model config, tokenizer and chat template are
-    checked before the weights are read (artifact_parts); its shards against the sha256 config.json records while
-    they are (artifacts written before it recorded one are not)."""
+    device. `dense=False` leaves each quantized linear without its dequantized copy: the runtime packs it for its
+    kernels (serving: SpearLinear.release_for_serving), or PyTorch's path dequantizes it as it runs (evaluation).
+    `plain` (default: not `dense`): plain torch modules for the runtime (artifact_parts). Its config, model config,
+    tokenizer and chat template are checked before the weights are read (artifact_parts); its shards against the
+    sha256 config.json records while they are (artifacts written before it recorded one are not)."""
     path = Path(path)
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    config, model, tokenizer = artifact_parts(path, dtype, plain=not dense)
-    require(load_bytes(path, config, dtype, dense or device.type != "cuda"), device, f"loading {path}",
+    plain = not dense if plain is None else plain
+    config, model, tokenizer = artifact_parts(path, dtype, plain=plain)
+    require(load_bytes(path, config, dtype, dense or (plain and device.type != "cuda")), device, f"loading {path}",
             "use a machine with more memory" + (", or serve it on a GPU" if device.type != "cuda" else ""))
     check = Sha256Check(path, config.get("weights_sha256", {}))
     check.start()

@@ -405,7 +405,7 @@ def cmd_eval(args) -> int:
         return _eval_tasks(args)
     args.batch_size = args.batch_size or 1
     _check_eval_args(args)
-    lm = api.load(args.model, device=_device(args))
+    lm = api.load(args.model, device=_device(args), dense=False)  # an artifact's codes held, never a dense copy
     result = perplexity(lm.model, lm.tokenizer, args.dataset, args.seqlen, args.max_windows, args.batch_size)
     record = {"model": args.model, **result.to_dict()}
     if args.out_json:
@@ -427,7 +427,7 @@ def _eval_tasks(args) -> int:
     _check_eval_args(args)
     if args.limit is not None and args.limit < 1:  # before the model loads
         raise SpearError(f"--limit must be at least 1, got {args.limit}")
-    lm = api.load(args.model, device=_device(args))
+    lm = api.load(args.model, device=_device(args), dense=False)
     results = evaluate_tasks(lm.model, lm.tokenizer, tasks, args.limit, args.batch_size)
     record = {"model": args.model, "limit": args.limit, "tasks": [r.to_dict() for r in results]}
     if args.out_json:

@@ -39,8 +39,9 @@ QUICK_SENSITIVITY = SensitivityConfig(num_sequences=2, seq_len=128)
 # one joint-fitting round in --quick: 73.2 / 65.2% of the gap, three rounds 72.9 / 64.1%, none (int8 factors) 61.8 /
 # 55.2% (one draw each, 2-core CPU; BENCHMARKS §3): a round is one more whitened SVD a module
 QUICK_REFIT_ROUNDS = 1
-EVAL_BATCH_CUDA = 8  # perplexity windows per forward on a GPU: each is scored from scratch, so only the speed changes
-EVAL_LOGITS_BYTES = 4 * 2**30  # ... and fewer where a batch's float32 logits would pass this
+# perplexity windows per forward on a GPU: each is scored from scratch, so only the speed changes (their logits are
+# made a chunk of positions at a time: eval.perplexity)
+EVAL_BATCH_CUDA = 8
 
 
 def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None, ours: bool = True
@@ -159,7 +160,7 @@ def run(config: RunConfig, device: torch.device | None = None) -> dict:
 
 
 def _evaluate(lm, config: RunConfig, into: dict, report: RunReport) -> None:
-    batch = config.batch_size or eval_batch(lm.model, config.seqlen)
+    batch = config.batch_size or eval_batch(lm.model)
     for ds in config.datasets:
         r = perplexity(lm.model, lm.tokenizer, ds, config.seqlen, config.max_windows, batch)
         into[ds] = r.ppl
@@ -167,12 +168,9 @@ def _evaluate(lm, config: RunConfig, into: dict, report: RunReport) -> None:
         report.seconds["evaluate"] = report.seconds.get("evaluate", 0.0) + r.seconds
 
 
-def eval_batch(model, seqlen: int) -> int:
-    """Windows per forward when none is asked: EVAL_BATCH_CUDA on CUDA (under EVAL_LOGITS_BYTES of logits), else 1."""
-    if not next(model.parameters()).is_cuda:
-        return 1
-    vocab = model.get_output_embeddings().weight.shape[0]
-    return max(1, min(EVAL_BATCH_CUDA, EVAL_LOGITS_BYTES // (4 * seqlen * vocab)))
+def eval_batch(model) -> int:
+    """Windows per forward when none is asked: EVAL_BATCH_CUDA on CUDA, else 1."""
+    return EVAL_BATCH_CUDA if next(model.parameters()).is_cuda else 1
 
 
 def _print_table(report: RunReport, config: RunConfig) -> None:

@@ -66,6 +66,7 @@ from spear.layer import ErrorCompensator, SpearLinear
 from spear.compensate.precision import (PRECISIONS, checkpointed_layers, student_activation_bytes, student_in,
                                         tf32_matmuls, training_precision)
 from spear.compensate.resume import CalibrationCheckpoint, TrainingState, fingerprint
+from spear.models.head import last_hidden, logits_of
 
 TEACHER_MODES = ("online", "topk")
 POSITION_WEIGHTS = ("uniform", "confident")
@@ -198,23 +199,6 @@ def _load_trained_state(model: nn.Module, state: dict[str, torch.Tensor], norms:
 # --- teacher targets ----------------------------------------------------------------
 
 
-def _hidden_and_layers(model: nn.Module, ids: torch.Tensor, layers: bool) -> tuple[torch.Tensor, tuple]:
-    """(last hidden states after the final norm [B·L, H], logits = head(hidden); the outputs of decoder
-    layers 1..n−1 when `layers`, else ())."""
-    out = model.base_model(input_ids=ids, use_cache=False, output_hidden_states=layers)
-    return out.last_hidden_state.flatten(0, 1), tuple(out.hidden_states[1:-1]) if layers else ()
-
-
-def _logits(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The model's logits from its last hidden states: the head (in its own dtype: float32 for a bfloat16 student),
-    then the final soft-capping of the families that have one (Gemma 2: cap · tanh(logits / cap)), as the model's
-    own forward computes them."""
-    head = model.get_output_embeddings()
-    logits = head(h.to(head.weight.dtype))
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    return logits if not cap else cap * torch.tanh(logits / cap)
-
-
 def _layer_discrepancy(student_layers: tuple, teacher_layers: tuple) -> torch.Tensor:
     """1/(n−1) Σ_l ‖h_s^l − h_t^l‖² / ‖h_t^l‖² (module docstring)."""
     terms = [(s.float() - t.float()).square().sum() / t.float().square().sum().clamp(min=1e-12)
@@ -244,7 +228,7 @@ class OnlineTeacher:
         if all(k in self.hidden for k in keys):
             return torch.cat([self.hidden[k] for k in keys]), ()
         device = next(self.model.parameters()).device
-        h, layers = _hidden_and_layers(self.model, ids.to(device), self.layers)  # [T, H], layer outputs
+        h, layers = last_hidden(self.model, ids.to(device), self.layers)  # [T, H], layer outputs
         for k, h_row in zip(keys, h.view(len(keys), -1, h.shape[-1])):
             if k not in self.hidden and self.cached_bytes + h_row.nbytes <= self.cache_bytes:
                 self.hidden[k] = h_row.clone()
@@ -255,7 +239,7 @@ class OnlineTeacher:
            top1: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each of the chunk's tokens' KL(p ‖ q), float32, and (`top1`) the teacher's top-1 log-probability there."""
         with torch.no_grad():
-            t_logp = _logits(self.model, prepared[0][sl]).float().log_softmax(-1).to(s_logits.device)
+            t_logp = logits_of(self.model, prepared[0][sl]).float().log_softmax(-1).to(s_logits.device)
         s_logp = s_logits.float().log_softmax(-1)
         return (t_logp.exp() * (t_logp - s_logp)).sum(-1), t_logp.amax(-1) if top1 else None
 
@@ -303,9 +287,9 @@ def teacher_topk(
     idx, logp, log_tail = [], [], []
     for start in range(0, len(ids), batch_size):
         batch = ids[start : start + batch_size]
-        h, _ = _hidden_and_layers(teacher, batch.to(device), False)
+        h, _ = last_hidden(teacher, batch.to(device), False)
         for sl in _chunks(len(h), chunk_tokens):
-            lp = _logits(teacher, h[sl]).float().log_softmax(-1)
+            lp = logits_of(teacher, h[sl]).float().log_softmax(-1)
             top = lp.topk(k, dim=-1)
             idx.append(top.indices.int().cpu())
             logp.append(top.values.cpu())
@@ -326,11 +310,11 @@ def _batch_loss(student: nn.Module, target, prepared: tuple, ids: torch.Tensor, 
     the ECs, each position's KL weighed by the teacher's top-1 probability where `confident` (the returned figure
     is the plain KL alone)."""
     layers = backward and hidden_weight > 0
-    h, s_layers = _hidden_and_layers(student, ids, layers)  # [T, H]
+    h, s_layers = last_hidden(student, ids, layers)  # [T, H]
     h_leaf = h.detach().requires_grad_(backward)
     total = torch.zeros((), device=h.device)
     for sl in _chunks(len(h), chunk_tokens):
-        per_token, t_top = target.kl(_logits(student, h_leaf[sl]), prepared, sl, top1=backward and confident)
+        per_token, t_top = target.kl(logits_of(student, h_leaf[sl]), prepared, sl, top1=backward and confident)
         kl = per_token.sum() / len(h)
         if backward:
             loss = kl

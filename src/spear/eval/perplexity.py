@@ -3,6 +3,10 @@
 Read the whole test file as one string (the raw file, not rows joined with "\\n\\n"),
 tokenize once, cut into non-overlapping windows of `seqlen` tokens, drop the tail,
 score each window from scratch, report exp(mean token NLL).
+
+A window's logits are made from its last hidden states a chunk of positions at a time (`LOGITS_CHUNK_BYTES`):
+at 2048 tokens of a 151,936-token vocabulary the whole [2048, vocab] float32 logits, and cross-entropy's
+log-softmax of them, would be 2.5 GB beside the model.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.errors import SpearError
+from spear.models.head import last_hidden, logits_of
 
 DATASETS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "ptb": "ptb/ptb.test.txt"}
+LOGITS_CHUNK_BYTES = 64 << 20  # float32 logits scored at once
 
 
 @dataclass
@@ -93,11 +99,20 @@ def perplexity(
     start = time.perf_counter()
     nll_sum = 0.0
     for i in tqdm(range(0, windows, batch_size), desc=f"perplexity {dataset}", unit="batch", disable=not progress):
-        batch = data[i : i + batch_size].to(device)
-        logits = model(input_ids=batch, use_cache=False).logits
-        # token NLL of positions 1..L-1 given their prefixes, summed per window
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
-        nll_sum += nll.item()
+        nll_sum += window_nll(model, data[i : i + batch_size].to(device))
     scored = windows * (seqlen - 1)
     mean_nll = nll_sum / scored
     return PerplexityResult(dataset, math.exp(mean_nll), windows, seqlen, scored, mean_nll, time.perf_counter() - start)
+
+
+def window_nll(model: nn.Module, batch: torch.Tensor, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> float:
+    """Σ token NLL of positions 1..L−1 of each window given their prefixes, the logits made a chunk of positions at a
+    time from the last hidden states (module docstring)."""
+    h = last_hidden(model, batch)[0].view(*batch.shape, -1)[:, :-1].flatten(0, 1)  # [B·(L−1), H]
+    targets = batch[:, 1:].flatten()
+    rows = max(1, chunk_bytes // (4 * model.get_output_embeddings().weight.shape[0]))
+    nll = 0.0
+    for start in range(0, len(h), rows):
+        logits = logits_of(model, h[start : start + rows]).float()
+        nll += F.cross_entropy(logits, targets[start : start + rows], reduction="sum").item()
+    return nll
