@@ -106,3 +106,19 @@ def test_gate_drop_leaves_the_static_form_of_each_ec():
     model = torch.nn.Sequential(layer)
     assert gate_drop.drop_gates(model) == 1 and gate_drop.drop_gates(model) == 0
     torch.testing.assert_close(layer.ec(x), static)
+
+
+def test_eval_memory_scores_both_variants_to_the_same_perplexity(tiny_model_dir, tmp_path):
+    """bench/eval_memory.py: dense copies and codes only, each in its own process, the same windows, equal
+    perplexities, and the codes-only model's `spear eval` load holds no dense copy (tests/test_eval.py)."""
+    import eval_memory
+
+    from spear.api import quantize
+    from spear.quant.pipeline import QuantSettings
+    from spear.record import QuantConfig
+
+    art = quantize(str(tiny_model_dir), QuantSettings("rtn", QuantConfig(4, 32)), tmp_path / "art")
+    rows = [eval_memory.run_variant(str(art), "cpu", 2, v) for v in ("dense", "codes")]
+    assert [r["rc"] for r in rows] == [0, 0], rows
+    assert rows[0]["ppl"] == rows[1]["ppl"] and rows[0]["windows"] == 2
+    assert all(r["peak_bytes"] > 0 and r["peak_kind"] == "rss" for r in rows)
