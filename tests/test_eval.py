@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from spear.errors import SpearError
-from spear.eval.perplexity import cut_windows, dataset_path, perplexity, tokenize_file, window_nll
+from spear.eval.perplexity import cut_windows, dataset_path, eval_batch, perplexity, tokenize_file, window_nll
 from spear.models import load_float_model
 
 
@@ -50,6 +50,7 @@ def test_an_artifact_is_evaluated_without_dense_copies_to_the_same_perplexity(ti
     linears = [m for m in codes_only.model.modules() if isinstance(m, SpearLinear)]
     assert linears and all(m.weight_hat is None for m in linears)
     assert all(m.weight_hat is not None for m in dense.model.modules() if isinstance(m, SpearLinear))
+    assert (eval_batch(codes_only.model), eval_batch(dense.model)) == (4, 1)  # a forward's dequantization shared
     args = ("wikitext2", 64, 2, 1, False)
     assert perplexity(codes_only.model, codes_only.tokenizer, *args).ppl == perplexity(dense.model, dense.tokenizer,
                                                                                          *args).ppl

@@ -62,7 +62,8 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="windows per forward pass (default: 8 on CUDA, 1 on CPU)")
+                   help="windows per forward pass (default: 8 on CUDA; on a CPU 4 for an artifact, else 1; "
+                        "with --tasks, 16 items)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
 
@@ -399,14 +400,14 @@ def cmd_export_vllm(args) -> int:
 
 def cmd_eval(args) -> int:
     from spear import api
-    from spear.eval import perplexity
+    from spear.eval.perplexity import eval_batch, perplexity
 
     if args.tasks is not None:
         return _eval_tasks(args)
-    args.batch_size = args.batch_size or 1
     _check_eval_args(args)
     lm = api.load(args.model, device=_device(args), dense=False)  # an artifact's codes held, never a dense copy
-    result = perplexity(lm.model, lm.tokenizer, args.dataset, args.seqlen, args.max_windows, args.batch_size)
+    batch = args.batch_size or eval_batch(lm.model)  # a linear dequantizes its codes once a forward
+    result = perplexity(lm.model, lm.tokenizer, args.dataset, args.seqlen, args.max_windows, batch)
     record = {"model": args.model, **result.to_dict()}
     if args.out_json:
         Path(args.out_json).write_text(json.dumps(record, indent=2))

@@ -23,7 +23,7 @@ from spear.compensate.cka import SensitivityConfig
 from spear.compensate.pipeline import CompensateConfig, compensate
 from spear.compensate.refit import REFITTABLE, Rounding, check_refit
 from spear.data.calibration import CalibConfig, calibration_ids, calibration_record
-from spear.eval import perplexity
+from spear.eval.perplexity import eval_batch, perplexity
 from spear.models.layerwise import check_walkable
 from spear.models.loading import load_float_model
 from spear.quant.pipeline import QuantSettings, check_shapes, quantize_model
@@ -39,9 +39,6 @@ QUICK_SENSITIVITY = SensitivityConfig(num_sequences=2, seq_len=128)
 # one joint-fitting round in --quick: 73.2 / 65.2% of the gap, three rounds 72.9 / 64.1%, none (int8 factors) 61.8 /
 # 55.2% (one draw each, 2-core CPU; BENCHMARKS §3): a round is one more whitened SVD a module
 QUICK_REFIT_ROUNDS = 1
-# perplexity windows per forward on a GPU: each is scored from scratch, so only the speed changes (their logits are
-# made a chunk of positions at a time: eval.perplexity)
-EVAL_BATCH_CUDA = 8
 
 
 def quick_calibration(calib: CalibConfig, compensate: CompensateConfig | None, ours: bool = True
@@ -166,11 +163,6 @@ def _evaluate(lm, config: RunConfig, into: dict, report: RunReport) -> None:
         into[ds] = r.ppl
         report.windows[ds] = r.windows
         report.seconds["evaluate"] = report.seconds.get("evaluate", 0.0) + r.seconds
-
-
-def eval_batch(model) -> int:
-    """Windows per forward when none is asked: EVAL_BATCH_CUDA on CUDA, else 1."""
-    return EVAL_BATCH_CUDA if next(model.parameters()).is_cuda else 1
 
 
 def _print_table(report: RunReport, config: RunConfig) -> None:

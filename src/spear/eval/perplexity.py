@@ -23,10 +23,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.errors import SpearError
+from spear.layer import SpearLinear
 from spear.models.head import last_hidden, logits_of
 
 DATASETS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "ptb": "ptb/ptb.test.txt"}
 LOGITS_CHUNK_BYTES = 64 << 20  # float32 logits scored at once
+# Windows per forward when none is asked: each is scored from scratch, so only the speed changes. A linear without a
+# dense copy (api.load(dense=False)) dequantizes its codes once a forward, shared by the windows of a batch: on a
+# 2-core CPU, 0.5B, 4 windows of 2048 tokens took 115 s at 4 a forward, as the dense copies take at 1 (114 s), and 154
+# s at 1 (bench/eval_memory.py, BENCHMARKS §8)
+EVAL_BATCH_CUDA = 8
+EVAL_BATCH_CPU_CODES = 4
 
 
 @dataclass
@@ -103,6 +110,15 @@ def perplexity(
     scored = windows * (seqlen - 1)
     mean_nll = nll_sum / scored
     return PerplexityResult(dataset, math.exp(mean_nll), windows, seqlen, scored, mean_nll, time.perf_counter() - start)
+
+
+def eval_batch(model: nn.Module) -> int:
+    """Windows per forward when none is asked: EVAL_BATCH_CUDA on CUDA; on a CPU EVAL_BATCH_CPU_CODES where a
+    quantized linear holds no dense copy, else 1."""
+    if next(model.parameters()).is_cuda:
+        return EVAL_BATCH_CUDA
+    codes_only = any(isinstance(m, SpearLinear) and m.weight_hat is None for m in model.modules())
+    return EVAL_BATCH_CPU_CODES if codes_only else 1
 
 
 def window_nll(model: nn.Module, batch: torch.Tensor, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> float:
