@@ -133,12 +133,13 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W_hat = (q - z) * s (+ m), each column with its group's s, z (and m), in float32, then cast to dtype.
         Consecutive groups (no g_idx) broadcast their values over a [out, groups, group_size] view in place: the
-        same float32 operations, without a full-size copy of s, z and m (per-channel: 3× faster on a CPU)."""
+        same float32 operations, without a full-size copy of s, z and m (per-channel 4864 × 896: 1.8× faster on 2
+        CPU cores)."""
         if self.g_idx is not None:
             w = (self.codes.float() - self._per_column(self.zeros)) * self._per_column(self.scales)
             return (w if self.offsets is None else w + self._per_column(self.offsets)).to(dtype)
         out_f, in_f = self.shape
-        w = self.codes.float().view(out_f, in_f // self.group_size, self.group_size)
+        w = self.codes.to(torch.float32, copy=True).view(out_f, in_f // self.group_size, self.group_size)
         w.sub_(self.zeros.float().unsqueeze(-1)).mul_(self.scales.float().unsqueeze(-1))
         if self.offsets is not None:
             w.add_(self.offsets.float().unsqueeze(-1))

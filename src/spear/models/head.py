@@ -1,6 +1,6 @@
-"""A causal LM split at its head: the last hidden states of its body, and logits made from them a chunk of positions
-at a time, so that a long sequence's [tokens, vocab] logits never need to exist whole (2048 × 151,936 float32
-logits are 1.2 GB)."""
+"""A causal LM split at its head: the last hidden states of its body, and the logits made from some of them, so
+that a caller can score a long sequence a chunk of positions at a time and never hold its [tokens, vocab] logits
+whole (2048 × 151,936 float32 logits are 1.2 GB)."""
 
 from __future__ import annotations
 
