@@ -7,7 +7,7 @@ windows scored twice, each in a process of its own, and what each holds.
 Per variant: load seconds, perplexity seconds, the perplexity (equal by construction: the same values are multiplied),
 and the peak: on CUDA the allocator's peak allocated bytes, on a CPU the process's peak RSS (ru_maxrss).
 
-    python bench/eval_memory.py ART [--device cuda] [--max-windows 4] --json F
+    python bench/eval_memory.py ART [--device cuda] [--max-windows 4] [--batch-size 1 4] --json F
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from common import write_json  # noqa: E402
 VARIANT = """import json, resource, sys, time, torch
 from spear import api
 from spear.eval import perplexity
-artifact, device, windows, dense = sys.argv[1], torch.device(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "dense"
+artifact, device = sys.argv[1], torch.device(sys.argv[2])
+windows, dense, batch = int(sys.argv[3]), sys.argv[4] == "dense", int(sys.argv[5])
 start = time.perf_counter()
 lm = api.load(artifact, device, dense=dense)
 loaded = time.perf_counter()
-r = perplexity(lm.model, lm.tokenizer, "wikitext2", 2048, windows, 1, progress=False)
+r = perplexity(lm.model, lm.tokenizer, "wikitext2", 2048, windows, batch, progress=False)
 done = time.perf_counter()
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else rss
@@ -38,8 +39,8 @@ print(json.dumps({"load_s": loaded - start, "eval_s": done - loaded, "ppl": r.pp
 """
 
 
-def run_variant(artifact: str, device: str, windows: int, variant: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", VARIANT, artifact, device, str(windows), variant],
+def run_variant(artifact: str, device: str, windows: int, variant: str, batch: int = 1) -> dict:
+    out = subprocess.run([sys.executable, "-c", VARIANT, artifact, device, str(windows), variant, str(batch)],
                          capture_output=True, text=True)
     if out.returncode:
         return {"variant": variant, "rc": out.returncode, "error": out.stderr.strip().splitlines()[-1:]}
@@ -51,17 +52,19 @@ def main() -> None:
     p.add_argument("artifact")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-windows", type=int, default=4)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="windows a forward; each is a row")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     rows = []
-    for variant in ("dense", "codes"):
-        rows.append(run_variant(args.artifact, args.device, args.max_windows, variant))
-        row = rows[-1]
-        if row["rc"]:
-            print(f"{variant:<6} failed: {row['error']}")
-        else:
-            print(f"{variant:<6} load {row['load_s']:6.1f} s  eval {row['eval_s']:7.1f} s  ppl {row['ppl']:.6f}  "
-                  f"peak {row['peak_bytes'] / 1e9:.2f} GB ({row['peak_kind']})")
+    for batch in args.batch_size:
+        for variant in ("dense", "codes"):
+            row = {"batch_size": batch, **run_variant(args.artifact, args.device, args.max_windows, variant, batch)}
+            rows.append(row)
+            if row["rc"]:
+                print(f"{variant:<6} batch {batch}: failed: {row['error']}")
+            else:
+                print(f"{variant:<6} batch {batch}: load {row['load_s']:6.1f} s  eval {row['eval_s']:7.1f} s  "
+                      f"ppl {row['ppl']:.6f}  peak {row['peak_bytes'] / 1e9:.2f} GB ({row['peak_kind']})")
     write_json(args.json, {"artifact": args.artifact, "device": args.device, "max_windows": args.max_windows,
                            "variants": rows})
 

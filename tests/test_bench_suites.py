@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -122,3 +124,5 @@ def test_eval_memory_scores_both_variants_to_the_same_perplexity(tiny_model_dir,
     assert [r["rc"] for r in rows] == [0, 0], rows
     assert rows[0]["ppl"] == rows[1]["ppl"] and rows[0]["windows"] == 2
     assert all(r["peak_bytes"] > 0 and r["peak_kind"] == "rss" for r in rows)
+    batched = eval_memory.run_variant(str(art), "cpu", 2, "codes", batch=2)  # both windows in one forward
+    assert batched["rc"] == 0 and batched["ppl"] == pytest.approx(rows[1]["ppl"], rel=1e-5)
