@@ -64,7 +64,7 @@ class RunConfig:
     datasets: tuple[str, ...] = ("wikitext2", "ptb")
     seqlen: int = 2048
     max_windows: int | None = None
-    batch_size: int | None = None  # windows per forward pass; None: EVAL_BATCH_CUDA on CUDA, 1 elsewhere
+    batch_size: int | None = None  # windows per forward pass; None: eval.perplexity.eval_batch
     quick: bool = False
     compensate: CompensateConfig | None = CompensateConfig()  # None: quantize and evaluate only
 

@@ -66,7 +66,7 @@ from spear.layer import ErrorCompensator, SpearLinear
 from spear.compensate.precision import (PRECISIONS, checkpointed_layers, student_activation_bytes, student_in,
                                         tf32_matmuls, training_precision)
 from spear.compensate.resume import CalibrationCheckpoint, TrainingState, fingerprint
-from spear.models.head import last_hidden, logits_of
+from spear.models.head import last_hidden, logits_of, position_chunks
 
 TEACHER_MODES = ("online", "topk")
 POSITION_WEIGHTS = ("uniform", "confident")
@@ -206,10 +206,6 @@ def _layer_discrepancy(student_layers: tuple, teacher_layers: tuple) -> torch.Te
     return torch.stack(terms).mean()
 
 
-def _chunks(n: int, size: int) -> Iterator[slice]:
-    return (slice(i, min(i + size, n)) for i in range(0, n, size))
-
-
 class OnlineTeacher:
     """The float teacher: exact full-vocabulary targets. Its last hidden states are kept per sequence
     (up to `cache_bytes`), so that each sequence's teacher body runs once, not once per epoch and per held-out
@@ -288,7 +284,7 @@ def teacher_topk(
     for start in range(0, len(ids), batch_size):
         batch = ids[start : start + batch_size]
         h, _ = last_hidden(teacher, batch.to(device), False)
-        for sl in _chunks(len(h), chunk_tokens):
+        for sl in position_chunks(len(h), chunk_tokens):
             lp = logits_of(teacher, h[sl]).float().log_softmax(-1)
             top = lp.topk(k, dim=-1)
             idx.append(top.indices.int().cpu())
@@ -313,7 +309,7 @@ def _batch_loss(student: nn.Module, target, prepared: tuple, ids: torch.Tensor, 
     h, s_layers = last_hidden(student, ids, layers)  # [T, H]
     h_leaf = h.detach().requires_grad_(backward)
     total = torch.zeros((), device=h.device)
-    for sl in _chunks(len(h), chunk_tokens):
+    for sl in position_chunks(len(h), chunk_tokens):
         per_token, t_top = target.kl(logits_of(student, h_leaf[sl]), prepared, sl, top1=backward and confident)
         kl = per_token.sum() / len(h)
         if backward:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.layer import SpearLinear
-from spear.models.head import last_hidden, logits_of
+from spear.models.head import last_hidden, logits_of, position_chunks
 
 DATASETS = {"wikitext2": "wikitext-2-raw/wiki.test.raw", "ptb": "ptb/ptb.test.txt"}
 LOGITS_CHUNK_BYTES = 64 << 20  # float32 logits scored at once
@@ -128,7 +128,6 @@ def window_nll(model: nn.Module, batch: torch.Tensor, chunk_bytes: int = LOGITS_
     targets = batch[:, 1:].flatten()
     rows = max(1, chunk_bytes // (4 * model.get_output_embeddings().weight.shape[0]))
     nll = 0.0
-    for start in range(0, len(h), rows):
-        logits = logits_of(model, h[start : start + rows]).float()
-        nll += F.cross_entropy(logits, targets[start : start + rows], reduction="sum").item()
+    for sl in position_chunks(len(h), rows):
+        nll += F.cross_entropy(logits_of(model, h[sl]).float(), targets[sl], reduction="sum").item()
     return nll

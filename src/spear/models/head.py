@@ -4,6 +4,8 @@ whole (2048 × 151,936 float32 logits are 1.2 GB)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -23,3 +25,8 @@ def logits_of(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     logits = head(h.to(head.weight.dtype))
     cap = getattr(model.config, "final_logit_softcapping", None)
     return logits if not cap else cap * torch.tanh(logits / cap)
+
+
+def position_chunks(n: int, size: int) -> Iterator[slice]:
+    """Slices of `size` positions (the last one shorter) covering 0..n−1: the pieces logits are made in."""
+    return (slice(i, min(i + size, n)) for i in range(0, n, size))
